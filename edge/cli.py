@@ -1,0 +1,149 @@
+"""`edge-chat`: the device-side runtime. Needs only edge's own dependencies (no torch)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from edge.errors import EdgeChatError
+
+
+def _gen(args: argparse.Namespace):
+    from edge.bundle import Bundle
+    from edge.runtime import Generator
+
+    bundle = Bundle.open(args.bundle, verify="full" if args.verify else "size")
+    return Generator(bundle, engine=args.engine, threads=args.threads)
+
+
+def _cfg(gen, args: argparse.Namespace):
+    return gen.sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                        stop=tuple(args.stop) if args.stop else None)
+
+
+def _print_stream(events, show_stats: bool) -> None:
+    for ev in events:
+        if ev.text:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        if ev.finish_reason:
+            sys.stdout.write("\n")
+            if show_stats:
+                s = ev.stats
+                print(f"[{s['completion_tokens']} tokens, TTFT {s['ttft_s'] * 1000:.0f} ms, "
+                      f"{s['decode_tok_s']:.1f} tok/s, finish: {ev.finish_reason}]", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from edge.chat import Chat
+
+    gen = _gen(args)
+    chat = Chat(gen, system=args.system)
+    _print_stream(chat.ask(args.prompt, _cfg(gen, args)), args.stats)
+    return 0
+
+
+def _repl(args: argparse.Namespace) -> int:
+    from edge.chat import Chat
+
+    gen = _gen(args)
+    chat = Chat(gen, system=args.system)
+    cfg = _cfg(gen, args)
+    m = gen.bundle.manifest
+    print(f"{m.model_name} [{gen.decoder.engine.name}, {gen.decoder.providers[0]}] — /reset clears history, /quit or Ctrl-D exits")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if line in ("/quit", "/exit"):
+            return 0
+        if line == "/reset":
+            chat = Chat(gen, system=args.system)
+            continue
+        if not line:
+            continue
+        sys.stdout.write("bot> ")
+        try:
+            _print_stream(chat.ask(line, cfg), args.stats)
+        except EdgeChatError as e:
+            print(f"\nerror: {e}", file=sys.stderr)
+
+
+def _info(args: argparse.Namespace) -> int:
+    from edge.bundle import Bundle
+    from edge.runtime import pick_engine
+
+    b = Bundle.open(args.bundle, verify="full" if args.verify else "size")
+    m = b.manifest
+    d = m.model
+    print(f"bundle   {b.root}  (id {m.bundle_id}, schema {m.schema_version}, created {m.created})")
+    print(f"model    {m.model_name}: {d.architecture}, {d.num_parameters / 1e6:.1f}M params, {d.num_layers} layers, "
+          f"{d.num_heads}/{d.num_kv_heads} heads, context {d.max_context}")
+    print("engines")
+    for e in m.engines:
+        fp = e.fingerprint
+        q = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in e.quality.items() if not isinstance(v, (dict, list)))
+        print(f"  {e.name:14s} {fp.format}/{fp.precision}/{fp.variant} opset {fp.opset}  {q}")
+    print("stages   " + " -> ".join(f"{s.name} ({s.seconds:.0f}s)" for s in m.stages))
+    try:
+        chosen = pick_engine(b)
+        print(f"here     would run '{chosen.name}' with ONNX Runtime on CPU")
+    except EdgeChatError as e:
+        print(f"here     cannot run: {e}")
+    return 0
+
+
+def _add_gen_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", help="bundle folder written by edge-export build")
+    p.add_argument("--engine", help="engine name from the manifest (default: fastest for this machine)")
+    p.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--max-new-tokens", type=int, help="answer length limit (default: the bundle's)")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: the bundle's)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--stats", action="store_true", help="print tokens, TTFT and tok/s after each answer")
+    p.add_argument("--verify", action="store_true", help="check every file's SHA-256 before loading")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="edge-chat", description="Chat with an EdgeChat bundle on this device, offline.")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="answer one prompt, streamed", description="Answer one prompt, streamed to the terminal.")
+    _add_gen_flags(r)
+    r.add_argument("prompt")
+    r.set_defaults(func=_run)
+    q = sub.add_parser("repl", help="multi-turn chat in the terminal", description="Multi-turn chat; history is kept and trimmed to the context.")
+    _add_gen_flags(q)
+    q.set_defaults(func=_repl)
+    i = sub.add_parser("info", help="what a bundle holds and what would run here")
+    i.add_argument("bundle")
+    i.add_argument("--verify", action="store_true", help="check every file's SHA-256")
+    i.set_defaults(func=_info)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = make_parser()
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
+    try:
+        return args.func(args)
+    except EdgeChatError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

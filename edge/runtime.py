@@ -1,0 +1,289 @@
+"""The ONNX Runtime decoder and the one generation loop everything consumes.
+
+`Decoder` owns an InferenceSession and runs prefill/decode steps with the KV
+cache kept as OrtValues bound through IO binding: the present outputs of one
+step are bound as the past inputs of the next, never copied through numpy.
+`Generator.stream` is the single token iterator with stop conditions; the CLI,
+the Gradio page and the HTTP API only consume it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from edge.bundle import Bundle, EngineEntry, ModelDims
+from edge.errors import BundleError, ContextOverflowError, DimensionError, EdgeChatError, MissingDependencyError
+from edge.io_contract import DecoderIO
+from edge.sampling import Sampler, SamplingConfig
+from edge.tokenizer import ChatTokenizer
+
+log = logging.getLogger("edgechat")
+PREFILL_CHUNK = 512
+
+
+def _ort():
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise MissingDependencyError("onnxruntime", "the edge runtime",
+                                     "pip install 'edgechat[cpu]' (or 'edgechat[gpu]' on NVIDIA machines, never both)") from None
+    return ort
+
+
+def pick_engine(bundle: Bundle, name: str | None = None, prefer_gpu: bool = False) -> EngineEntry:
+    """Choose an ONNX engine: by name, else the fastest precision the bundle has for this machine."""
+    m = bundle.manifest
+    if name:
+        return m.engine(name)
+    onnx = [e for e in m.engines if e.fingerprint.format == "onnx"]
+    if not onnx:
+        raise BundleError("bundle has no ONNX engine to run with ONNX Runtime")
+    order = ["fp16", "int8-qdq", "int8-dynamic", "int4-weight", "fp32"] if prefer_gpu else \
+        ["int8-dynamic", "int4-weight", "fp32", "int8-qdq", "fp16"]
+    onnx.sort(key=lambda e: (order.index(e.fingerprint.precision) if e.fingerprint.precision in order else 99,
+                             e.fingerprint.variant != "fused"))
+    return onnx[0]
+
+
+@dataclass
+class KVCache:
+    """Per-layer past key/values as OrtValues, plus the length they cover."""
+
+    values: list  # OrtValue per past input, in DecoderIO.past_names order
+    length: int = 0
+
+
+class Decoder:
+    """One ONNX decoder graph in an InferenceSession (from a bundle, or a bare file during export)."""
+
+    def __init__(self, path: str | os.PathLike, dims: ModelDims, io: DecoderIO, threads: int | None = None,
+                 providers: list[str] | None = None, name: str | None = None) -> None:
+        ort = _ort()
+        self.dims = dims
+        self.io = io
+        self.name = name or os.path.basename(str(path))
+        want_gpu = bool(providers and any("CUDA" in p or "Tensorrt" in p for p in providers))
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.intra_op_num_threads = threads or max(1, (os.cpu_count() or 2))
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        asked = providers or ["CPUExecutionProvider"]
+        missing = [p for p in asked if p not in ort.get_available_providers()]
+        if missing:
+            log.warning("execution providers %s are not in this onnxruntime build (%s); they will be skipped",
+                        missing, ort.get_available_providers())
+        try:
+            self.session = ort.InferenceSession(str(path), so, providers=[p for p in asked if p not in missing] or ["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail...)
+            raise BundleError(f"ONNX Runtime cannot load {self.name}: {str(e).splitlines()[0]} — "
+                              "the file is damaged or was written by a newer exporter; rebuild the bundle") from None
+        self.providers = self.session.get_providers()
+        if want_gpu and self.providers[0] == "CPUExecutionProvider":
+            log.warning("asked for %s but ONNX Runtime fell back to CPU (CUDA/cuDNN libraries not found?): running on CPU", asked)
+        self.device = "cuda" if self.providers[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else "cpu"
+        self._check_dims()
+        self.past_names = self.io.past_names(self.dims.num_layers)
+        self.present_names = self.io.present_names(self.dims.num_layers)
+        self._kv_dtype = np.float16 if "float16" in self.session.get_inputs()[3].type else np.float32
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle, engine: str | None = None, threads: int | None = None,
+                    providers: list[str] | None = None) -> "Decoder":
+        want_gpu = bool(providers and any("CUDA" in p or "Tensorrt" in p for p in providers))
+        entry = pick_engine(bundle, engine, prefer_gpu=want_gpu)
+        m = bundle.manifest
+        dec = cls(bundle.path(entry.file), m.model, DecoderIO.from_dict(m.io), threads, providers, name=entry.file)
+        dec.engine = entry
+        return dec
+
+    def _check_dims(self) -> None:
+        d = self.dims
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        expect = self.io.input_names(d.num_layers)
+        problems = [f"missing input '{n}'" for n in expect if n not in inputs]
+        extra = [n for n in inputs if n not in expect]
+        if extra:
+            problems.append(f"unexpected inputs {extra[:4]} (graph has more layers than the manifest's {d.num_layers}?)")
+        k0 = inputs.get(self.io.past_key.format(i=0))
+        if k0 is not None:
+            shape = k0.shape
+            if isinstance(shape[1], int) and shape[1] != d.num_kv_heads:
+                problems.append(f"KV heads {shape[1]} != manifest {d.num_kv_heads}")
+            if isinstance(shape[3], int) and shape[3] != d.head_dim:
+                problems.append(f"head dim {shape[3]} != manifest {d.head_dim}")
+        logits = self.session.get_outputs()[0]
+        if isinstance(logits.shape[-1], int) and logits.shape[-1] != d.vocab_size:
+            problems.append(f"vocab {logits.shape[-1]} != manifest {d.vocab_size}")
+        if problems:
+            raise DimensionError(f"{self.name} does not match the manifest: " + "; ".join(problems))
+
+    def new_cache(self, batch: int = 1) -> KVCache:
+        ort = _ort()
+        empty = np.zeros((batch, self.dims.num_kv_heads, 0, self.dims.head_dim), dtype=self._kv_dtype)
+        return KVCache([ort.OrtValue.ortvalue_from_numpy(empty, self.device, 0) for _ in self.past_names])
+
+    def forward(self, ids: np.ndarray, cache: KVCache, last_only: bool = True) -> np.ndarray:
+        """Run `ids` [batch, seq] after the cached past; returns logits (last position, or all)."""
+        if ids.ndim == 1:
+            ids = ids[None, :]
+        batch, seq = ids.shape
+        past = cache.length
+        if past + seq > self.dims.max_context:
+            raise ContextOverflowError(f"{past + seq} tokens exceed the model's context of {self.dims.max_context}")
+        b = self.session.io_binding()
+        b.bind_cpu_input(self.io.input_ids, np.ascontiguousarray(ids, dtype=np.int64))
+        b.bind_cpu_input(self.io.attention_mask, np.ones((batch, past + seq), dtype=np.int64))
+        b.bind_cpu_input(self.io.position_ids, np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq)).copy())
+        for name, val in zip(self.past_names, cache.values):
+            b.bind_ortvalue_input(name, val)
+        b.bind_output(self.io.logits, "cpu")
+        for name in self.present_names:
+            b.bind_output(name, self.device)
+        self.session.run_with_iobinding(b)
+        outs = b.get_outputs()
+        cache.values = outs[1:]
+        cache.length = past + seq
+        logits = outs[0].numpy()
+        return logits[:, -1, :] if last_only else logits
+
+    def prefill(self, ids: list[int] | np.ndarray, cache: KVCache) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        logits = None
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            logits = self.forward(ids[start:start + PREFILL_CHUNK], cache)
+        assert logits is not None, "empty prompt"
+        return logits
+
+
+@dataclass
+class StreamEvent:
+    """A piece of generated text; the last event carries finish_reason and stats."""
+
+    text: str
+    finish_reason: str | None = None  # stop | length | cancelled
+    token_ids: list[int] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+class Generator:
+    """Bundle + tokenizer + decoder: prompts in, streamed text out."""
+
+    def __init__(self, bundle: Bundle, engine: str | None = None, threads: int | None = None,
+                 providers: list[str] | None = None) -> None:
+        self.bundle = bundle
+        m = bundle.manifest
+        self.tokenizer = ChatTokenizer(bundle.path(m.tokenizer.file), m.tokenizer)
+        self.decoder = Decoder.from_bundle(bundle, engine, threads, providers)
+        self.max_context = m.model.max_context
+        self.defaults = m.generation
+
+    def sampling(self, **overrides) -> SamplingConfig:
+        base = {k: v for k, v in self.defaults.items() if k in SamplingConfig.__dataclass_fields__}
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        if "stop" in base:
+            base["stop"] = tuple([base["stop"]] if isinstance(base["stop"], str) else base["stop"])
+        return SamplingConfig(**base)
+
+    def tokens(self, prompt_ids: list[int], cfg: SamplingConfig,
+               cancel: threading.Event | None = None) -> Iterator[int]:
+        """Raw token ids after the prompt; stops at EOS, max_new_tokens or the end of the context."""
+        if not prompt_ids:
+            raise EdgeChatError("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_context}: shorten it")
+        cache = self.decoder.new_cache()
+        sampler = Sampler(cfg)
+        seen = list(prompt_ids)
+        logits = self.decoder.prefill(prompt_ids, cache)[0]
+        for _ in range(cfg.max_new_tokens):
+            tok = sampler(logits, np.asarray(seen) if cfg.repetition_penalty != 1.0 else None)
+            if tok in self.tokenizer.eos_ids:
+                return
+            yield tok
+            seen.append(tok)
+            if cancel is not None and cancel.is_set():
+                return
+            if cache.length + 1 >= self.max_context:
+                return
+            logits = self.decoder.forward(np.array([[tok]]), cache)[0]
+
+    def stream(self, prompt_ids: list[int], cfg: SamplingConfig,
+               cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        detok = self.tokenizer.streamer()
+        held = ""  # text that might be the start of a stop string
+        finish = "length"
+        it = self.tokens(prompt_ids, cfg, cancel)
+        ids: list[int] = []
+        stopped = False
+        for tok in it:
+            n += 1
+            ids.append(tok)
+            if first is None:
+                first = time.perf_counter()
+            held += detok.push(tok)
+            out, held, stopped = _split_stop(held, cfg.stop)
+            if out:
+                yield StreamEvent(out, token_ids=[tok])
+            if stopped:
+                finish = "stop"
+                it.close()
+                break
+        else:
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+            elif n < cfg.max_new_tokens and len(prompt_ids) + n + 1 < self.max_context:
+                finish = "stop"  # EOS
+        if not stopped:
+            held += detok.flush()
+            out, _, hit = _split_stop(held, cfg.stop, final=True)
+            if hit:
+                finish = "stop"
+            if out:
+                yield StreamEvent(out)
+        t1 = time.perf_counter()
+        ttft = (first or t1) - t0
+        decode_s = t1 - (first or t1)
+        yield StreamEvent("", finish_reason=finish, token_ids=ids, stats={
+            "prompt_tokens": len(prompt_ids), "completion_tokens": n, "ttft_s": ttft,
+            "decode_tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, "total_s": t1 - t0,
+        })
+
+    def complete(self, prompt_ids: list[int], cfg: SamplingConfig) -> tuple[str, StreamEvent]:
+        parts = []
+        last = None
+        for ev in self.stream(prompt_ids, cfg):
+            parts.append(ev.text)
+            last = ev
+        assert last is not None
+        return "".join(parts), last
+
+
+def _split_stop(text: str, stops: tuple[str, ...], final: bool = False) -> tuple[str, str, bool]:
+    """Return (safe to emit, held back, stop hit)."""
+    if not stops:
+        return text, "", False
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if hits:
+        pos = min(h[0] for h in hits)
+        return text[:pos], "", True
+    if final:
+        return text, "", False
+    keep = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                keep = max(keep, k)
+                break
+    return (text[:-keep], text[-keep:], False) if keep else (text, "", False)

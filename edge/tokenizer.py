@@ -1,0 +1,107 @@
+"""Tokenizer and chat template, without transformers.
+
+`tokenizers` does the BPE; jinja2 renders the chat template exactly as
+transformers' `apply_chat_template` does (same sandbox, same options, same
+helpers), so a bundle prompts the model the way it was trained.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Iterable
+
+from edge.bundle import TokenizerSpec
+from edge.errors import BundleError, EdgeChatError
+
+
+def _raise(message: str) -> None:
+    raise EdgeChatError(f"chat template refused the conversation: {message}")
+
+
+def _template_env():
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    # Same settings as transformers.utils.chat_template_utils._compile_jinja_template
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    import json
+
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env, jinja2
+
+
+class ChatTokenizer:
+    def __init__(self, tokenizer_file: str | Path, spec: TokenizerSpec) -> None:
+        from tokenizers import Tokenizer
+
+        try:
+            self.tok = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises a plain Exception on bad JSON
+            raise BundleError(f"cannot load tokenizer {tokenizer_file}: {e}") from None
+        self.spec = spec
+        env, jinja2 = _template_env()
+        try:
+            self.template = env.from_string(spec.chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise BundleError(f"the bundle's chat template does not parse: {e}") from None
+        self.eos_ids = frozenset(spec.eos_token_ids)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise EdgeChatError(f"each message needs 'role' and 'content', got {m!r}")
+        return self.template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.spec.bos_token or "", eos_token=self.spec.eos_token or "",
+            **self.spec.special_tokens,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        # The template already contains the special tokens: add none (as apply_chat_template does).
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt))
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def streamer(self) -> "IncrementalDecoder":
+        return IncrementalDecoder(self)
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text pieces that never split a character.
+
+    Decodes a short window of recent tokens and emits only the text that is
+    stable: a trailing U+FFFD (an incomplete UTF-8 sequence) is held back until
+    the next token completes it. The pieces concatenate to `decode(all ids)`.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self.t = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the decode window
+        self.read = 0  # tokens already emitted as text
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self.t.decode(self.ids[self.prefix:self.read])
+        full = self.t.decode(self.ids[self.prefix:])
+        if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
+            piece = full[len(prefix_text):]
+            self.prefix, self.read = self.read, len(self.ids)
+            return piece
+        return ""
+
+    def flush(self) -> str:
+        prefix_text = self.t.decode(self.ids[self.prefix:self.read])
+        full = self.t.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return full[len(prefix_text):]

@@ -1,0 +1,69 @@
+"""Load stage: any model reference -> a Hugging Face folder (fp32 safetensors + tokenizer).
+
+GGUF checkpoints are dequantized by transformers (`gguf_file=`). Offline by
+default: HF_HUB_OFFLINE=1 unless the user passes --online.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from edge.errors import MissingDependencyError, ModelSourceError
+from export.model_source import ModelRef
+
+META = "edgechat_source.json"
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise MissingDependencyError("transformers", "edge-export", "pip install 'edgechat[export,cpu]'") from None
+    return transformers
+
+
+def load_hf(ref: ModelRef, online: bool = False, dtype: str = "float32"):
+    """(model, tokenizer) for a reference, with weights in `dtype`."""
+    if not online:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tf = _transformers()
+    import torch
+
+    kw = {"gguf_file": ref.gguf_file} if ref.gguf_file else {}
+    try:
+        tok = tf.AutoTokenizer.from_pretrained(ref.location, **kw)
+        model = tf.AutoModelForCausalLM.from_pretrained(ref.location, dtype=getattr(torch, dtype), **kw)
+    except OSError as e:
+        hint = " (it looks like a hub id: pass --online to download it)" if ref.kind == "hub" and not online else ""
+        raise ModelSourceError(f"cannot load model {ref.location}{hint}: {str(e).splitlines()[0]}") from None
+    except ImportError as e:
+        raise MissingDependencyError(str(e).split("'")[1] if "'" in str(e) else "gguf", "loading this model",
+                                     "pip install 'edgechat[export]'") from None
+    model.eval()
+    return model, tok
+
+
+def eos_ids(model, tok) -> list[int]:
+    """EOS ids from the generation config and the tokenizer (some GGUFs disagree; keep both)."""
+    ids: list[int] = []
+    for src in (getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id, tok.eos_token_id):
+        for i in ([src] if isinstance(src, int) else (src or [])):
+            if i is not None and i not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def run(ref: ModelRef, dst: Path, online: bool = False) -> dict:
+    model, tok = load_hf(ref, online)
+    if not tok.chat_template:
+        raise ModelSourceError(f"{ref.name} has no chat template: EdgeChat needs a chat model (an -Instruct/-Chat checkpoint)")
+    model.save_pretrained(dst)
+    tok.save_pretrained(dst)
+    n = sum(p.numel() for p in model.parameters())
+    (dst / META).write_text(json.dumps({
+        "name": ref.name, "source": f"{ref.kind}:{ref.location}" + (f"/{ref.gguf_file}" if ref.gguf_file else ""),
+        "eos_token_ids": eos_ids(model, tok), "num_parameters": n,
+    }, indent=2))
+    return {"num_parameters": n}

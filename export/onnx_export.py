@@ -1,0 +1,136 @@
+"""Export stage: HF folder -> one ONNX decoder graph (prefill + decode) with a KV cache.
+
+The graph follows `edge.io_contract.DecoderIO`. optimum-onnx's exporter
+(`text-generation-with-past`) does the tracing; it sits behind `EXPORTERS` so
+another (torch.onnx dynamo) can be plugged for architectures it lacks. The
+parity check is part of the stage: PyTorch vs ONNX Runtime logits on several
+prompts, KV-cache decode vs full recompute, and greedy tokens for 64 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from edge.errors import MissingDependencyError, ParityError
+from edge.io_contract import DecoderIO
+from export.architectures import arch_spec, dims_from_hf_config
+
+PARITY_PROMPTS = [
+    [{"role": "user", "content": "What is the capital of Japan?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three primary colours."}],
+    [{"role": "user", "content": "Hi! How are you today?"}, {"role": "assistant", "content": "Great, thanks!"},
+     {"role": "user", "content": "Tell me a fun fact about octopuses."}],
+]
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    opset: int = 17
+    exporter: str = "optimum"
+    parity_atol: float = 1e-3
+    greedy_tokens: int = 64
+
+
+def _export_optimum(src: Path, dst: Path, opts: ExportOptions) -> None:
+    try:
+        from optimum.exporters.onnx import main_export
+    except ImportError:
+        raise MissingDependencyError("optimum-onnx", "ONNX export", "pip install 'edgechat[export]'") from None
+    cfg = json.loads((src / "config.json").read_text())
+    spec = arch_spec((cfg.get("architectures") or ["LlamaForCausalLM"])[0])
+    main_export(str(src), output=str(dst), task=spec.optimum_task, opset=opts.opset, device="cpu",
+                do_validation=False, no_post_process=False)
+
+
+EXPORTERS: dict[str, Callable[[Path, Path, ExportOptions], None]] = {"optimum": _export_optimum}
+
+
+def run(src: Path, dst: Path, opts: ExportOptions = ExportOptions()) -> dict:
+    tmp = dst / "optimum-out"
+    EXPORTERS[opts.exporter](src, tmp, opts)
+    for name in ("model.onnx", "model.onnx_data", "model.onnx.data"):
+        if (tmp / name).exists():
+            shutil.move(str(tmp / name), dst / name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    metrics = check_parity(src, dst / "model.onnx", opts)
+    return metrics
+
+
+def check_parity(src: Path, onnx_path: Path, opts: ExportOptions, prompts: list[list[dict]] = PARITY_PROMPTS) -> dict:
+    """Compare the ONNX graph with the PyTorch model it came from; raise ParityError listing every failure."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from edge.runtime import Decoder
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(src)
+    dims = dims_from_hf_config(json.loads((src / "config.json").read_text()))
+    dec = Decoder(onnx_path, dims, DecoderIO())
+    problems, max_diff, cache_diff = [], 0.0, 0.0
+    greedy_ok = True
+    for i, msgs in enumerate(prompts):
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        ids = list(ids)
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits[0].numpy()
+        # full-sequence logits, no past
+        got = dec.forward(np.array([ids]), dec.new_cache(), last_only=False)[0]
+        d = float(np.abs(got - ref).max())
+        max_diff = max(max_diff, d)
+        if d > opts.parity_atol:
+            problems.append(f"prompt {i}: max |Δlogit| {d:.2e} > {opts.parity_atol:.0e}")
+        # KV-cache decode must equal full recompute
+        cache = dec.new_cache()
+        dec.forward(np.array([ids[:-1]]), cache)
+        step = dec.forward(np.array([[ids[-1]]]), cache)[0]
+        cd = float(np.abs(step - got[-1]).max())
+        cache_diff = max(cache_diff, cd)
+        if cd > opts.parity_atol:
+            problems.append(f"prompt {i}: cached decode differs from full recompute by {cd:.2e}")
+        # greedy tokens, EOS ignored, same number of steps
+        t_ids, o_ids = _greedy_torch(model, ids, opts.greedy_tokens), _greedy_onnx(dec, ids, opts.greedy_tokens)
+        if t_ids != o_ids:
+            greedy_ok = False
+            first = next(k for k, (a, b) in enumerate(zip(t_ids, o_ids)) if a != b)
+            problems.append(f"prompt {i}: greedy tokens differ from step {first} of {opts.greedy_tokens}")
+    metrics = {"max_abs_logit_diff": max_diff, "max_cache_vs_recompute_diff": cache_diff,
+               "greedy_tokens_identical": greedy_ok, "greedy_tokens": opts.greedy_tokens, "prompts": len(prompts),
+               "atol": opts.parity_atol}
+    if problems:
+        raise ParityError(problems)
+    return metrics
+
+
+def _greedy_torch(model, ids: list[int], n: int) -> list[int]:
+    import torch
+
+    out, past = [], None
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            r = model(x, past_key_values=past, use_cache=True)
+            past = r.past_key_values
+            t = int(r.logits[0, -1].argmax())
+            out.append(t)
+            x = torch.tensor([[t]])
+    return out
+
+
+def _greedy_onnx(dec, ids: list[int], n: int) -> list[int]:
+    cache = dec.new_cache()
+    logits = dec.forward(np.array([ids]), cache)[0]
+    out = []
+    for _ in range(n):
+        t = int(np.argmax(logits))
+        out.append(t)
+        logits = dec.forward(np.array([[t]]), cache)[0]
+    return out

@@ -1,0 +1,84 @@
+"""Package stage: stage outputs -> a verified bundle, written atomically."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edge.bundle import Bundle, BundleWriter, EngineEntry, Fingerprint, Manifest, StageRecord, TokenizerSpec
+from edge.io_contract import DecoderIO
+from export.architectures import dims_from_hf_config
+from export.load import META
+
+DEFAULT_GENERATION = {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+
+
+@dataclass
+class EngineArtifact:
+    name: str
+    folder: Path  # holds model.onnx (+ external data)
+    precision: str
+    variant: str = "plain"
+    quality: dict = field(default_factory=dict)
+
+
+def _opset(path: Path) -> int:
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+    return max(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def run(hf_dir: Path, engines: list[EngineArtifact], stages: list[StageRecord], dst: Path, max_context: int,
+        golden: list[dict] | None = None, extra_files: dict[str, Path] | None = None) -> Bundle:
+    import onnxruntime as ort
+
+    src = json.loads((hf_dir / META).read_text())
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    dims = dims_from_hf_config(cfg)
+    dims = type(dims)(**{**dims.__dict__, "max_context": min(max_context, dims.max_context),
+                         "num_parameters": int(src["num_parameters"])})
+    tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    template = tcfg.get("chat_template")
+    if template is None and (hf_dir / "chat_template.jinja").is_file():
+        template = (hf_dir / "chat_template.jinja").read_text()
+    tok_json = json.loads((hf_dir / "tokenizer.json").read_text())
+    by_content = {t["content"]: t["id"] for t in tok_json.get("added_tokens", [])}
+
+    def tok_str(key: str) -> str | None:
+        v = tcfg.get(key)
+        return v.get("content") if isinstance(v, dict) else v
+
+    bos, eos = tok_str("bos_token"), tok_str("eos_token")
+    spec = TokenizerSpec(
+        file="tokenizer.json", chat_template=template, eos_token_ids=src["eos_token_ids"],
+        bos_token_id=by_content.get(bos), pad_token_id=cfg.get("pad_token_id"), bos_token=bos, eos_token=eos,
+    )
+    gen = dict(DEFAULT_GENERATION)
+    digest = hashlib.sha256(json.dumps([src, [e.name for e in engines], [s.params for s in stages]],
+                                       sort_keys=True, default=str).encode()).hexdigest()[:10]
+    slug = "".join(c if c.isalnum() else "-" for c in src["name"].lower()).strip("-")
+    with BundleWriter(dst) as w:
+        shutil.copy2(hf_dir / "tokenizer.json", w.root / "tokenizer.json")
+        entries = []
+        for e in engines:
+            edir = w.root / "engines" / e.name
+            edir.mkdir(parents=True)
+            for f in e.folder.iterdir():
+                if f.name.startswith("model.onnx"):
+                    shutil.copy2(f, edir / f.name)
+            fp = Fingerprint(format="onnx", precision=e.precision, opset=_opset(edir / "model.onnx"),
+                             variant=e.variant, providers=["CPUExecutionProvider", "CUDAExecutionProvider"],
+                             onnxruntime_version=ort.__version__)
+            entries.append(EngineEntry(name=e.name, file=f"engines/{e.name}/model.onnx", fingerprint=fp, quality=e.quality))
+        for rel, path in (extra_files or {}).items():
+            (w.root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, w.root / rel)
+        manifest = Manifest(
+            bundle_id=f"{slug}-{digest}", model_name=src["name"], source=src["source"], model=dims, tokenizer=spec,
+            io=DecoderIO().to_dict(), engines=entries, stages=stages, generation=gen, golden=golden or [],
+        )
+        return w.commit(manifest)

@@ -1,0 +1,287 @@
+"""Quantize stage: fp32 ONNX decoder -> int8-dynamic | int8-qdq | int4-weight.
+
+- int8-dynamic (ONNX Runtime CPU/CUDA): INT8 weights, dynamic activations.
+- int8-qdq (TensorRT, W8A8): SmoothQuant folded into the RMSNorm weights, then
+  symmetric Q/DQ (zero point 0; weights per output channel, activations per
+  tensor) placed only on the weight MatMuls, calibrated on chat prefill steps.
+  Masks, softmax and RoPE are never quantized (a whole-graph quantize_static
+  gives infinite scales on the attention-mask nodes).
+- int4-weight: MatMulNBits 4-bit, block 32.
+In every mode the tied embedding / LM head is stored as INT8 (a per-row
+quantized Gather and an INT8 LM-head MatMul) rather than read as fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge.errors import RecipeError
+
+log = logging.getLogger("edgechat")
+MODES = ("int8-dynamic", "int8-qdq", "int4-weight")
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    mode: str
+    calibration: str | None = None  # user JSONL; default chitchat-dataset calibration split
+    samples: int = 64
+    smoothquant_alpha: float = 0.5  # 0 disables SmoothQuant
+    int8_kernel: str = "matmulinteger"  # matmulinteger (DynamicQuantizeMatMul) | nbits (MatMulNBits 8-bit)
+    max_calibration_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise RecipeError(f"unknown quantization mode {self.mode!r}: choose from {', '.join(MODES)}")
+        if self.int8_kernel not in ("matmulinteger", "nbits"):
+            raise RecipeError(f"int8_kernel must be 'matmulinteger' or 'nbits', got {self.int8_kernel!r}")
+
+
+# ----------------------------------------------------------------------------- graph helpers
+
+
+def _load(path: Path):
+    import onnx
+
+    return onnx.load(str(path))
+
+
+def _save(model, path: Path) -> None:
+    import onnx
+
+    large = model.ByteSize() > 1_900_000_000
+    onnx.save(model, str(path), save_as_external_data=large, location=path.name + ".data" if large else None)
+
+
+def weight_matmuls(model) -> list:
+    """MatMul nodes whose B input is a constant weight (the only ones we quantize)."""
+    inits = {i.name for i in model.graph.initializer}
+    return [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits
+            and len(_init(model, n.input[1]).dims) == 2]
+
+
+def _init(model, name: str):
+    for i in model.graph.initializer:
+        if i.name == name:
+            return i
+    raise KeyError(name)
+
+
+def untie_lm_head(model) -> None:
+    """Give the LM head its own [hidden, vocab] weight when it is Transpose(embedding), so it can be quantized."""
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    producers = {o: n for n in model.graph.node for o in n.output}
+    for node in model.graph.node:
+        if node.op_type != "MatMul":
+            continue
+        p = producers.get(node.input[1])
+        if p is not None and p.op_type == "Transpose" and p.input[0] in inits:
+            w = numpy_helper.to_array(inits[p.input[0]])
+            name = p.input[0] + ".lm_head_T"
+            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T), name))
+            node.input[1] = name
+            if not any(p.output[0] in n.input for n in model.graph.node):
+                model.graph.node.remove(p)
+
+
+def quantize_embedding(model) -> int:
+    """Replace Gather(fp32 table, ids) by a per-row symmetric INT8 table + scales. Returns bytes saved."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    saved = 0
+    for node in list(model.graph.node):
+        if node.op_type != "Gather" or node.input[0] not in inits or len(inits[node.input[0]].dims) != 2:
+            continue
+        if any(node.input[0] in n.input for n in model.graph.node if n is not node):
+            continue  # still shared with another consumer
+        w = numpy_helper.to_array(inits[node.input[0]]).astype(np.float32)
+        scale = np.maximum(np.abs(w).max(axis=1, keepdims=True), 1e-8) / 127.0
+        q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+        base = node.input[0]
+        model.graph.initializer.remove(inits[base])
+        model.graph.initializer.extend([numpy_helper.from_array(q, base + ".int8"),
+                                        numpy_helper.from_array(scale.astype(np.float32), base + ".scale")])
+        out = node.output[0]
+        pre = node.name or "/embed"
+        idx = list(model.graph.node).index(node)
+        model.graph.node.remove(node)
+        new = [
+            helper.make_node("Gather", [base + ".int8", node.input[1]], [out + ".q"], name=pre + "/GatherInt8"),
+            helper.make_node("Gather", [base + ".scale", node.input[1]], [out + ".s"], name=pre + "/GatherScale"),
+            helper.make_node("Cast", [out + ".q"], [out + ".f"], to=TensorProto.FLOAT, name=pre + "/Cast"),
+            helper.make_node("Mul", [out + ".f", out + ".s"], [out], name=pre + "/Dequant"),
+        ]
+        for k, n in enumerate(new):
+            model.graph.node.insert(idx + k, n)
+        saved += w.nbytes - q.nbytes - scale.nbytes
+    return saved
+
+
+# ----------------------------------------------------------------------------- modes
+
+
+def _int8_dynamic(src: Path, dst: Path, opts: QuantizeOptions) -> None:
+    if opts.int8_kernel == "nbits":
+        return _nbits(src, dst, bits=8)
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
+                     op_types_to_quantize=["MatMul"], extra_options={"MatMulConstBOnly": True})
+
+
+def _nbits(src: Path, dst: Path, bits: int) -> None:
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    cfg = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, accuracy_level=4, bits=bits)
+    q = MatMulNBitsQuantizer(_load(src), algo_config=cfg)
+    q.process()
+    _save(q.model.model, dst)
+
+
+def calibration_feeds(hf_dir: Path, opts: QuantizeOptions, num_layers: int, kv_heads: int, head_dim: int) -> list[dict]:
+    """Prefill inputs for calibration chats, formatted with the model's chat template."""
+    from tokenizers import Tokenizer
+
+    from edge.bundle import TokenizerSpec
+    from edge.tokenizer import ChatTokenizer
+    from export.data import load_chats
+    import json
+
+    tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    tmpl = tcfg.get("chat_template") or (hf_dir / "chat_template.jinja").read_text()
+    tok = ChatTokenizer(hf_dir / "tokenizer.json", TokenizerSpec("tokenizer.json", tmpl, [0]))
+    feeds = []
+    for chat in load_chats(opts.calibration, "calibration", opts.samples):
+        ids = tok.encode_chat(chat, add_generation_prompt=False)[: opts.max_calibration_tokens]
+        n = len(ids)
+        feed = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, n), np.int64),
+                "position_ids": np.arange(n, dtype=np.int64)[None]}
+        for i in range(num_layers):
+            for kv in ("key", "value"):
+                feed[f"past_key_values.{i}.{kv}"] = np.zeros((1, kv_heads, 0, head_dim), np.float32)
+        feeds.append(feed)
+    del Tokenizer
+    return feeds
+
+
+def smooth(model, feeds: list[dict], alpha: float) -> int:
+    """SmoothQuant: scale weight-MatMul input channels by s, fold 1/s into the preceding norm weight.
+
+    Only where the activation comes from Mul(x, 1-D constant) (the RMSNorm scale) and feeds
+    nothing but weight MatMuls, so the fold is exact. Returns the number of groups smoothed.
+    """
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    producers = {o: n for n in model.graph.node for o in n.output}
+    consumers: dict[str, list] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    wm = {id(n) for n in weight_matmuls(model)}
+    groups = {}
+    for n in weight_matmuls(model):
+        act = n.input[0]
+        p = producers.get(act)
+        if p is None or p.op_type != "Mul":
+            continue
+        vec = [i for i in p.input if i in inits and len(inits[i].dims) == 1]
+        if not vec or not all(id(c) in wm for c in consumers.get(act, [])):
+            continue
+        groups[act] = (vec[0], [c for c in consumers[act]])
+    if not groups:
+        return 0
+    # activation statistics: max |x| per channel over all calibration tokens
+    aug = type(model)()
+    aug.CopyFrom(model)
+    for act in groups:
+        aug.graph.output.append(helper.make_tensor_value_info(act, 1, None))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(aug.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = list(groups)
+    amax = {a: None for a in names}
+    for feed in feeds:
+        outs = sess.run(names, feed)
+        for a, o in zip(names, outs):
+            m = np.abs(o).reshape(-1, o.shape[-1]).max(axis=0)
+            amax[a] = m if amax[a] is None else np.maximum(amax[a], m)
+    del sess, aug
+    for act, (vec_name, mms) in groups.items():
+        ws = [numpy_helper.to_array(inits[m.input[1]]) for m in mms]  # [in, out]
+        wmax = np.max([np.abs(w).max(axis=1) for w in ws], axis=0)
+        s = np.power(np.maximum(amax[act], 1e-5), alpha) / np.power(np.maximum(wmax, 1e-5), 1 - alpha)
+        s = np.clip(s, 1e-2, 1e2).astype(np.float32)
+        g = numpy_helper.to_array(inits[vec_name]) / s
+        inits[vec_name].CopyFrom(numpy_helper.from_array(g.astype(np.float32), vec_name))
+        for m, w in zip(mms, ws):
+            inits[m.input[1]].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32), m.input[1]))
+    return len(groups)
+
+
+def _int8_qdq(src: Path, dst: Path, hf_dir: Path, opts: QuantizeOptions, dims) -> dict:
+    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    feeds = calibration_feeds(hf_dir, opts, dims.num_layers, dims.num_kv_heads, dims.head_dim)
+    model = _load(src)
+    smoothed = smooth(model, feeds, opts.smoothquant_alpha) if opts.smoothquant_alpha > 0 else 0
+    pre = dst.parent / "smoothed.onnx"
+    _save(model, pre)
+    nodes = [n.name for n in weight_matmuls(model)]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.it = iter(feeds)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    quantize_static(
+        str(pre), str(dst), Reader(), quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"],
+        nodes_to_quantize=nodes, per_channel=True, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+        calibrate_method=CalibrationMethod.MinMax,
+        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
+                       "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}},
+    )
+    pre.unlink()
+    return {"smoothquant_groups": smoothed, "calibration_samples": len(feeds), "quantized_matmuls": len(nodes)}
+
+
+def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
+    import json
+
+    from export.architectures import dims_from_hf_config
+
+    dims = dims_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    model = _load(fp32_dir / "model.onnx")
+    untie_lm_head(model)
+    pre = dst / "prepared.onnx"
+    _save(model, pre)
+    del model
+    out = dst / "model.onnx"
+    metrics: dict = {"mode": opts.mode}
+    if opts.mode == "int8-dynamic":
+        _int8_dynamic(pre, out, opts)
+    elif opts.mode == "int4-weight":
+        _nbits(pre, out, bits=4)
+    else:
+        metrics |= _int8_qdq(pre, out, hf_dir, opts, dims)
+    pre.unlink()
+    for f in dst.glob("prepared.onnx*"):
+        f.unlink()
+    # the embedding table: INT8 per row (after the LM head was given its own weight)
+    model = _load(out)
+    metrics["embedding_bytes_saved"] = quantize_embedding(model)
+    _save(model, out)
+    metrics["size_bytes"] = sum(f.stat().st_size for f in dst.glob("model.onnx*"))
+    metrics["fp32_size_bytes"] = sum(f.stat().st_size for f in fp32_dir.glob("model.onnx*"))
+    metrics["size_ratio"] = metrics["size_bytes"] / metrics["fp32_size_bytes"]
+    return metrics
