@@ -14,7 +14,7 @@ def _gen(args: argparse.Namespace):
     from edge.runtime import Generator
 
     bundle = Bundle.open(args.bundle, verify="full" if args.verify else "size")
-    return Generator(bundle, engine=args.engine, threads=args.threads)
+    return Generator.from_bundle(bundle, engine=args.engine, threads=args.threads)
 
 
 def _cfg(gen, args: argparse.Namespace):

@@ -176,14 +176,20 @@ class StreamEvent:
 class Generator:
     """Bundle + tokenizer + decoder: prompts in, streamed text out."""
 
-    def __init__(self, bundle: Bundle, engine: str | None = None, threads: int | None = None,
-                 providers: list[str] | None = None) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, decoder: Decoder, defaults: dict | None = None,
+                 bundle: Bundle | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.decoder = decoder
+        self.max_context = decoder.dims.max_context
+        self.defaults = defaults or {}
         self.bundle = bundle
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle, engine: str | None = None, threads: int | None = None,
+                    providers: list[str] | None = None) -> "Generator":
         m = bundle.manifest
-        self.tokenizer = ChatTokenizer(bundle.path(m.tokenizer.file), m.tokenizer)
-        self.decoder = Decoder.from_bundle(bundle, engine, threads, providers)
-        self.max_context = m.model.max_context
-        self.defaults = m.generation
+        tok = ChatTokenizer(bundle.path(m.tokenizer.file), m.tokenizer)
+        return cls(tok, Decoder.from_bundle(bundle, engine, threads, providers), m.generation, bundle)
 
     def sampling(self, **overrides) -> SamplingConfig:
         base = {k: v for k, v in self.defaults.items() if k in SamplingConfig.__dataclass_fields__}

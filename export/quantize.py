@@ -102,25 +102,41 @@ def quantize_embedding(model) -> int:
         if any(node.input[0] in n.input for n in model.graph.node if n is not node):
             continue  # still shared with another consumer
         w = numpy_helper.to_array(inits[node.input[0]]).astype(np.float32)
-        scale = np.maximum(np.abs(w).max(axis=1, keepdims=True), 1e-8) / 127.0
-        q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
         base = node.input[0]
-        model.graph.initializer.remove(inits[base])
-        model.graph.initializer.extend([numpy_helper.from_array(q, base + ".int8"),
-                                        numpy_helper.from_array(scale.astype(np.float32), base + ".scale")])
         out = node.output[0]
         pre = node.name or "/embed"
         idx = list(model.graph.node).index(node)
+        shared_q, shared_s, shared_zp = base + ".lm_head_T_quantized", base + ".lm_head_T_scale", base + ".lm_head_T_zero_point"
+        model.graph.initializer.remove(inits[base])
         model.graph.node.remove(node)
-        new = [
-            helper.make_node("Gather", [base + ".int8", node.input[1]], [out + ".q"], name=pre + "/GatherInt8"),
-            helper.make_node("Gather", [base + ".scale", node.input[1]], [out + ".s"], name=pre + "/GatherScale"),
-            helper.make_node("Cast", [out + ".q"], [out + ".f"], to=TensorProto.FLOAT, name=pre + "/Cast"),
-            helper.make_node("Mul", [out + ".f", out + ".s"], [out], name=pre + "/Dequant"),
-        ]
+        if shared_q in inits and shared_s in inits and not numpy_helper.to_array(inits[shared_zp]).any():
+            # Tied weights: gather rows straight from the LM head's symmetric INT8 [hidden, vocab]
+            # table (per-vocab scales = per-row embedding scales), so the table is stored once.
+            axes = numpy_helper.from_array(np.array([-1], np.int64), base + ".unsq_axes")
+            model.graph.initializer.append(axes)
+            new = [
+                helper.make_node("Gather", [shared_q, node.input[1]], [out + ".q"], axis=1, name=pre + "/GatherInt8"),
+                helper.make_node("Transpose", [out + ".q"], [out + ".qt"], perm=[1, 2, 0], name=pre + "/Transpose"),
+                helper.make_node("Gather", [shared_s, node.input[1]], [out + ".s1"], name=pre + "/GatherScale"),
+                helper.make_node("Unsqueeze", [out + ".s1", axes.name], [out + ".s"], name=pre + "/UnsqueezeScale"),
+                helper.make_node("Cast", [out + ".qt"], [out + ".f"], to=TensorProto.FLOAT, name=pre + "/Cast"),
+                helper.make_node("Mul", [out + ".f", out + ".s"], [out], name=pre + "/Dequant"),
+            ]
+            saved += w.nbytes
+        else:
+            scale = np.maximum(np.abs(w).max(axis=1, keepdims=True), 1e-8) / 127.0
+            q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+            model.graph.initializer.extend([numpy_helper.from_array(q, base + ".int8"),
+                                            numpy_helper.from_array(scale.astype(np.float32), base + ".scale")])
+            new = [
+                helper.make_node("Gather", [base + ".int8", node.input[1]], [out + ".q"], name=pre + "/GatherInt8"),
+                helper.make_node("Gather", [base + ".scale", node.input[1]], [out + ".s"], name=pre + "/GatherScale"),
+                helper.make_node("Cast", [out + ".q"], [out + ".f"], to=TensorProto.FLOAT, name=pre + "/Cast"),
+                helper.make_node("Mul", [out + ".f", out + ".s"], [out], name=pre + "/Dequant"),
+            ]
+            saved += w.nbytes - q.nbytes - scale.nbytes
         for k, n in enumerate(new):
             model.graph.node.insert(idx + k, n)
-        saved += w.nbytes - q.nbytes - scale.nbytes
     return saved
 
 
@@ -187,16 +203,25 @@ def smooth(model, feeds: list[dict], alpha: float) -> int:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
     wm = {id(n) for n in weight_matmuls(model)}
+
+    def const_vector(name: str):
+        """The 1-D initializer behind `name`, looking through Identity (the exporter dedupes equal weights)."""
+        while name not in inits and name in producers and producers[name].op_type == "Identity":
+            name = producers[name].input[0]
+        return inits[name] if name in inits and len(inits[name].dims) == 1 else None
+
     groups = {}
     for n in weight_matmuls(model):
         act = n.input[0]
         p = producers.get(act)
-        if p is None or p.op_type != "Mul":
+        if p is None or p.op_type != "Mul" or act in groups:
             continue
-        vec = [i for i in p.input if i in inits and len(inits[i].dims) == 1]
-        if not vec or not all(id(c) in wm for c in consumers.get(act, [])):
+        vec = [(k, const_vector(i)) for k, i in enumerate(p.input) if const_vector(i) is not None]
+        users = consumers.get(act, [])
+        # Shape consumers read only the shape, so the fold stays exact for them
+        if not vec or not all(id(c) in wm or c.op_type == "Shape" for c in users):
             continue
-        groups[act] = (vec[0], [c for c in consumers[act]])
+        groups[act] = (p, vec[0], [c for c in users if id(c) in wm])
     if not groups:
         return 0
     # activation statistics: max |x| per channel over all calibration tokens
@@ -215,13 +240,15 @@ def smooth(model, feeds: list[dict], alpha: float) -> int:
             m = np.abs(o).reshape(-1, o.shape[-1]).max(axis=0)
             amax[a] = m if amax[a] is None else np.maximum(amax[a], m)
     del sess, aug
-    for act, (vec_name, mms) in groups.items():
+    for act, (mul, (slot, vec), mms) in groups.items():
         ws = [numpy_helper.to_array(inits[m.input[1]]) for m in mms]  # [in, out]
         wmax = np.max([np.abs(w).max(axis=1) for w in ws], axis=0)
         s = np.power(np.maximum(amax[act], 1e-5), alpha) / np.power(np.maximum(wmax, 1e-5), 1 - alpha)
         s = np.clip(s, 1e-2, 1e2).astype(np.float32)
-        g = numpy_helper.to_array(inits[vec_name]) / s
-        inits[vec_name].CopyFrom(numpy_helper.from_array(g.astype(np.float32), vec_name))
+        g = numpy_helper.to_array(vec) / s
+        private = (mul.name or act) + ".smoothed_weight"  # never modify a vector another node shares
+        model.graph.initializer.append(numpy_helper.from_array(g.astype(np.float32), private))
+        mul.input[slot] = private
         for m, w in zip(mms, ws):
             inits[m.input[1]].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32), m.input[1]))
     return len(groups)

@@ -1,0 +1,138 @@
+"""Evaluate stage: measure what ships, with the edge runtime itself.
+
+On held-out chats (never the calibration split): perplexity, mean KL divergence
+to the fp32 teacher, top-1 next-token agreement; greedy answers to fixed golden
+prompts (saved in the bundle so a device can re-check them); decode tokens/s and
+time-to-first-token on this machine; size on disk. Writes the report too.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from edge.bundle import TokenizerSpec
+from edge.io_contract import DecoderIO
+from edge.runtime import Decoder, Generator
+from edge.sampling import SamplingConfig
+from edge.tokenizer import ChatTokenizer
+from export.architectures import dims_from_hf_config
+
+GOLDEN = [
+    {"prompt": "What is the capital of Japan?", "expect": ["Tokyo"]},
+    {"prompt": "What is the capital of France?", "expect": ["Paris"]},
+    {"prompt": "How many legs does a spider have?", "expect": ["8", "eight"]},
+    {"prompt": "Write one sentence about the ocean.", "expect": []},
+    {"prompt": "Give me a short tip for staying focused while studying.", "expect": []},
+]
+BENCH_PROMPT = [{"role": "user", "content": "Tell me about the history of the city of Kyoto, its temples and "
+                                              "gardens, and why people visit it in autumn."}]
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    samples: int = 64
+    data: str | None = None
+    max_tokens: int = 256
+    golden_tokens: int = 48
+    bench_tokens: int = 64
+    bench_runs: int = 3
+    threads: int | None = None
+    max_context: int = 2048
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def token_metrics(student: np.ndarray, teacher: np.ndarray, targets: np.ndarray) -> dict:
+    """Per-position sums for one sequence: NLL of targets, KL(teacher || student), top-1 agreement.
+
+    student/teacher: [seq, vocab] logits predicting targets [seq].
+    """
+    ls, lt = log_softmax(student), log_softmax(teacher)
+    nll = -ls[np.arange(len(targets)), targets]
+    kl = (np.exp(lt) * (lt - ls)).sum(axis=-1)
+    agree = student.argmax(-1) == teacher.argmax(-1)
+    return {"nll": float(nll.sum()), "kl": float(kl.sum()), "agree": int(agree.sum()), "n": int(len(targets))}
+
+
+def summarize(parts: list[dict]) -> dict:
+    n = sum(p["n"] for p in parts)
+    return {"perplexity": float(np.exp(sum(p["nll"] for p in parts) / n)), "kl_to_fp32": sum(p["kl"] for p in parts) / n,
+            "top1_agreement": sum(p["agree"] for p in parts) / n, "eval_tokens": n}
+
+
+def speed(dec: Decoder, prompt_ids: list[int], new_tokens: int, runs: int) -> dict:
+    """Median TTFT (prefill + first token) and decode tok/s, EOS ignored, after a warm-up."""
+    ttfts, rates = [], []
+    for r in range(runs + 1):
+        cache = dec.new_cache()
+        t0 = time.perf_counter()
+        logits = dec.prefill(prompt_ids, cache)[0]
+        tok = int(np.argmax(logits))
+        t1 = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            tok = int(np.argmax(dec.forward(np.array([[tok]]), cache)[0]))
+        t2 = time.perf_counter()
+        if r:  # run 0 is the warm-up
+            ttfts.append(t1 - t0)
+            rates.append((new_tokens - 1) / (t2 - t1))
+    return {"ttft_ms": statistics.median(ttfts) * 1000, "decode_tok_s": statistics.median(rates)}
+
+
+def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions) -> dict:
+    from export.data import load_chats
+    from export.report import write_report
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    dims = dims_from_hf_config(cfg)
+    dims = type(dims)(**{**dims.__dict__, "max_context": min(opts.max_context, dims.max_context)})
+    tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    tmpl = tcfg.get("chat_template") or (hf_dir / "chat_template.jinja").read_text()
+    src = json.loads((hf_dir / "edgechat_source.json").read_text())
+    tok = ChatTokenizer(hf_dir / "tokenizer.json", TokenizerSpec("tokenizer.json", tmpl, src["eos_token_ids"]))
+    decs = {e.name: Decoder(e.folder / "model.onnx", dims, DecoderIO(), threads=opts.threads, name=e.name) for e in engines}
+    chats = load_chats(opts.data, "evaluation", opts.samples)
+    parts: dict[str, list[dict]] = {n: [] for n in decs}
+    for chat in tqdm(chats, desc="evaluate (held-out chats)", unit="chat"):
+        ids = tok.encode_chat(chat, add_generation_prompt=False)[: opts.max_tokens]
+        if len(ids) < 2:
+            continue
+        x, y = np.array([ids[:-1]]), np.array(ids[1:])
+        teacher = decs["fp32"].forward(x, decs["fp32"].new_cache(), last_only=False)[0]
+        for name, d in decs.items():
+            student = teacher if name == "fp32" else d.forward(x, d.new_cache(), last_only=False)[0]
+            parts[name].append(token_metrics(student, teacher, y))
+    results: dict = {"engines": {}, "golden": [], "eval_chats": len(chats), "data": opts.data or "chitchat-dataset:evaluation"}
+    bench_ids = tok.encode_chat(BENCH_PROMPT)
+    greedy = SamplingConfig(max_new_tokens=opts.golden_tokens)
+    for e in tqdm(engines, desc="golden prompts + speed", unit="engine"):
+        d = decs[e.name]
+        q = summarize(parts[e.name])
+        q["size_bytes"] = sum(f.stat().st_size for f in e.folder.glob("model.onnx*"))
+        q |= speed(d, bench_ids, opts.bench_tokens, opts.bench_runs)
+        q["bench_prompt_tokens"] = len(bench_ids)
+        gen = Generator(tok, d)
+        passed = 0
+        for g in GOLDEN:
+            text, _ = gen.complete(tok.encode_chat([{"role": "user", "content": g["prompt"]}]), greedy)
+            ok = all(False for _ in []) if not g["expect"] else any(k.lower() in text.lower() for k in g["expect"])
+            passed += bool(g["expect"]) and ok
+            results["golden"].append({"engine": e.name, "prompt": g["prompt"], "answer": text.strip(),
+                                      "expect": g["expect"], "passed": ok if g["expect"] else None})
+        q["golden_passed"] = f"{passed}/{sum(1 for g in GOLDEN if g['expect'])}"
+        results["engines"][e.name] = q
+    base = results["engines"]["fp32"]["perplexity"]
+    for q in results["engines"].values():
+        q["perplexity_delta_pct"] = 100 * (q["perplexity"] / base - 1)
+    write_report(results, dst)
+    return results

@@ -1,0 +1,84 @@
+"""The export report: report.md and report.html with static plots, viewable offline."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+COLUMNS = [("size_bytes", "size", lambda v: f"{v / 1e6:.1f} MB"), ("perplexity", "ppl", lambda v: f"{v:.3f}"),
+           ("perplexity_delta_pct", "Δppl", lambda v: f"{v:+.2f}%"), ("kl_to_fp32", "KL to fp32", lambda v: f"{v:.4f}"),
+           ("top1_agreement", "top-1 agree", lambda v: f"{100 * v:.1f}%"),
+           ("decode_tok_s", "decode tok/s", lambda v: f"{v:.1f}"), ("ttft_ms", "TTFT", lambda v: f"{v:.0f} ms"),
+           ("golden_passed", "golden", str)]
+
+
+def _rows(results: dict) -> list[list[str]]:
+    rows = []
+    for name, q in results["engines"].items():
+        rows.append([name] + [fmt(q[k]) if k in q else "-" for k, _, fmt in COLUMNS])
+    return rows
+
+
+def _plots(results: dict, dst: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    eng = results["engines"]
+    names = list(eng)
+    files = []
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for n in names:
+        ax.scatter(eng[n]["size_bytes"] / 1e6, eng[n]["perplexity"], s=60)
+        ax.annotate(n, (eng[n]["size_bytes"] / 1e6, eng[n]["perplexity"]), textcoords="offset points", xytext=(6, 4))
+    ax.set_xlabel("size on disk (MB)")
+    ax.set_ylabel("held-out perplexity (lower is better)")
+    ax.set_title("Size vs quality per stage")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(dst / "size_vs_perplexity.png", dpi=110)
+    plt.close(fig)
+    files.append("size_vs_perplexity.png")
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    ax.bar(names, [eng[n]["decode_tok_s"] for n in names], color="#4c72b0")
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    ax.set_title("Decode speed per precision (this machine)")
+    for i, n in enumerate(names):
+        ax.text(i, eng[n]["decode_tok_s"], f"{eng[n]['decode_tok_s']:.0f}", ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(dst / "tokens_per_second.png", dpi=110)
+    plt.close(fig)
+    files.append("tokens_per_second.png")
+    return files
+
+
+def write_report(results: dict, dst: Path) -> None:
+    images = _plots(results, dst)
+    head = ["engine"] + [c for _, c, _ in COLUMNS]
+    rows = _rows(results)
+    md = ["# EdgeChat export report", "",
+          f"Held-out data: {results['data']} ({results['eval_chats']} chats). KL and top-1 agreement are against the fp32 graph.", "",
+          "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    md += ["| " + " | ".join(r) + " |" for r in rows]
+    md += [""] + [f"![{i}]({i})" for i in images] + ["", "## Golden prompts (greedy)", ""]
+    for g in results["golden"]:
+        mark = "" if g["passed"] is None else (" ✅" if g["passed"] else " ❌")
+        md.append(f"- **{g['engine']}** — {g['prompt']}{mark}  \n  {g['answer']}")
+    for name, q in results["engines"].items():
+        if "smoothquant" in q:
+            md += ["", f"SmoothQuant ({name}): {q['smoothquant']}"]
+    (dst / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    e = html.escape
+    table = "<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>" + "".join(
+        "<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows) + "</table>"
+    golden = "<ul>" + "".join(
+        f"<li><b>{e(g['engine'])}</b> — {e(g['prompt'])}{'' if g['passed'] is None else (' ✅' if g['passed'] else ' ❌')}"
+        f"<br><i>{e(g['answer'])}</i></li>" for g in results["golden"]) + "</ul>"
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>EdgeChat export report</title>
+<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:48%}}</style></head><body>
+<h1>EdgeChat export report</h1><p>Held-out data: {e(results['data'])} ({results['eval_chats']} chats).
+KL and top-1 agreement are measured against the fp32 graph.</p>{table}
+{''.join(f'<img src="{i}" alt="{i}">' for i in images)}<h2>Golden prompts (greedy)</h2>{golden}</body></html>"""
+    (dst / "report.html").write_text(page, encoding="utf-8")

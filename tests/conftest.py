@@ -1,0 +1,81 @@
+"""Fixtures: a tiny random-init Llama chat model with a real BPE tokenizer, built in process, offline."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parent.parent
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a tiny test model.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "Hello! How are you doing today? I am fine, thanks for asking.",
+    "What is the capital of Japan? The capital of Japan is Tokyo.",
+    "I like to read books about the ocean, the stars and octopuses.",
+    "Naïve café owners serve crème brûlée — 日本語 and emoji 🙂 too.",
+    "You are a tiny test model. Tell me a fun fact.",
+] * 20
+
+
+def make_tiny_model(dst: Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                    intermediate: int = 128, seed: int = 0, max_pos: int = 512) -> Path:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|im_end|>")
+    fast.chat_template = CHATML
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=max_pos, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=2, rope_theta=10000.0)
+    model = LlamaForCausalLM(cfg).eval()
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dst)
+    fast.save_pretrained(dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory, tiny_model_dir):
+    from export.recipe import BuildOptions, build
+
+    out = tmp_path_factory.mktemp("bundles") / "tiny.bundle"
+    return build(BuildOptions(output=out, model=str(tiny_model_dir), precisions=("fp32", "int8-dynamic", "int8-qdq"),
+                              max_context=256, eval_samples=4, calibration_samples=8), log=lambda s: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_generator(tiny_bundle):
+    from edge.bundle import Bundle
+    from edge.runtime import Generator
+
+    return Generator.from_bundle(Bundle.open(tiny_bundle.root), engine="fp32", threads=1)
+
+
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=ROOT)

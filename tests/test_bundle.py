@@ -1,0 +1,129 @@
+import json
+import shutil
+
+import pytest
+
+from edge.bundle import SCHEMA_VERSION, Bundle, BundleWriter, Manifest
+from edge.errors import (BundleFileMissingError, HashMismatchError, IncompleteBundleError, ManifestError,
+                         SchemaVersionError)
+
+
+def copy_bundle(tiny_bundle, tmp_path):
+    dst = tmp_path / "copy.bundle"
+    shutil.copytree(tiny_bundle.root, dst)
+    return dst
+
+
+def test_manifest_round_trip(tiny_bundle):
+    m = tiny_bundle.manifest
+    again = Manifest.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert again == m
+    assert m.schema_version == SCHEMA_VERSION
+    assert {e.name for e in m.engines} == {"fp32", "int8-dynamic", "int8-qdq"}
+    assert m.model.num_layers == 2 and m.model.num_kv_heads == 2 and m.model.head_dim == 16
+    assert m.tokenizer.eos_token_ids and m.tokenizer.chat_template
+    assert [s.name for s in m.stages][:2] == ["load", "export"]
+    for rel, f in m.files.items():
+        assert len(f.sha256) == 64 and (tiny_bundle.root / rel).stat().st_size == f.size
+
+
+def test_full_verify_passes(tiny_bundle):
+    Bundle.open(tiny_bundle.root, verify="full")
+
+
+def test_tampered_file_names_the_file(tiny_bundle, tmp_path):
+    dst = copy_bundle(tiny_bundle, tmp_path)
+    p = dst / "tokenizer.json"
+    data = bytearray(p.read_bytes())
+    data[10] ^= 0xFF  # same size, different content
+    p.write_bytes(bytes(data))
+    Bundle.open(dst, verify="size")  # size check alone cannot see it
+    with pytest.raises(HashMismatchError, match="tokenizer.json"):
+        Bundle.open(dst, verify="full")
+
+
+def test_truncated_file_refused(tiny_bundle, tmp_path):
+    dst = copy_bundle(tiny_bundle, tmp_path)
+    onnx = dst / "engines" / "fp32" / "model.onnx"
+    onnx.write_bytes(onnx.read_bytes()[:1000])
+    with pytest.raises(HashMismatchError, match="engines/fp32/model.onnx.*truncated"):
+        Bundle.open(dst)
+
+
+def test_missing_file_refused(tiny_bundle, tmp_path):
+    dst = copy_bundle(tiny_bundle, tmp_path)
+    (dst / "tokenizer.json").unlink()
+    with pytest.raises(BundleFileMissingError, match="tokenizer.json"):
+        Bundle.open(dst)
+
+
+def test_folder_without_manifest_is_incomplete(tiny_bundle, tmp_path):
+    dst = copy_bundle(tiny_bundle, tmp_path)
+    (dst / "manifest.json").unlink()
+    with pytest.raises(IncompleteBundleError, match="rebuild"):
+        Bundle.open(dst)
+
+
+def test_unknown_schema_version(tiny_bundle, tmp_path):
+    dst = copy_bundle(tiny_bundle, tmp_path)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["schema_version"] = 99
+    (dst / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SchemaVersionError, match="99"):
+        Bundle.open(dst)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda m: m.pop("model"), "model"),
+    (lambda m: m["model"].update(num_heads=5), "multiple of num_kv_heads"),
+    (lambda m: m["model"].update(bogus=1), "unknown keys"),
+    (lambda m: m["tokenizer"].update(eos_token_ids=[]), "eos_token_ids"),
+])
+def test_bad_manifest_fields(tiny_bundle, tmp_path, mutate, match):
+    dst = copy_bundle(tiny_bundle, tmp_path)
+    m = json.loads((dst / "manifest.json").read_text())
+    mutate(m)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match=match):
+        Bundle.open(dst)
+
+
+def test_not_json(tiny_bundle, tmp_path):
+    dst = copy_bundle(tiny_bundle, tmp_path)
+    (dst / "manifest.json").write_text("{half")
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        Bundle.open(dst)
+
+
+def test_interrupted_write_leaves_nothing_that_loads(tiny_bundle, tmp_path):
+    dst = tmp_path / "new.bundle"
+    with pytest.raises(RuntimeError):
+        with BundleWriter(dst) as w:
+            (w.root / "tokenizer.json").write_text("{}")
+            raise RuntimeError("power cut")
+    assert not dst.exists()
+    assert not list(tmp_path.glob(".new.bundle.partial-*"))
+
+
+def test_killed_write_is_refused(tiny_bundle, tmp_path):
+    """A process killed mid-write (no cleanup) leaves only a hidden partial folder."""
+    dst = tmp_path / "k.bundle"
+    w = BundleWriter(dst)
+    w.root.mkdir()
+    shutil.copy(tiny_bundle.root / "tokenizer.json", w.root)
+    with pytest.raises(IncompleteBundleError, match="interrupted"):
+        Bundle.open(dst)
+    with pytest.raises(IncompleteBundleError):
+        Bundle.open(w.root)
+
+
+def test_rewrite_replaces_old_bundle_only_after_verify(tiny_bundle, tmp_path):
+    dst = copy_bundle(tiny_bundle, tmp_path)
+    m = tiny_bundle.manifest
+    with BundleWriter(dst) as w:
+        for rel in m.files:
+            (w.root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(tiny_bundle.root / rel, w.root / rel)
+        b = w.commit(m)
+    assert b.root == dst.absolute()
+    Bundle.open(dst, verify="full")

@@ -1,0 +1,139 @@
+"""Quantized graphs, the QDQ placement rules, evaluation metrics, calibration data errors."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from edge.errors import DataError
+from export.data import load_chats, load_jsonl
+from export.evaluate import summarize, token_metrics
+
+
+def _graph(bundle, name):
+    return onnx.load(str(bundle.path(bundle.manifest.engine(name).file)))
+
+
+def test_int8_graphs_are_smaller_and_run(tiny_bundle):
+    q = tiny_bundle.manifest
+    fp32 = q.files["engines/fp32/model.onnx"].size
+    for name in ("int8-dynamic", "int8-qdq"):
+        assert q.files[f"engines/{name}/model.onnx"].size < 0.6 * fp32  # tiny model: graph constants dominate
+        assert q.engine(name).quality["top1_agreement"] > 0.5
+        assert np.isfinite(q.engine(name).quality["perplexity"])
+
+
+def test_int8_dynamic_has_no_fp32_weight_matrices(tiny_bundle):
+    g = _graph(tiny_bundle, "int8-dynamic")
+    big_fp32 = [i.name for i in g.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2
+                and i.dims[0] * i.dims[1] >= 64 * 64]
+    assert big_fp32 == []  # the embedding and LM head are INT8 too
+    assert any(n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul") for n in g.graph.node)
+
+
+def test_qdq_only_on_weight_matmuls_symmetric_and_finite(tiny_bundle):
+    g = _graph(tiny_bundle, "int8-qdq")
+    inits = {i.name: numpy_helper.to_array(i) for i in g.graph.initializer}
+    consumers = {}
+    for n in g.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    qs = [n for n in g.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    assert qs
+    for n in qs:
+        scale, zp = inits.get(n.input[1]), inits.get(n.input[2]) if len(n.input) > 2 else None
+        assert scale is not None and np.all(np.isfinite(scale)) and np.all(scale > 0), n.name
+        assert zp is None or not zp.any(), f"{n.name} has a non-zero zero point"
+        assert zp is None or zp.dtype == np.int8
+        if n.op_type == "DequantizeLinear":
+            users = consumers.get(n.output[0], [])
+            assert users and all(u.op_type in ("MatMul", "Gather", "Transpose", "Shape") for u in users), \
+                f"{n.name} feeds {[u.op_type for u in users]}"
+    for n in g.graph.node:  # nothing near masks or softmax
+        if n.op_type in ("Softmax", "Where", "Equal", "Expand", "Cos", "Sin"):
+            assert not any(i.endswith(("_DequantizeLinear_Output", "_dequantized")) for i in n.input), n.name
+    weight_dq = [n for n in qs if n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].ndim == 2]
+    assert weight_dq and all(inits[n.input[1]].ndim == 1 for n in weight_dq)  # per output channel
+
+
+def test_smoothquant_recorded(tiny_bundle):
+    rec = next(s for s in tiny_bundle.manifest.stages if s.name == "quantize-int8-qdq")
+    assert rec.params["smoothquant_alpha"] == 0.5
+    assert rec.metrics["smoothquant_groups"] > 0
+
+
+def test_smoothing_is_exact_before_quantization(tiny_bundle, tmp_path):
+    """Folding 1/s into the norm and s into the weights must not change the fp32 function."""
+    import onnxruntime as ort
+
+    from export.quantize import smooth
+
+    src = tiny_bundle.path("engines/fp32/model.onnx")
+    model = onnx.load(str(src))
+    n = tiny_bundle.manifest.model
+    feed = {"input_ids": np.array([[5, 6, 7, 8, 9]]), "attention_mask": np.ones((1, 5), np.int64),
+            "position_ids": np.arange(5)[None]}
+    for i in range(n.num_layers):
+        for kv in ("key", "value"):
+            feed[f"past_key_values.{i}.{kv}"] = np.zeros((1, n.num_kv_heads, 0, n.head_dim), np.float32)
+    before = ort.InferenceSession(str(src)).run(["logits"], feed)[0]
+    assert smooth(model, [feed], alpha=0.5) > 0
+    after = ort.InferenceSession(model.SerializeToString()).run(["logits"], feed)[0]
+    np.testing.assert_allclose(after, before, atol=1e-4)
+
+
+def test_token_metrics_known_values():
+    teacher = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]))
+    student = np.log(np.array([[0.25, 0.5, 0.25], [0.1, 0.8, 0.1]]))
+    m = token_metrics(student, teacher, np.array([0, 1]))
+    assert m["n"] == 2 and m["agree"] == 1
+    assert m["nll"] == pytest.approx(-np.log(0.25) - np.log(0.8))
+    kl0 = 0.5 * np.log(0.5 / 0.25) + 0.25 * np.log(0.25 / 0.5)
+    assert m["kl"] == pytest.approx(kl0)
+    s = summarize([m])
+    assert s["perplexity"] == pytest.approx(np.exp(m["nll"] / 2))
+    assert s["top1_agreement"] == 0.5 and s["kl_to_fp32"] == pytest.approx(kl0 / 2)
+
+
+def test_identical_models_have_zero_kl():
+    x = np.random.default_rng(0).normal(size=(7, 11))
+    m = token_metrics(x, x, np.arange(7))
+    assert m["kl"] == pytest.approx(0, abs=1e-12) and m["agree"] == 7
+
+
+def test_report_written_into_bundle(tiny_bundle):
+    files = tiny_bundle.manifest.files
+    for f in ("report/report.html", "report/report.md", "report/size_vs_perplexity.png", "report/tokens_per_second.png"):
+        assert f in files
+    html = (tiny_bundle.root / "report" / "report.html").read_text()
+    assert "int8-qdq" in html and "http" not in html.replace("http-equiv", "")
+    assert tiny_bundle.manifest.golden and all("answer" in g for g in tiny_bundle.manifest.golden)
+
+
+def test_splits_are_disjoint():
+    cal = load_chats(None, "calibration", 50)
+    ev = load_chats(None, "evaluation", 50)
+    key = lambda c: json.dumps(c)  # noqa: E731
+    assert cal and ev and not ({key(c) for c in cal} & {key(c) for c in ev})
+    assert load_chats(None, "evaluation", 5) == ev[:5]  # deterministic
+
+
+@pytest.mark.parametrize("content, match", [
+    ("", "holds no chats"),
+    ("{not json}\n", ":1: not valid JSON"),
+    ('{"messages": []}\n', ":1: expected"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}\n', ":1: each message needs a role"),
+    ('{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": 3}\n', ":2: expected"),
+])
+def test_bad_calibration_file(tmp_path, content, match):
+    p = tmp_path / "chats.jsonl"
+    p.write_text(content)
+    with pytest.raises(DataError, match=match):
+        load_jsonl(p)
+
+
+def test_missing_calibration_file(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_jsonl(tmp_path / "nope.jsonl")

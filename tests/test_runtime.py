@@ -1,0 +1,215 @@
+"""The edge runtime on a tiny exported model: parity, KV cache, template, sampling, streaming, overflow."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from edge.bundle import Bundle
+from edge.chat import Chat, fit_messages
+from edge.errors import BundleError, ContextOverflowError, EdgeChatError
+from edge.runtime import Generator
+from edge.sampling import SamplingConfig
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of Japan?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How are you?"},
+     {"role": "user", "content": "Naïve café 🙂 — fine."}],
+]
+
+
+def test_export_parity_recorded(tiny_bundle):
+    par = tiny_bundle.manifest.engine("fp32").quality["parity"]
+    assert par["max_abs_logit_diff"] <= 1e-3
+    assert par["greedy_tokens_identical"] and par["greedy_tokens"] == 64
+
+
+@pytest.mark.parametrize("engine", ["fp32", "int8-dynamic", "int8-qdq"])
+def test_kv_cache_decode_equals_full_recompute(tiny_bundle, engine):
+    gen = Generator.from_bundle(tiny_bundle, engine=engine, threads=1)
+    d = gen.decoder
+    ids = gen.tokenizer.encode_chat(CHATS[2])
+    full = d.forward(np.array([ids]), d.new_cache(), last_only=False)[0]
+    cache = d.new_cache()
+    d.forward(np.array([ids[:5]]), cache)
+    for k in range(5, len(ids)):
+        step = d.forward(np.array([[ids[k]]]), cache)[0]
+        np.testing.assert_allclose(step, full[k], atol=2e-4 if engine == "fp32" else 5e-2)
+    assert cache.length == len(ids)
+
+
+def test_logits_match_pytorch(tiny_bundle, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    gen = Generator.from_bundle(tiny_bundle, engine="fp32", threads=1)
+    ids = gen.tokenizer.encode_chat(CHATS[0])
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    got = gen.decoder.forward(np.array([ids]), gen.decoder.new_cache(), last_only=False)[0]
+    assert np.abs(got - ref).max() < 1e-4
+
+
+def test_greedy_equals_transformers_generate(tiny_generator, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids = tiny_generator.tokenizer.encode_chat(CHATS[1])
+    out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expect = out[0, len(ids):].tolist()
+    got = list(tiny_generator.tokens(ids, SamplingConfig(max_new_tokens=24)))
+    n = next((i for i, t in enumerate(expect) if t in tiny_generator.tokenizer.eos_ids), len(expect))
+    assert got == expect[:n]
+
+
+@pytest.mark.parametrize("chat", CHATS)
+@pytest.mark.parametrize("gen_prompt", [True, False])
+def test_chat_template_equals_transformers(tiny_generator, tiny_model_dir, chat, gen_prompt):
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen_prompt)
+    ids = ref.apply_chat_template(chat, tokenize=True, add_generation_prompt=gen_prompt)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert tiny_generator.tokenizer.render(chat, gen_prompt) == text
+    assert tiny_generator.tokenizer.encode_chat(chat, gen_prompt) == list(ids)
+
+
+def test_real_default_template_equals_transformers():
+    """SmolLM2's own template (from the GGUF), rendered by us and by transformers."""
+    pytest.importorskip("gguf")
+    from transformers import AutoTokenizer
+
+    from edge.bundle import TokenizerSpec
+    from edge.tokenizer import _template_env
+    from export.model_source import default_gguf
+
+    g = default_gguf()
+    ref = AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)
+    env, _ = _template_env()
+    for chat in CHATS:
+        ours = env.from_string(ref.chat_template).render(messages=chat, add_generation_prompt=True,
+                                                         bos_token=ref.bos_token, eos_token=ref.eos_token)
+        assert ours == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+def test_seeded_sampling_is_reproducible(tiny_generator):
+    ids = tiny_generator.tokenizer.encode_chat(CHATS[0])
+    cfg = SamplingConfig(max_new_tokens=20, temperature=1.0, top_k=50, top_p=0.9, seed=123)
+    a = list(tiny_generator.tokens(ids, cfg))
+    b = list(tiny_generator.tokens(ids, cfg))
+    c = list(tiny_generator.tokens(ids, SamplingConfig(max_new_tokens=20, temperature=1.0, seed=7)))
+    assert a == b and len(a) > 0
+    assert a != c
+
+
+def test_sampler_filters():
+    from edge.sampling import Sampler
+
+    logits = np.array([0.0, 5.0, 4.9, -3.0])
+    assert Sampler(SamplingConfig())(logits) == 1
+    picks = {Sampler(SamplingConfig(temperature=1.0, top_k=2, seed=s))(logits) for s in range(50)}
+    assert picks == {1, 2}
+    picks = {Sampler(SamplingConfig(temperature=1.0, top_p=0.3, seed=s))(logits) for s in range(50)}
+    assert picks == {1}
+    # repetition penalty pushes an already-seen token down
+    assert Sampler(SamplingConfig(repetition_penalty=2.0))(logits, np.array([1])) == 2
+
+
+def test_streaming_reassembles_to_full_text(tiny_generator):
+    ids = tiny_generator.tokenizer.encode_chat(CHATS[2])
+    cfg = SamplingConfig(max_new_tokens=40, temperature=1.0, seed=1)
+    events = list(tiny_generator.stream(ids, cfg))
+    last = events[-1]
+    assert last.finish_reason in ("stop", "length")
+    text = "".join(e.text for e in events)
+    assert text == tiny_generator.tokenizer.decode(last.token_ids)
+    assert all("\ufffd" not in e.text for e in events[:-1]) or "\ufffd" in text
+
+
+def test_incremental_decoder_never_splits_a_character(tiny_generator):
+    tok = tiny_generator.tokenizer
+    text = "Naïve café 🙂 日本語 crème brûlée"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split())  # multi-byte characters span several byte-level tokens
+    s = tok.streamer()
+    pieces = [s.push(i) for i in ids] + [s.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stop_strings(tiny_generator):
+    ids = tiny_generator.tokenizer.encode_chat(CHATS[0])
+    full, _ = tiny_generator.complete(ids, SamplingConfig(max_new_tokens=40, temperature=1.0, seed=3))
+    assert len(full) > 6
+    stop = full[3:6]
+    text, last = tiny_generator.complete(ids, SamplingConfig(max_new_tokens=40, temperature=1.0, seed=3, stop=(stop,)))
+    assert text == full[: full.find(stop)]
+    assert last.finish_reason == "stop"
+
+
+def test_max_new_tokens_gives_length(tiny_generator):
+    ids = tiny_generator.tokenizer.encode_chat(CHATS[0])
+    text, last = tiny_generator.complete(ids, SamplingConfig(max_new_tokens=3, temperature=1.0, seed=5))
+    assert last.stats["completion_tokens"] <= 3
+
+
+def test_context_overflow_drops_oldest_turns_keeps_system(tiny_generator):
+    chat = Chat(tiny_generator, system="Be brief.")
+    for i in range(30):
+        chat.messages += [{"role": "user", "content": f"Question number {i}: what is the capital of Japan?"},
+                          {"role": "assistant", "content": "The capital of Japan is Tokyo. " * 2}]
+    events = list(chat.ask("And one more?", SamplingConfig(max_new_tokens=8)))
+    assert events[-1].finish_reason
+    assert chat.last_dropped > 0
+    assert chat.messages[0] == {"role": "system", "content": "Be brief."}
+    assert chat.messages[-2]["content"] == "And one more?"
+    assert len(tiny_generator.tokenizer.encode_chat(chat.messages[:-1])) <= tiny_generator.max_context
+
+
+def test_single_message_too_long_is_a_clear_error(tiny_generator):
+    chat = Chat(tiny_generator)
+    with pytest.raises(ContextOverflowError, match="shorten it"):
+        list(chat.ask("Tokyo " * 400, SamplingConfig(max_new_tokens=8)))
+    assert chat.messages == []  # the refused message is not kept
+    with pytest.raises(ContextOverflowError):
+        list(tiny_generator.tokens(list(range(3, 300)), SamplingConfig()))
+
+
+def test_generation_stops_at_end_of_context(tiny_generator):
+    ids = tiny_generator.tokenizer.encode("Tokyo " * 100)[: tiny_generator.max_context - 5]
+    toks = list(tiny_generator.tokens(ids, SamplingConfig(max_new_tokens=50, temperature=1.0, seed=0)))
+    assert len(ids) + len(toks) < tiny_generator.max_context
+
+
+def test_bad_sampling_values():
+    for kw in ({"temperature": -1}, {"top_p": 0}, {"max_new_tokens": 0}, {"stop": ("",)}):
+        with pytest.raises(EdgeChatError):
+            SamplingConfig(**kw)
+
+
+def test_corrupt_onnx_is_a_clear_error(tiny_bundle, tmp_path):
+    dst = tmp_path / "c.bundle"
+    shutil.copytree(tiny_bundle.root, dst)
+    p = dst / "engines" / "fp32" / "model.onnx"
+    size = p.stat().st_size
+    p.write_bytes(b"\x00garbage" * (size // 8) + b"\x00" * (size % 8))
+    b = Bundle.open(dst, verify="size")  # same size: only a full verify or the loader sees it
+    with pytest.raises(BundleError, match="ONNX Runtime cannot load engines/fp32/model.onnx"):
+        Generator.from_bundle(b, engine="fp32")
+
+
+def test_manifest_dims_checked_against_graph(tiny_bundle, tmp_path):
+    from edge.errors import DimensionError
+
+    dst = tmp_path / "d.bundle"
+    shutil.copytree(tiny_bundle.root, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["model"]["num_layers"] = 3
+    (dst / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DimensionError, match="missing input 'past_key_values.2.key'"):
+        Generator.from_bundle(Bundle.open(dst), engine="fp32")
