@@ -276,7 +276,8 @@ def _int8_qdq(src: Path, dst: Path, hf_dir: Path, opts: QuantizeOptions, dims) -
         nodes_to_quantize=nodes, per_channel=True, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
         calibrate_method=CalibrationMethod.MinMax,
         extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
-                       "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}},
+                       "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
+                       "OpTypesToExcludeOutputQuantization": ["MatMul"]},  # TensorRT: Q/DQ on MatMul inputs only
     )
     pre.unlink()
     return {"smoothquant_groups": smoothed, "calibration_samples": len(feeds), "quantized_matmuls": len(nodes)}
