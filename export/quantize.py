@@ -251,6 +251,9 @@ def smooth(model, feeds: list[dict], alpha: float) -> int:
         mul.input[slot] = private
         for m, w in zip(mms, ws):
             inits[m.input[1]].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32), m.input[1]))
+    used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+    for init in [i for i in model.graph.initializer if i.name not in used]:
+        model.graph.initializer.remove(init)  # the norm weights replaced by their smoothed copies
     return len(groups)
 
 

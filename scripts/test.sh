@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up and run every test (fast tier on tiny models + slow tier on the real default model).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
