@@ -31,7 +31,12 @@ class QuantizeOptions:
     calibration: str | None = None  # user JSONL; default chitchat-dataset calibration split
     samples: int = 64
     smoothquant_alpha: float = 0.5  # 0 disables SmoothQuant
-    int8_kernel: str = "matmulinteger"  # matmulinteger (DynamicQuantizeMatMul) | nbits (MatMulNBits 8-bit)
+    # nbits = MatMulNBits 8-bit, block 32 (per-block scales): measured on SmolLM2-135M, 2-core EPYC:
+    # +0.5% perplexity, 97% top-1 agreement, 74 tok/s. matmulinteger (per-tensor dynamic uint8
+    # activations) was +29% perplexity, 56% agreement, 73 tok/s: activation outliers ruin it.
+    int8_kernel: str = "nbits"
+    # MatMulNBits compute: 4 = INT8 activations per block (fastest on VNNI), 1 = fp32 activations
+    accuracy_level: int = 4
     max_calibration_tokens: int = 256
 
     def __post_init__(self) -> None:
@@ -109,7 +114,26 @@ def quantize_embedding(model) -> int:
         shared_q, shared_s, shared_zp = base + ".lm_head_T_quantized", base + ".lm_head_T_scale", base + ".lm_head_T_zero_point"
         model.graph.initializer.remove(inits[base])
         model.graph.node.remove(node)
-        if shared_q in inits and shared_s in inits and not numpy_helper.to_array(inits[shared_zp]).any():
+        nbits_q, nbits_s = base + ".lm_head_T_Q8", base + ".lm_head_T_scales"
+        nbits_users = [n for n in model.graph.node if n.op_type == "MatMulNBits" and len(n.input) > 1 and n.input[1] == nbits_q]
+        if nbits_q in inits and nbits_users and len(nbits_users[0].input) == 3:
+            # Tied weights, MatMulNBits 8-bit LM head: B is [vocab, blocks, 32] uint8 with an implicit
+            # zero point of 128 and per-block scales [vocab, blocks]; gather embedding rows from it.
+            zp = numpy_helper.from_array(np.array(128.0, np.float32), base + ".nbits_zp")
+            axes = numpy_helper.from_array(np.array([-1], np.int64), base + ".unsq_axes")
+            shape = numpy_helper.from_array(np.array([0, 0, -1], np.int64), base + ".row_shape")
+            model.graph.initializer.extend([zp, axes, shape])
+            new = [
+                helper.make_node("Gather", [nbits_q, node.input[1]], [out + ".q"], name=pre + "/GatherQ8"),
+                helper.make_node("Cast", [out + ".q"], [out + ".f"], to=TensorProto.FLOAT, name=pre + "/Cast"),
+                helper.make_node("Sub", [out + ".f", zp.name], [out + ".c"], name=pre + "/ZeroPoint"),
+                helper.make_node("Gather", [nbits_s, node.input[1]], [out + ".s1"], name=pre + "/GatherScale"),
+                helper.make_node("Unsqueeze", [out + ".s1", axes.name], [out + ".s"], name=pre + "/UnsqueezeScale"),
+                helper.make_node("Mul", [out + ".c", out + ".s"], [out + ".b"], name=pre + "/Dequant"),
+                helper.make_node("Reshape", [out + ".b", shape.name], [out], name=pre + "/Reshape"),
+            ]
+            saved += w.nbytes
+        elif shared_q in inits and shared_s in inits and not numpy_helper.to_array(inits[shared_zp]).any():
             # Tied weights: gather rows straight from the LM head's symmetric INT8 [hidden, vocab]
             # table (per-vocab scales = per-row embedding scales), so the table is stored once.
             axes = numpy_helper.from_array(np.array([-1], np.int64), base + ".unsq_axes")
@@ -145,17 +169,17 @@ def quantize_embedding(model) -> int:
 
 def _int8_dynamic(src: Path, dst: Path, opts: QuantizeOptions) -> None:
     if opts.int8_kernel == "nbits":
-        return _nbits(src, dst, bits=8)
+        return _nbits(src, dst, bits=8, accuracy_level=opts.accuracy_level)
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
                      op_types_to_quantize=["MatMul"], extra_options={"MatMulConstBOnly": True})
 
 
-def _nbits(src: Path, dst: Path, bits: int) -> None:
+def _nbits(src: Path, dst: Path, bits: int, accuracy_level: int = 4) -> None:
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
-    cfg = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, accuracy_level=4, bits=bits)
+    cfg = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, accuracy_level=accuracy_level, bits=bits)
     q = MatMulNBitsQuantizer(_load(src), algo_config=cfg)
     q.process()
     _save(q.model.model, dst)

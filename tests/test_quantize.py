@@ -30,7 +30,7 @@ def test_int8_dynamic_has_no_fp32_weight_matrices(tiny_bundle):
     big_fp32 = [i.name for i in g.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2
                 and i.dims[0] * i.dims[1] >= 64 * 64]
     assert big_fp32 == []  # the embedding and LM head are INT8 too
-    assert any(n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul") for n in g.graph.node)
+    assert any(n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul", "MatMulNBits") for n in g.graph.node)
 
 
 def test_qdq_only_on_weight_matmuls_symmetric_and_finite(tiny_bundle):
