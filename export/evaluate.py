@@ -119,6 +119,9 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions) -> dict:
         d = decs[e.name]
         q = summarize(parts[e.name])
         q["size_bytes"] = sum(f.stat().st_size for f in e.folder.glob("model.onnx*"))
+        if getattr(e, "report_only", False):
+            results["engines"][e.name] = q  # quality only: no golden answers or timing for ablations
+            continue
         q |= speed(d, bench_ids, opts.bench_tokens, opts.bench_runs)
         q["bench_prompt_tokens"] = len(bench_ids)
         gen = Generator(tok, d)

@@ -23,6 +23,7 @@ class EngineArtifact:
     precision: str
     variant: str = "plain"
     quality: dict = field(default_factory=dict)
+    report_only: bool = False  # measured for the report (e.g. an ablation), not shipped
 
 
 def _opset(path: Path) -> int:

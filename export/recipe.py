@@ -112,6 +112,7 @@ def build(opts: BuildOptions, log=print) -> Bundle:
                               opts.fresh, log)
     records.append(rec)
     engines = [package.EngineArtifact("fp32", fp32_dir, "fp32", quality={"parity": rec.metrics})]
+    report_only: list = []  # measured and shown in the report, not shipped
     exported = rec.finished  # later stages depend on this export: a new export invalidates them
 
     for precision in opts.precisions:
@@ -125,6 +126,9 @@ def build(opts: BuildOptions, log=print) -> Bundle:
                               lambda d, q=qopts: quantize.run(fp32_dir, hf_dir, d, q), opts.fresh, log)
         records.append(rec)
         engines.append(package.EngineArtifact(precision, qdir, precision))
+        if (qdir / quantize.ABLATION).is_dir():
+            report_only.append(package.EngineArtifact(f"{precision}-{quantize.ABLATION}", qdir / quantize.ABLATION, precision,
+                                                       report_only=True))
 
     golden: list[dict] = []
     extra: dict[str, Path] = {}
@@ -133,10 +137,10 @@ def build(opts: BuildOptions, log=print) -> Bundle:
 
         evopts = evaluate.EvalOptions(samples=opts.eval_samples, data=opts.calibration, threads=opts.threads,
                                       max_context=opts.max_context)
-        params = dataclasses.asdict(evopts) | {"engines": [e.name for e in engines],
+        params = dataclasses.asdict(evopts) | {"engines": [e.name for e in engines + report_only],
                                                "inputs": [r.finished for r in records]}
         edir, rec = run_stage(work, "evaluate", params,
-                              lambda d: evaluate.run(hf_dir, engines, d, evopts), opts.fresh, log)
+                              lambda d: evaluate.run(hf_dir, engines + report_only, d, evopts), opts.fresh, log)
         records.append(rec)
         results = rec.metrics
         for e in engines:

@@ -41,6 +41,7 @@ def _plots(results: dict, dst: Path) -> list[str]:
     plt.close(fig)
     files.append("size_vs_perplexity.png")
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    names = [n for n in names if "decode_tok_s" in eng[n]]
     ax.bar(names, [eng[n]["decode_tok_s"] for n in names], color="#4c72b0")
     ax.set_ylabel("decode tokens/s (batch 1)")
     ax.set_title("Decode speed per precision (this machine)")
@@ -65,9 +66,12 @@ def write_report(results: dict, dst: Path) -> None:
     for g in results["golden"]:
         mark = "" if g["passed"] is None else (" ✅" if g["passed"] else " ❌")
         md.append(f"- **{g['engine']}** — {g['prompt']}{mark}  \n  {g['answer']}")
-    for name, q in results["engines"].items():
-        if "smoothquant" in q:
-            md += ["", f"SmoothQuant ({name}): {q['smoothquant']}"]
+    abl = [n for n in results["engines"] if n.endswith("-no-smoothquant")]
+    for n in abl:
+        on, off = results["engines"][n.removesuffix("-no-smoothquant")], results["engines"][n]
+        md += ["", f"SmoothQuant on vs off ({n.removesuffix('-no-smoothquant')}): perplexity {on['perplexity']:.3f} vs "
+                   f"{off['perplexity']:.3f}, KL {on['kl_to_fp32']:.4f} vs {off['kl_to_fp32']:.4f}, top-1 "
+                   f"{100 * on['top1_agreement']:.1f}% vs {100 * off['top1_agreement']:.1f}%"]
     (dst / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     e = html.escape
     table = "<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>" + "".join(

@@ -19,8 +19,9 @@ def _graph(bundle, name):
 def test_int8_graphs_are_smaller_and_run(tiny_bundle):
     q = tiny_bundle.manifest
     fp32 = q.files["engines/fp32/model.onnx"].size
-    for name in ("int8-dynamic", "int8-qdq"):
-        assert q.files[f"engines/{name}/model.onnx"].size < 0.6 * fp32  # tiny model: graph constants dominate
+    # tiny model: graph constants dominate; int8-qdq keeps the LM head float by design
+    for name, bound in (("int8-dynamic", 0.6), ("int8-qdq", 0.8)):
+        assert q.files[f"engines/{name}/model.onnx"].size < bound * fp32
         assert q.engine(name).quality["top1_agreement"] > 0.5
         assert np.isfinite(q.engine(name).quality["perplexity"])
 
@@ -58,10 +59,13 @@ def test_qdq_only_on_weight_matmuls_symmetric_and_finite(tiny_bundle):
     assert weight_dq and all(inits[n.input[1]].ndim == 1 for n in weight_dq)  # per output channel
 
 
-def test_smoothquant_recorded(tiny_bundle):
+def test_smoothquant_recorded_and_compared(tiny_bundle):
     rec = next(s for s in tiny_bundle.manifest.stages if s.name == "quantize-int8-qdq")
     assert rec.params["smoothquant_alpha"] == 0.5
-    assert rec.metrics["smoothquant_groups"] > 0
+    assert rec.metrics["smoothquant_groups"] >= 3 * tiny_bundle.manifest.model.num_layers  # qkv, gate/up, down
+    assert "int8-qdq-no-smoothquant" not in {e.name for e in tiny_bundle.manifest.engines}  # not shipped
+    md = (tiny_bundle.root / "report" / "report.md").read_text()
+    assert "| int8-qdq-no-smoothquant |" in md and "SmoothQuant on vs off (int8-qdq)" in md
 
 
 def test_smoothing_is_exact_before_quantization(tiny_bundle, tmp_path):
