@@ -131,10 +131,8 @@ def make_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = make_parser()
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
+def guarded(args: argparse.Namespace) -> int:
+    """Run a subcommand; a problem the user can act on becomes one line on stderr and exit code 2."""
     try:
         return args.func(args)
     except EdgeChatError as e:
@@ -143,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
+    return guarded(args)
 
 
 if __name__ == "__main__":

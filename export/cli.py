@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable
 
-from edge.errors import EdgeChatError
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -103,20 +101,10 @@ def make_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def run(argv: list[str] | None, parser: Callable[[], argparse.ArgumentParser]) -> int:
-    args = parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except EdgeChatError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-
-
 def main(argv: list[str] | None = None) -> int:
-    return run(argv, make_parser)
+    from edge.cli import guarded
+
+    return guarded(make_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from edge.bundle import Bundle
-from edge.chat import Chat, fit_messages
+from edge.chat import Chat
 from edge.errors import BundleError, ContextOverflowError, EdgeChatError
 from edge.runtime import Generator
 from edge.sampling import SamplingConfig
@@ -84,7 +84,6 @@ def test_real_default_template_equals_transformers():
     pytest.importorskip("gguf")
     from transformers import AutoTokenizer
 
-    from edge.bundle import TokenizerSpec
     from edge.tokenizer import _template_env
     from export.model_source import default_gguf
 
