@@ -8,7 +8,6 @@ time-to-first-token on this machine; size on disk. Writes the report too.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -17,12 +16,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from edge.bundle import TokenizerSpec
 from edge.io_contract import DecoderIO
 from edge.runtime import Decoder, Generator
 from edge.sampling import SamplingConfig
-from edge.tokenizer import ChatTokenizer
-from export.architectures import dims_from_hf_config
 
 GOLDEN = [
     {"prompt": "What is the capital of Japan?", "expect": ["Tokyo"]},
@@ -91,15 +87,11 @@ def speed(dec: Decoder, prompt_ids: list[int], new_tokens: int, runs: int) -> di
 
 def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions) -> dict:
     from export.data import load_chats
+    from export.load import chat_tokenizer, model_dims
     from export.report import write_report
 
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    dims = dims_from_hf_config(cfg)
-    dims = type(dims)(**{**dims.__dict__, "max_context": min(opts.max_context, dims.max_context)})
-    tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    tmpl = tcfg.get("chat_template") or (hf_dir / "chat_template.jinja").read_text()
-    src = json.loads((hf_dir / "edgechat_source.json").read_text())
-    tok = ChatTokenizer(hf_dir / "tokenizer.json", TokenizerSpec("tokenizer.json", tmpl, src["eos_token_ids"]))
+    dims = model_dims(hf_dir, opts.max_context)
+    tok = chat_tokenizer(hf_dir)
     decs = {e.name: Decoder(e.folder / "model.onnx", dims, DecoderIO(), threads=opts.threads, name=e.name) for e in engines}
     chats = load_chats(opts.data, "evaluation", opts.samples)
     parts: dict[str, list[dict]] = {n: [] for n in decs}
@@ -128,10 +120,10 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions) -> dict:
         passed = 0
         for g in GOLDEN:
             text, _ = gen.complete(tok.encode_chat([{"role": "user", "content": g["prompt"]}]), greedy)
-            ok = all(False for _ in []) if not g["expect"] else any(k.lower() in text.lower() for k in g["expect"])
-            passed += bool(g["expect"]) and ok
+            ok = any(k.lower() in text.lower() for k in g["expect"]) if g["expect"] else None  # None: nothing to check
+            passed += bool(ok)
             results["golden"].append({"engine": e.name, "prompt": g["prompt"], "answer": text.strip(),
-                                      "expect": g["expect"], "passed": ok if g["expect"] else None})
+                                      "expect": g["expect"], "passed": ok})
         q["golden_passed"] = f"{passed}/{sum(1 for g in GOLDEN if g['expect'])}"
         results["engines"][e.name] = q
     base = results["engines"]["fp32"]["perplexity"]

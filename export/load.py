@@ -10,7 +10,9 @@ import json
 import os
 from pathlib import Path
 
+from edge.bundle import ModelDims, TokenizerSpec
 from edge.errors import MissingDependencyError, ModelSourceError
+from export.architectures import dims_from_hf_config
 from export.model_source import ModelRef
 
 META = "edgechat_source.json"
@@ -67,3 +69,43 @@ def run(ref: ModelRef, dst: Path, online: bool = False) -> dict:
         "eos_token_ids": eos_ids(model, tok), "num_parameters": n,
     }, indent=2))
     return {"num_parameters": n}
+
+
+def model_dims(hf_dir: Path, max_context: int | None = None) -> ModelDims:
+    """Dims of the loaded model as the bundle records them (context capped, exact parameter count)."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    dims = dims_from_hf_config(cfg)
+    src = json.loads((hf_dir / META).read_text())
+    ctx = min(max_context, dims.max_context) if max_context else dims.max_context
+    return type(dims)(**{**dims.__dict__, "max_context": ctx, "num_parameters": int(src["num_parameters"])})
+
+
+def tokenizer_spec(hf_dir: Path) -> TokenizerSpec:
+    """The tokenizer, chat template and special tokens of the loaded model, as the bundle ships them.
+
+    Every stage that prompts the model (calibration, evaluation, packaging) uses this one spec.
+    """
+    tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    template = tcfg.get("chat_template")
+    if template is None and (hf_dir / "chat_template.jinja").is_file():
+        template = (hf_dir / "chat_template.jinja").read_text()
+    tok_json = json.loads((hf_dir / "tokenizer.json").read_text())
+    by_content = {t["content"]: t["id"] for t in tok_json.get("added_tokens", [])}
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    src = json.loads((hf_dir / META).read_text())
+
+    def tok_str(key: str) -> str | None:
+        v = tcfg.get(key)
+        return v.get("content") if isinstance(v, dict) else v
+
+    bos, eos = tok_str("bos_token"), tok_str("eos_token")
+    return TokenizerSpec(
+        file="tokenizer.json", chat_template=template, eos_token_ids=src["eos_token_ids"],
+        bos_token_id=by_content.get(bos), pad_token_id=cfg.get("pad_token_id"), bos_token=bos, eos_token=eos,
+    )
+
+
+def chat_tokenizer(hf_dir: Path):
+    from edge.tokenizer import ChatTokenizer
+
+    return ChatTokenizer(hf_dir / "tokenizer.json", tokenizer_spec(hf_dir))

@@ -8,10 +8,9 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edge.bundle import Bundle, BundleWriter, EngineEntry, Fingerprint, Manifest, StageRecord, TokenizerSpec
+from edge.bundle import Bundle, BundleWriter, EngineEntry, Fingerprint, Manifest, StageRecord
 from edge.io_contract import DecoderIO
-from export.architectures import dims_from_hf_config
-from export.load import META
+from export.load import META, model_dims, tokenizer_spec
 
 DEFAULT_GENERATION = {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
 
@@ -38,26 +37,8 @@ def run(hf_dir: Path, engines: list[EngineArtifact], stages: list[StageRecord], 
     import onnxruntime as ort
 
     src = json.loads((hf_dir / META).read_text())
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    dims = dims_from_hf_config(cfg)
-    dims = type(dims)(**{**dims.__dict__, "max_context": min(max_context, dims.max_context),
-                         "num_parameters": int(src["num_parameters"])})
-    tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    template = tcfg.get("chat_template")
-    if template is None and (hf_dir / "chat_template.jinja").is_file():
-        template = (hf_dir / "chat_template.jinja").read_text()
-    tok_json = json.loads((hf_dir / "tokenizer.json").read_text())
-    by_content = {t["content"]: t["id"] for t in tok_json.get("added_tokens", [])}
-
-    def tok_str(key: str) -> str | None:
-        v = tcfg.get(key)
-        return v.get("content") if isinstance(v, dict) else v
-
-    bos, eos = tok_str("bos_token"), tok_str("eos_token")
-    spec = TokenizerSpec(
-        file="tokenizer.json", chat_template=template, eos_token_ids=src["eos_token_ids"],
-        bos_token_id=by_content.get(bos), pad_token_id=cfg.get("pad_token_id"), bos_token=bos, eos_token=eos,
-    )
+    dims = model_dims(hf_dir, max_context)
+    spec = tokenizer_spec(hf_dir)
     gen = dict(DEFAULT_GENERATION)
     digest = hashlib.sha256(json.dumps([src, [e.name for e in engines], [s.params for s in stages]],
                                        sort_keys=True, default=str).encode()).hexdigest()[:10]

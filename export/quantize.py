@@ -193,16 +193,10 @@ def _nbits(src: Path, dst: Path, bits: int, accuracy_level: int = 4) -> None:
 
 def calibration_feeds(hf_dir: Path, opts: QuantizeOptions, num_layers: int, kv_heads: int, head_dim: int) -> list[dict]:
     """Prefill inputs for calibration chats, formatted with the model's chat template."""
-    from tokenizers import Tokenizer
-
-    from edge.bundle import TokenizerSpec
-    from edge.tokenizer import ChatTokenizer
     from export.data import load_chats
-    import json
+    from export.load import chat_tokenizer
 
-    tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    tmpl = tcfg.get("chat_template") or (hf_dir / "chat_template.jinja").read_text()
-    tok = ChatTokenizer(hf_dir / "tokenizer.json", TokenizerSpec("tokenizer.json", tmpl, [0]))
+    tok = chat_tokenizer(hf_dir)
     feeds = []
     for chat in load_chats(opts.calibration, "calibration", opts.samples):
         ids = tok.encode_chat(chat, add_generation_prompt=False)[: opts.max_calibration_tokens]
@@ -213,7 +207,6 @@ def calibration_feeds(hf_dir: Path, opts: QuantizeOptions, num_layers: int, kv_h
             for kv in ("key", "value"):
                 feed[f"past_key_values.{i}.{kv}"] = np.zeros((1, kv_heads, 0, head_dim), np.float32)
         feeds.append(feed)
-    del Tokenizer
     return feeds
 
 
@@ -345,11 +338,9 @@ def _qdq(pre: Path, dst: Path, reader, nodes: list[str]) -> None:
 
 
 def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
-    import json
+    from export.load import model_dims
 
-    from export.architectures import dims_from_hf_config
-
-    dims = dims_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    dims = model_dims(hf_dir)
     model = _load(fp32_dir / "model.onnx")
     untie_lm_head(model)
     pre = dst / "prepared.onnx"
