@@ -138,21 +138,29 @@ class Decoder:
         past = cache.length
         if past + seq > self.dims.max_context:
             raise ContextOverflowError(f"{past + seq} tokens exceed the model's context of {self.dims.max_context}")
+        mask = np.ones((batch, past + seq), dtype=np.int64)
+        positions = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq))
+        logits, cache.values = self.run(ids, mask, positions, cache.values)
+        cache.length = past + seq
+        return logits[:, -1, :] if last_only else logits
+
+    def run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list) -> tuple[np.ndarray, list]:
+        """One graph call: returns (logits [batch, seq, vocab], present OrtValues to pass as the next past)."""
         b = self.session.io_binding()
         b.bind_cpu_input(self.io.input_ids, np.ascontiguousarray(ids, dtype=np.int64))
-        b.bind_cpu_input(self.io.attention_mask, np.ones((batch, past + seq), dtype=np.int64))
-        b.bind_cpu_input(self.io.position_ids, np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq)).copy())
-        for name, val in zip(self.past_names, cache.values):
+        b.bind_cpu_input(self.io.attention_mask, np.ascontiguousarray(mask, dtype=np.int64))
+        b.bind_cpu_input(self.io.position_ids, np.ascontiguousarray(positions, dtype=np.int64))
+        for name, val in zip(self.past_names, past):
             b.bind_ortvalue_input(name, val)
         b.bind_output(self.io.logits, "cpu")
         for name in self.present_names:
             b.bind_output(name, self.device)
         self.session.run_with_iobinding(b)
         outs = b.get_outputs()
-        cache.values = outs[1:]
-        cache.length = past + seq
-        logits = outs[0].numpy()
-        return logits[:, -1, :] if last_only else logits
+        return outs[0].numpy(), outs[1:]
+
+    def to_ortvalue(self, array: np.ndarray):
+        return _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=self._kv_dtype), self.device, 0)
 
     def prefill(self, ids: list[int] | np.ndarray, cache: KVCache) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
@@ -224,47 +232,16 @@ class Generator:
 
     def stream(self, prompt_ids: list[int], cfg: SamplingConfig,
                cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
-        t0 = time.perf_counter()
-        first = None
-        n = 0
-        detok = self.tokenizer.streamer()
-        held = ""  # text that might be the start of a stop string
-        finish = "length"
+        text = TextStream(self.tokenizer, cfg, len(prompt_ids), self.max_context)
         it = self.tokens(prompt_ids, cfg, cancel)
-        ids: list[int] = []
-        stopped = False
         for tok in it:
-            n += 1
-            ids.append(tok)
-            if first is None:
-                first = time.perf_counter()
-            held += detok.push(tok)
-            out, held, stopped = _split_stop(held, cfg.stop)
-            if out:
-                yield StreamEvent(out, token_ids=[tok])
-            if stopped:
-                finish = "stop"
+            ev = text.push(tok)
+            if ev is not None:
+                yield ev
+            if text.stopped:
                 it.close()
                 break
-        else:
-            if cancel is not None and cancel.is_set():
-                finish = "cancelled"
-            elif n < cfg.max_new_tokens and len(prompt_ids) + n + 1 < self.max_context:
-                finish = "stop"  # EOS
-        if not stopped:
-            held += detok.flush()
-            out, _, hit = _split_stop(held, cfg.stop, final=True)
-            if hit:
-                finish = "stop"
-            if out:
-                yield StreamEvent(out)
-        t1 = time.perf_counter()
-        ttft = (first or t1) - t0
-        decode_s = t1 - (first or t1)
-        yield StreamEvent("", finish_reason=finish, token_ids=ids, stats={
-            "prompt_tokens": len(prompt_ids), "completion_tokens": n, "ttft_s": ttft,
-            "decode_tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, "total_s": t1 - t0,
-        })
+        yield from text.finish(cancelled=cancel is not None and cancel.is_set())
 
     def complete(self, prompt_ids: list[int], cfg: SamplingConfig) -> tuple[str, StreamEvent]:
         parts = []
@@ -274,6 +251,64 @@ class Generator:
             last = ev
         assert last is not None
         return "".join(parts), last
+
+
+class TextStream:
+    """One answer's token ids in, StreamEvents out: incremental text, stop strings, finish reason, stats.
+
+    Shared by the single-user `Generator.stream` and the batching scheduler, so
+    both end an answer the same way.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, cfg: SamplingConfig, prompt_len: int, max_context: int) -> None:
+        self.cfg = cfg
+        self.prompt_len = prompt_len
+        self.max_context = max_context
+        self.detok = tokenizer.streamer()
+        self.held = ""  # text that might be the start of a stop string
+        self.ids: list[int] = []
+        self.stopped = False  # a stop string was hit
+        self.t0 = time.perf_counter()
+        self.first: float | None = None
+
+    def push(self, tok: int) -> StreamEvent | None:
+        self.ids.append(tok)
+        if self.first is None:
+            self.first = time.perf_counter()
+        self.held += self.detok.push(tok)
+        out, self.held, self.stopped = _split_stop(self.held, self.cfg.stop)
+        return StreamEvent(out, token_ids=[tok]) if out else None
+
+    def finish(self, cancelled: bool = False, reason: str | None = None) -> list[StreamEvent]:
+        """Flush held text and close with a finish reason (stop, length, cancelled; EOS counts as stop)."""
+        n = len(self.ids)
+        events = []
+        if self.stopped:
+            reason = "stop"
+        elif reason is None:
+            if cancelled:
+                reason = "cancelled"
+            elif n < self.cfg.max_new_tokens and self.prompt_len + n + 1 < self.max_context:
+                reason = "stop"  # EOS
+            else:
+                reason = "length"
+        if not self.stopped:
+            self.held += self.detok.flush()
+            out, _, hit = _split_stop(self.held, self.cfg.stop, final=True)
+            if hit:
+                reason = "stop"
+            if out:
+                events.append(StreamEvent(out))
+        events.append(StreamEvent("", finish_reason=reason, token_ids=self.ids, stats=self.stats()))
+        return events
+
+    def stats(self) -> dict:
+        t1 = time.perf_counter()
+        n = len(self.ids)
+        first = self.first or t1
+        decode_s = t1 - first
+        return {"prompt_tokens": self.prompt_len, "completion_tokens": n, "ttft_s": first - self.t0,
+                "decode_tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, "total_s": t1 - self.t0}
 
 
 def _split_stop(text: str, stops: tuple[str, ...], final: bool = False) -> tuple[str, str, bool]:

@@ -1,0 +1,312 @@
+"""Continuous batching: many conversations share one decode step.
+
+Each active request owns a row of one batched KV cache. Rows have different
+lengths, so they are kept right-aligned in a [batch, kv_heads, width, head_dim]
+tensor per layer with the unused left columns masked out by `attention_mask`;
+positions are per row. A new request is prefilled alone (batch 1, chunked) and
+its cache joins the batch between steps; a finished or cancelled request
+leaves at once and its slot is free for the next step. The scheduler thread is
+the only caller of the ONNX Runtime session. Consumers get `StreamEvent`s
+through a callback, so a slow reader never holds up the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from edge.errors import ContextOverflowError, EdgeChatError
+from edge.runtime import Decoder, Generator, KVCache, StreamEvent, TextStream
+from edge.sampling import Sampler, SamplingConfig
+
+log = logging.getLogger("edgechat")
+
+
+class QueueFullError(EdgeChatError):
+    """Every slot is busy and the waiting queue is full: the client should retry later."""
+
+    def __init__(self, waiting: int, retry_after_s: float) -> None:
+        super().__init__(f"the server is busy ({waiting} requests waiting): retry in {retry_after_s:.0f} s")
+        self.retry_after_s = retry_after_s
+
+
+class BatchCache:
+    """Right-aligned KV rows of different lengths in one tensor per layer (see the module docstring)."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self.values: list | None = None  # OrtValues [batch, kv_heads, width, head_dim]
+        self.lengths: list[int] = []
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths, default=0)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def add(self, row: KVCache) -> None:
+        if self.values is None:
+            self.values, self.lengths = list(row.values), [row.length]
+            return
+        width = max(self.width, row.length)
+        old_pad, new_pad = width - self.width, width - row.length
+        merged = []
+        for old, new in zip(self.values, row.values):
+            a, b = old.numpy(), new.numpy()
+            if old_pad:
+                a = np.pad(a, ((0, 0), (0, 0), (old_pad, 0), (0, 0)))
+            if new_pad:
+                b = np.pad(b, ((0, 0), (0, 0), (new_pad, 0), (0, 0)))
+            merged.append(self.decoder.to_ortvalue(np.concatenate([a, b], axis=0)))
+        self.values = merged
+        self.lengths.append(row.length)
+
+    def remove(self, rows: list[int]) -> None:
+        keep = [i for i in range(len(self.lengths)) if i not in set(rows)]
+        if not keep:
+            self.values, self.lengths = None, []
+            return
+        old_width = self.width
+        self.lengths = [self.lengths[i] for i in keep]
+        cut = old_width - self.width  # columns that were padding for every remaining row
+        assert self.values is not None
+        self.values = [self.decoder.to_ortvalue(v.numpy()[keep, :, cut:, :]) for v in self.values]
+
+    def step(self, tokens: list[int]) -> np.ndarray:
+        """Feed one token per row; returns next-token logits [batch, vocab]."""
+        assert self.values is not None and len(tokens) == len(self.lengths)
+        width = self.width
+        mask = np.zeros((len(tokens), width + 1), dtype=np.int64)
+        for i, n in enumerate(self.lengths):
+            mask[i, width - n:] = 1
+        positions = np.asarray(self.lengths, dtype=np.int64)[:, None]
+        logits, self.values = self.decoder.run(np.asarray(tokens, dtype=np.int64)[:, None], mask, positions, self.values)
+        self.lengths = [n + 1 for n in self.lengths]
+        return logits[:, -1, :]
+
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Request:
+    """One answer being generated. `cancel()` frees its slot before the next step."""
+
+    prompt_ids: list[int]
+    cfg: SamplingConfig
+    on_event: Callable[[StreamEvent], None] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    _queue: "queue.Queue[StreamEvent]" = field(default_factory=queue.Queue, repr=False)
+
+    def emit(self, ev: StreamEvent) -> None:
+        (self.on_event or self._queue.put)(ev)
+        if ev.finish_reason:
+            self.done.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def events(self, timeout: float | None = None) -> Iterator[StreamEvent]:
+        """Blocking iterator over this request's events (only when no `on_event` callback was given)."""
+        while True:
+            ev = self._queue.get(timeout=timeout)
+            yield ev
+            if ev.finish_reason:
+                return
+
+
+@dataclass
+class _Row:
+    req: Request
+    sampler: Sampler
+    text: TextStream
+    seen: list[int]
+    last: int = -1
+
+    @property
+    def n(self) -> int:
+        return len(self.text.ids)
+
+
+class Scheduler:
+    """Admits requests into up to `max_batch` rows and runs batched decode steps on one thread."""
+
+    def __init__(self, gen: Generator, max_batch: int = 8, max_queue: int = 32, metrics=None) -> None:
+        if max_batch < 1 or max_queue < 0:
+            raise EdgeChatError(f"max_batch must be >= 1 and max_queue >= 0 (got {max_batch}, {max_queue})")
+        self.gen = gen
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.pending: deque[Request] = deque()
+        self.rows: list[_Row] = []
+        self.cache = BatchCache(gen.decoder)
+        self._cv = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.step_s = 0.05  # running mean of one decode step, for Retry-After
+        self.error: str | None = None
+
+    # -- client side -----------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], cfg: SamplingConfig,
+               on_event: Callable[[StreamEvent], None] | None = None) -> Request:
+        if not prompt_ids:
+            raise EdgeChatError("the prompt is empty")
+        if len(prompt_ids) >= self.gen.max_context:
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.gen.max_context}: shorten it")
+        if self._stop.is_set() or self._thread is None:
+            raise EdgeChatError("the scheduler is not running")
+        req = Request(list(prompt_ids), cfg, on_event)
+        with self._cv:
+            if len(self.pending) >= self.max_queue and len(self.rows) + len(self.pending) >= self.max_batch:
+                raise QueueFullError(len(self.pending), self.retry_after())
+            self.pending.append(req)
+            self._cv.notify()
+        return req
+
+    def retry_after(self) -> float:
+        """Rough seconds until a slot frees: a typical answer's remaining steps."""
+        return max(1.0, round(self.step_s * 64))
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.pending)
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> "Scheduler":
+        self._thread = threading.Thread(target=self._loop, name="edgechat-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel everything in flight and wait for the loop to end."""
+        self._stop.set()
+        with self._cv:
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- scheduler thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._admit()
+                if not self.rows:
+                    with self._cv:
+                        if not self.pending and not self._stop.is_set():
+                            self._cv.wait(0.5)
+                    continue
+                self._drop_cancelled()
+                if self.rows:
+                    self._step()
+        except Exception as e:  # a broken graph: fail everything in flight, loudly, and stop taking work
+            self.error = f"{type(e).__name__}: {e}"
+            log.exception("scheduler stopped")
+            raise
+        finally:
+            self._stop.set()
+            with self._cv:
+                waiting, self.pending = list(self.pending), deque()
+            for r in waiting:
+                self._emit_final(r, TextStream(self.gen.tokenizer, r.cfg, len(r.prompt_ids), self.gen.max_context),
+                                 "cancelled" if self.error is None else "error")
+            self._finish(list(range(len(self.rows))), "cancelled" if self.error is None else "error")
+
+    def _admit(self) -> None:
+        while len(self.rows) < self.max_batch and not self._stop.is_set():
+            with self._cv:
+                if not self.pending:
+                    return
+                req = self.pending.popleft()
+            text = TextStream(self.gen.tokenizer, req.cfg, len(req.prompt_ids), self.gen.max_context)
+            text.t0 = req.submitted  # TTFT counts the time spent waiting in the queue
+            if req.cancelled.is_set():
+                self._emit_final(req, text, "cancelled")
+                continue
+            row = _Row(req, Sampler(req.cfg), text, list(req.prompt_ids))
+            cache = self.gen.decoder.new_cache()
+            try:
+                logits = self.gen.decoder.prefill(req.prompt_ids, cache)[0]
+            except EdgeChatError as e:
+                self._emit_final(req, text, "error", str(e))
+                continue
+            if self._accept(row, logits, cache.length):
+                self.rows.append(row)
+                self.cache.add(cache)
+            if self.metrics is not None:
+                self.metrics.observe_prompt(len(req.prompt_ids))
+
+    def _accept(self, row: _Row, logits: np.ndarray, length: int) -> bool:
+        """Sample the row's next token and emit it; False when the answer is finished (and closed)."""
+        cfg = row.req.cfg
+        tok = row.sampler(logits, np.asarray(row.seen) if cfg.repetition_penalty != 1.0 else None)
+        if tok in self.gen.tokenizer.eos_ids:
+            self._emit_final(row.req, row.text, "stop")
+            return False
+        ev = row.text.push(tok)
+        if ev is not None:
+            row.req.emit(ev)
+        row.seen.append(tok)
+        row.last = tok
+        if row.text.stopped or row.n >= cfg.max_new_tokens or length + 1 >= self.gen.max_context:
+            self._emit_final(row.req, row.text, "stop" if row.text.stopped else "length")
+            return False
+        if row.req.cancelled.is_set():
+            self._emit_final(row.req, row.text, "cancelled")
+            return False
+        return True
+
+    def _drop_cancelled(self) -> None:
+        gone = [i for i, r in enumerate(self.rows) if r.req.cancelled.is_set()]
+        if gone:
+            self._finish(gone, "cancelled")
+
+    def _step(self) -> None:
+        t = time.perf_counter()
+        logits = self.cache.step([r.last for r in self.rows])
+        self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - t)
+        if self.metrics is not None:
+            self.metrics.observe_step(len(self.rows))
+        finished = [i for i, r in enumerate(self.rows) if not self._accept(r, logits[i], self.cache.lengths[i])]
+        if finished:
+            self.cache.remove(finished)
+            self.rows = [r for i, r in enumerate(self.rows) if i not in set(finished)]
+
+    def _finish(self, rows: list[int], reason: str) -> None:
+        for i in rows:
+            r = self.rows[i]
+            self._emit_final(r.req, r.text, reason)
+        if rows and self.rows:
+            self.cache.remove(rows)
+            self.rows = [r for i, r in enumerate(self.rows) if i not in set(rows)]
+
+    def _emit_final(self, req: Request, text: TextStream, reason: str, error: str | None = None) -> None:
+        if req.done.is_set():
+            return
+        events = text.finish(reason=reason)
+        if error or (reason == "error" and self.error):
+            events[-1].stats["error"] = error or self.error
+        for ev in events:
+            req.emit(ev)
+        if self.metrics is not None:
+            self.metrics.observe_finish(events[-1].finish_reason, events[-1].stats)

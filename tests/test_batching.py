@@ -1,0 +1,125 @@
+"""Continuous batching on the tiny model: batched answers equal single-user answers, slots free at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from edge.batching import BatchCache, QueueFullError, Scheduler
+from edge.errors import ContextOverflowError
+from edge.metrics import Metrics
+
+PROMPTS = ["Hello!", "What is the capital of Japan?", "Tell me a fun fact about octopuses and the ocean.",
+           "Naïve café 🙂", "I like to read books.", "How are you doing today? I am fine."]
+
+
+def _answer(req) -> tuple[str, object]:
+    parts, last = [], None
+    for ev in req.events(timeout=60):
+        parts.append(ev.text)
+        last = ev
+    return "".join(parts), last
+
+
+@pytest.fixture()
+def sched(tiny_generator):
+    s = Scheduler(tiny_generator, max_batch=4, max_queue=8, metrics=Metrics()).start()
+    yield s
+    s.stop()
+
+
+def _ids(gen, text):
+    return gen.tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.9, 1234)])
+def test_batched_answers_equal_single_user_answers(tiny_generator, sched, temperature, seed):
+    gen = tiny_generator
+    cfgs = [gen.sampling(max_new_tokens=12 + 7 * i, temperature=temperature, top_p=0.95, seed=seed) for i in range(len(PROMPTS))]
+    alone = [gen.complete(_ids(gen, p), c) for p, c in zip(PROMPTS, cfgs)]
+    # more requests than slots, joining while others decode
+    reqs = []
+    for p, c in zip(PROMPTS, cfgs):
+        reqs.append(sched.submit(_ids(gen, p), c))
+        time.sleep(0.01)
+    got = [_answer(r) for r in reqs]
+    assert sched.metrics.peak_batch == 4  # rows really shared steps
+    for (want_text, want_last), (text, last) in zip(alone, got):
+        assert last.token_ids == want_last.token_ids
+        assert text == want_text
+        assert last.finish_reason == want_last.finish_reason
+
+
+def test_cancel_frees_the_slot_at_once(tiny_generator):
+    gen = tiny_generator
+    s = Scheduler(gen, max_batch=1, max_queue=4).start()
+    try:
+        long = s.submit(_ids(gen, "Hello!"), gen.sampling(max_new_tokens=200))
+        nxt = s.submit(_ids(gen, "Tell me a fun fact."), gen.sampling(max_new_tokens=5))
+        first = next(long.events(timeout=30))
+        assert first.finish_reason is None
+        long.cancel()
+        text, last = _answer(nxt)
+        assert last.finish_reason in ("length", "stop") and last.stats["completion_tokens"] >= 1
+        rest = list(long.events(timeout=30))
+        assert rest[-1].finish_reason == "cancelled"
+        assert len(rest[-1].token_ids) < 200
+        assert s.active == 0 and s.queue_depth == 0
+    finally:
+        s.stop()
+
+
+def test_full_queue_is_refused_with_retry_after(tiny_generator):
+    gen = tiny_generator
+    s = Scheduler(gen, max_batch=1, max_queue=1).start()
+    try:
+        block = threading.Event()  # a's consumer blocks the scheduler thread, so b must wait in the queue
+        a = s.submit(_ids(gen, "Hello!"), gen.sampling(max_new_tokens=200), on_event=lambda ev: block.wait(5))
+        time.sleep(0.2)  # a is decoding (and its consumer is slow)
+        b = s.submit(_ids(gen, "Hi"), gen.sampling(max_new_tokens=2))
+        with pytest.raises(QueueFullError, match="busy") as e:
+            s.submit(_ids(gen, "Hey"), gen.sampling(max_new_tokens=2))
+        assert e.value.retry_after_s >= 1
+        a.cancel()
+        b.cancel()
+        block.set()
+    finally:
+        s.stop()
+
+
+def test_prompt_longer_than_context_is_refused(tiny_generator, sched):
+    with pytest.raises(ContextOverflowError, match="context holds 256"):
+        sched.submit(list(range(5, 305)), tiny_generator.sampling())
+
+
+def test_answer_stops_at_the_end_of_the_context(tiny_generator, sched):
+    gen = tiny_generator
+    ids = (_ids(gen, "Hello! " * 40))[:240]
+    text, last = _answer(sched.submit(ids, gen.sampling(max_new_tokens=100)))
+    want_text, want_last = gen.complete(ids, gen.sampling(max_new_tokens=100))
+    assert last.token_ids == want_last.token_ids and last.finish_reason == want_last.finish_reason == "length"
+    assert len(ids) + len(last.token_ids) <= 256
+
+
+def test_batch_cache_keeps_rows_right_aligned_and_trims(tiny_generator):
+    dec = tiny_generator.decoder
+    bc = BatchCache(dec)
+    rows = []
+    for n in (3, 5, 2):
+        c = dec.new_cache()
+        dec.prefill(list(range(10, 10 + n)), c)
+        rows.append(c)
+        bc.add(c)
+    assert bc.lengths == [3, 5, 2] and bc.width == 5
+    k = bc.values[0].numpy()
+    assert k.shape[0] == 3 and k.shape[2] == 5
+    assert np.all(k[0, :, :2] == 0) and np.all(k[2, :, :3] == 0)  # left padding
+    np.testing.assert_array_equal(k[1], rows[1].values[0].numpy()[0])
+    bc.remove([1])
+    assert bc.lengths == [3, 2] and bc.width == 3 and bc.values[0].numpy().shape[2] == 3
+    np.testing.assert_array_equal(bc.values[0].numpy()[0], rows[0].values[0].numpy()[0])
+    bc.remove([0, 1])
+    assert bc.values is None and bc.width == 0
