@@ -260,7 +260,7 @@ class Scheduler:
         """Sample the row's next token and emit it; False when the answer is finished (and closed)."""
         cfg = row.req.cfg
         tok = row.sampler(logits, np.asarray(row.seen) if cfg.repetition_penalty != 1.0 else None)
-        if tok in self.gen.tokenizer.eos_ids:
+        if tok in self.gen.tokenizer.eos_ids and not cfg.ignore_eos:
             self._emit_final(row.req, row.text, "stop")
             return False
         ev = row.text.push(tok)

@@ -97,6 +97,28 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    auth = None
+    if args.auth:
+        user, sep, pw = args.auth.partition(":")
+        if not sep or not user or not pw:
+            raise EdgeChatError("--auth takes user:password (both non-empty)")
+        auth = (user, pw)
+    if args.host not in LOOPBACK and auth is None and not args.insecure:
+        raise EdgeChatError(f"refusing to listen on {args.host} without --auth: anyone on the network could use "
+                            "the model; add --auth user:password, or --insecure if this network is trusted")
+    if not 1 <= args.port <= 65535:
+        raise EdgeChatError(f"--port must be 1-65535, got {args.port}")
+    from edge.serve import serve
+
+    gen = _gen(args)
+    return serve(gen, host=args.host, port=args.port, max_users=args.max_users, max_queue=args.max_queue,
+                 auth=auth, ui=not args.no_ui)
+
+
 def _add_gen_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle folder written by edge-export build")
     p.add_argument("--engine", help="engine name from the manifest (default: fastest for this machine)")
@@ -124,6 +146,22 @@ def make_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("repl", help="multi-turn chat in the terminal", description="Multi-turn chat; history is kept and trimmed to the context.")
     _add_gen_flags(q)
     q.set_defaults(func=_repl)
+    s = sub.add_parser("serve", help="serve the chat page and an OpenAI-compatible API",
+                       description="Serve a Gradio chat page at / and an OpenAI-compatible API at /v1 on one port, "
+                                   "offline; concurrent users share batched decode steps.")
+    s.add_argument("bundle", help="bundle folder written by edge-export build")
+    s.add_argument("--engine", help="engine name from the manifest (default: fastest for this machine)")
+    s.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=7860)
+    s.add_argument("--max-users", type=int, default=8, help="answers generated at once (batch rows, default 8)")
+    s.add_argument("--max-queue", type=int, help="requests allowed to wait beyond that (default 4 x max-users); "
+                                                  "more get HTTP 429 with Retry-After")
+    s.add_argument("--auth", help="user:password for the page; API clients send 'Bearer <password>'")
+    s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without --auth")
+    s.add_argument("--no-ui", action="store_true", help="API only, no Gradio page")
+    s.add_argument("--verify", action="store_true", help="check every file's SHA-256 before loading")
+    s.set_defaults(func=_serve)
     i = sub.add_parser("info", help="what a bundle holds and what would run here")
     i.add_argument("bundle")
     i.add_argument("--verify", action="store_true", help="check every file's SHA-256")

@@ -220,7 +220,7 @@ class Generator:
         logits = self.decoder.prefill(prompt_ids, cache)[0]
         for _ in range(cfg.max_new_tokens):
             tok = sampler(logits, np.asarray(seen) if cfg.repetition_penalty != 1.0 else None)
-            if tok in self.tokenizer.eos_ids:
+            if tok in self.tokenizer.eos_ids and not cfg.ignore_eos:
                 return
             yield tok
             seen.append(tok)

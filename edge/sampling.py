@@ -22,6 +22,7 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks), as llama.cpp/vLLM's ignore_eos
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

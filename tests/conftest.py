@@ -79,3 +79,65 @@ def tiny_generator(tiny_bundle):
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`edge-chat serve` as a real subprocess on a free loopback port."""
+
+    def __init__(self, bundle: Path, *args: str, startup_s: float = 120) -> None:
+        import time
+        import urllib.request
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "edge.cli", "serve", str(bundle), "--port", str(self.port),
+                                      "--threads", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, cwd=ROOT)
+        deadline = time.time() + startup_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        self.proc.kill()
+        raise RuntimeError(f"server did not answer /health within {startup_s} s")
+
+    def stop(self) -> tuple[int, str]:
+        """SIGTERM, as a service manager would; returns (exit code, everything it printed)."""
+        import signal
+
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+            return -9, out
+        return self.proc.returncode, out
+
+
+@pytest.fixture(scope="session")
+def long_bundle(tmp_path_factory):
+    """fp32 only, 4k context: answers long enough to press Stop in the middle of one."""
+    from export.recipe import BuildOptions, build
+
+    src = make_tiny_model(tmp_path_factory.mktemp("tiny4k") / "tiny-llama-4k", max_pos=4096)
+    out = tmp_path_factory.mktemp("bundles") / "long.bundle"
+    bundle = build(BuildOptions(output=out, model=str(src), precisions=("fp32",), max_context=4096, eval_samples=2,
+                                calibration_samples=2), log=lambda s: None)
+    # a random model samples EOS about once in 400 tokens; this bundle's defaults say to run to max tokens
+    bundle.manifest.generation["ignore_eos"] = True
+    bundle.update_manifest(bundle.manifest)
+    return bundle

@@ -1,0 +1,95 @@
+"""The Gradio chat page: streaming answers, history, system prompt, sampling controls, stop, clear.
+
+The conversation lives in a `gr.State` as plain {role, content} messages; the
+chatbot only displays it. Answers go through the same scheduler as the API.
+Nothing here loads from the network: system fonts only, no analytics, no share
+link.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr
+
+from edge.chat import fit_messages
+from edge.errors import EdgeChatError
+
+SYSTEM_FONTS = ["ui-sans-serif", "system-ui", "-apple-system", "Segoe UI", "Roboto", "sans-serif"]
+UI_UPDATE_S = 0.08  # at most ~12 page updates a second while an answer streams
+MONO_FONTS = ["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"]
+
+
+def theme() -> gr.themes.Base:
+    return gr.themes.Default(font=SYSTEM_FONTS, font_mono=MONO_FONTS)
+
+
+def build_ui(service) -> gr.Blocks:
+    gen = service.gen
+    defaults = gen.sampling()
+    with gr.Blocks(title=f"EdgeChat · {service.model_id}", analytics_enabled=False) as demo:
+        gr.Markdown(f"### EdgeChat · {service.model_id}\n"
+                    f"`{service.precision}` on {service.backend} · context {gen.max_context} tokens",
+                    elem_id="model-line")
+        history = gr.State([])
+        chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=420, buttons=["copy"])
+        with gr.Row():
+            msg = gr.Textbox(placeholder="Type a message and press Enter", show_label=False, scale=6,
+                             elem_id="message", autofocus=True)
+            send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+            stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
+            clear = gr.Button("Clear", scale=1, elem_id="clear")
+        stats = gr.Markdown("", elem_id="stats")
+        with gr.Accordion("Settings", open=False):
+            system = gr.Textbox("", label="System prompt", lines=2, elem_id="system")
+            temperature = gr.Slider(0.0, 2.0, value=defaults.temperature, step=0.05, label="Temperature (0 = greedy)")
+            top_p = gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.05, label="Top-p")
+            max_tokens = gr.Slider(1, max(1, gen.max_context // 2), value=min(defaults.max_new_tokens, gen.max_context // 2),
+                                   step=1, label="Max new tokens", elem_id="max-tokens")
+
+        def show(msgs: list[dict]) -> list[dict]:
+            return [{"role": m["role"], "content": m["content"]} for m in msgs if m["role"] != "system"]
+
+        def take(text: str, msgs: list[dict]):
+            if not text.strip():
+                return gr.update(), msgs, show(msgs)
+            msgs = msgs + [{"role": "user", "content": text}]
+            return "", msgs, show(msgs)
+
+        async def answer(msgs: list[dict], system_prompt: str, temp: float, p: float, n: int):
+            if not msgs or msgs[-1]["role"] != "user":
+                return
+            convo = ([{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []) + msgs
+            try:
+                cfg = gen.sampling(max_new_tokens=int(n), temperature=float(temp), top_p=float(p))
+                ids, kept, dropped = fit_messages(gen, convo, min(cfg.max_new_tokens, gen.max_context // 2))
+                _, events = await service.generate(ids, cfg)
+            except EdgeChatError as e:
+                yield msgs, show(msgs), f"⚠️ {e}"
+                return
+            note = f" · dropped {dropped} old message(s) to fit the context" if dropped else ""
+            reply, last_yield = "", 0.0
+            async for ev in events:
+                reply += ev.text
+                shown = msgs + [{"role": "assistant", "content": reply}]
+                if ev.finish_reason:
+                    s = ev.stats
+                    line = (f"TTFT {s['ttft_s'] * 1000:.0f} ms · {s['decode_tok_s']:.1f} tok/s · "
+                            f"{s['completion_tokens']} tokens · {ev.finish_reason}{note}")
+                    yield shown, show(shown), line
+                elif ev.text and time.monotonic() - last_yield >= UI_UPDATE_S:
+                    # coalesce tokens: re-rendering the chat per token costs the browser and the device CPU
+                    last_yield = time.monotonic()
+                    yield shown, show(shown), "generating…"
+
+        sub = msg.submit(take, [msg, history], [msg, history, chatbot], queue=False).then(
+            answer, [history, system, temperature, top_p, max_tokens], [history, chatbot, stats])
+        click = send.click(take, [msg, history], [msg, history, chatbot], queue=False).then(
+            answer, [history, system, temperature, top_p, max_tokens], [history, chatbot, stats])
+        stop.click(None, None, None, cancels=[sub, click])
+        clear.click(lambda: ([], [], ""), None, [history, chatbot, stats], queue=False)
+    demo.queue(default_concurrency_limit=None)
+    return demo

@@ -1,0 +1,83 @@
+"""The Gradio page in a real headless Chromium: type, watch the answer stream, press Stop, stay on 127.0.0.1."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+
+from conftest import ServerProcess
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (apt-get install chromium; .ci/run does)"),
+]
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (python) is not installed: pip install -e '.[dev]'")
+
+
+def _bot_text(page) -> str:
+    bots = page.locator("#chatbot [data-testid='bot']")
+    return bots.last.inner_text() if bots.count() else ""
+
+
+def test_page_streams_an_answer_and_stop_really_stops(long_bundle):
+    server = ServerProcess(long_bundle.root, "--max-users", "4")
+    requests: list[str] = []
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            page = browser.new_page()
+            page.on("request", lambda r: requests.append(r.url))
+            page.on("websocket", lambda ws: requests.append(ws.url))
+            page.goto(server.url + "/", wait_until="load")
+            page.wait_for_selector("#message textarea", timeout=30_000)
+            assert "tiny-llama-4k" in page.locator("#model-line").inner_text()
+            assert "fp32" in page.locator("#model-line").inner_text()
+            page.get_by_text("Settings").click()
+            page.get_by_label("number input for Max new tokens").fill("2000")
+            page.get_by_label("number input for Temperature (0 = greedy)").fill("1")
+            page.get_by_label("number input for Temperature (0 = greedy)").press("Enter")
+            page.locator("#message textarea").fill("Hello! Tell me a fun fact.")
+            page.locator("#message textarea").press("Enter")
+            # the user's message shows, then the answer grows while it streams
+            page.wait_for_selector("#chatbot [data-testid='user']", timeout=30_000)
+            deadline = time.time() + 30
+            while not _bot_text(page) and time.time() < deadline:
+                time.sleep(0.05)
+            first = _bot_text(page)
+            assert first, "no streamed answer appeared"
+            time.sleep(0.5)
+            assert len(_bot_text(page)) > len(first), "the answer did not grow: not streaming"
+            assert "generating" in page.locator("#stats").inner_text()
+            page.locator("#stop").click()
+            time.sleep(1.0)
+            after_stop = _bot_text(page)
+            time.sleep(1.0)
+            assert _bot_text(page) == after_stop, "text kept coming after Stop"
+            metrics = httpx.get(server.url + "/metrics").text
+            assert re.search(r'^edgechat_requests_total\{finish="cancelled"\} 1$', metrics, re.M), metrics
+            assert re.search(r"^edgechat_active_requests 0$", metrics, re.M)
+            # a second question in the same chat gets a full answer and the speed line
+            page.get_by_label("number input for Max new tokens").fill("20")
+            page.get_by_label("number input for Max new tokens").press("Enter")
+            page.locator("#message textarea").fill("And another one?")
+            page.locator("#message textarea").press("Enter")
+            page.wait_for_function("document.querySelector('#stats').innerText.includes('tok/s')", timeout=30_000)
+            assert page.locator("#chatbot [data-testid='user']").count() == 2
+            assert re.search(r"TTFT \d+ ms · [\d.]+ tok/s · 20 tokens · length", page.locator("#stats").inner_text())
+            page.locator("#clear").click()
+            page.wait_for_function("document.querySelectorAll(\"#chatbot [data-testid='user']\").length == 0",
+                                   timeout=10_000)
+            browser.close()
+    finally:
+        code, out = server.stop()
+    assert code == 0, out
+    hosts = {urlparse(u).hostname for u in requests if not u.startswith(("data:", "blob:"))}
+    assert hosts == {"127.0.0.1"}, f"the page reached outside loopback: {sorted(hosts)}"
+    assert len(requests) > 5
