@@ -2,5 +2,6 @@
 # Set up and run every test (fast tier on tiny models + slow tier on the real default model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/system-deps.sh
 bash scripts/setup.sh
 exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

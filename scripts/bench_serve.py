@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""Serving throughput with many users, in one run: total tokens/s and TTFT at 1, 4, 8, 16 concurrent
+streaming clients against one `edge-chat serve` process (started here on a free loopback port).
+
+Each client sends --requests chat completions one after another (128 tokens each, EOS ignored so every
+answer has the same length, greedy); different clients ask different questions. TTFT is measured at the
+client (request sent -> first content chunk), so queueing and prefill are in it. Prints a table and
+writes JSON.
+
+  .venv/bin/python scripts/bench_serve.py smollm2.bundle --engine int8-dynamic
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = ["What is the capital of Japan?", "Tell me a fun fact about octopuses.", "How do I make a cup of tea?",
+             "Why is the sky blue?", "Write a short poem about the sea.", "What should I see in Kyoto?",
+             "Explain what a neural network is.", "Give me three tips for sleeping better."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(bundle: str, engine: str | None, max_users: int, threads: int | None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "edge.cli", "serve", bundle, "--port", str(port), "--max-users", str(max_users),
+           "--max-queue", str(4 * max_users), "--no-ui"]
+    cmd += ["--engine", engine] if engine else []
+    cmd += ["--threads", str(threads)] if threads else []
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            sys.exit(f"server exited:\n{proc.stdout.read()}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    sys.exit("server did not start in 120 s")
+
+
+def one_request(url: str, question: str, max_tokens: int) -> dict:
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content") and first is None:
+                first = time.perf_counter()
+    t1 = time.perf_counter()
+    return {"ttft_s": (first or t1) - t0, "total_s": t1 - t0, "tokens": tokens}
+
+
+def run_level(url: str, users: int, requests: int, max_tokens: int) -> dict:
+    results: list[dict] = []
+    lock = threading.Lock()
+    go = threading.Barrier(users)
+
+    def client(i: int) -> None:
+        go.wait()
+        for k in range(requests):
+            r = one_request(url, QUESTIONS[(i + k) % len(QUESTIONS)] + f" (user {i})", max_tokens)
+            with lock:
+                results.append(r)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(users)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttfts = sorted(r["ttft_s"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    per_user = [r["tokens"] / r["total_s"] for r in results]
+    return {"users": users, "requests": len(results), "tokens": tokens, "wall_s": wall,
+            "total_tok_s": tokens / wall, "per_user_tok_s": statistics.median(per_user),
+            "ttft_p50_ms": 1000 * statistics.median(ttfts),
+            "ttft_p95_ms": 1000 * ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bundle")
+    ap.add_argument("--engine", help="engine to serve (default: the server's choice)")
+    ap.add_argument("--users", default="1,4,8,16", help="comma-separated concurrency levels")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client per level")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, help="server intra-op threads (default: all cores)")
+    ap.add_argument("--json", default="bench-results/serve.json")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.users.split(",")]
+    proc, url = start_server(args.bundle, args.engine, max(levels), args.threads)
+    try:
+        health = json.loads(urllib.request.urlopen(url + "/health").read())
+        one_request(url, "Hello!", 8)  # warm-up
+        rows = []
+        for n in levels:
+            print(f"... {n} users", file=sys.stderr, flush=True)
+            rows.append(run_level(url, n, args.requests, args.max_tokens))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    base = rows[0]["total_tok_s"] if rows and rows[0]["users"] == 1 else None
+    print(f"\n{health['model']} [{health['precision']}, {health['backend']}], {args.max_tokens} tokens/answer, "
+          f"{args.requests} answers/user, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()})")
+    print(f"{'users':>5} {'total tok/s':>12} {'x 1 user':>9} {'per user':>9} {'TTFT p50':>9} {'TTFT p95':>9}")
+    for r in rows:
+        r["speedup_vs_1"] = r["total_tok_s"] / base if base else None
+        sp = f"{r['speedup_vs_1']:.2f}x" if base else "-"
+        print(f"{r['users']:>5} {r['total_tok_s']:>12.1f} {sp:>9} {r['per_user_tok_s']:>9.1f} "
+              f"{r['ttft_p50_ms']:>7.0f}ms {r['ttft_p95_ms']:>7.0f}ms")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"server": health, "max_tokens": args.max_tokens, "rows": rows,
+                               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
