@@ -9,12 +9,12 @@ import sys
 from edge.errors import EdgeChatError
 
 
-def _gen(args: argparse.Namespace):
+def _gen(args: argparse.Namespace, spin: bool = True):
     from edge.bundle import Bundle
     from edge.runtime import Generator
 
     bundle = Bundle.open(args.bundle, verify="full" if args.verify else "size")
-    return Generator.from_bundle(bundle, engine=args.engine, threads=args.threads)
+    return Generator.from_bundle(bundle, engine=args.engine, threads=args.threads, spin=spin)
 
 
 def _cfg(gen, args: argparse.Namespace):
@@ -114,7 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise EdgeChatError(f"--port must be 1-65535, got {args.port}")
     from edge.serve import serve
 
-    gen = _gen(args)
+    gen = _gen(args, spin=False)
     return serve(gen, host=args.host, port=args.port, max_users=args.max_users, max_queue=args.max_queue,
                  auth=auth, ui=not args.no_ui)
 

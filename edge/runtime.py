@@ -64,7 +64,7 @@ class Decoder:
     """One ONNX decoder graph in an InferenceSession (from a bundle, or a bare file during export)."""
 
     def __init__(self, path: str | os.PathLike, dims: ModelDims, io: DecoderIO, threads: int | None = None,
-                 providers: list[str] | None = None, name: str | None = None) -> None:
+                 providers: list[str] | None = None, name: str | None = None, spin: bool = True) -> None:
         ort = _ort()
         self.dims = dims
         self.io = io
@@ -74,6 +74,8 @@ class Decoder:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.intra_op_num_threads = threads or max(1, (os.cpu_count() or 2))
         so.inter_op_num_threads = 1
+        if not spin:  # a server has other threads (HTTP, clients): idle ORT workers must not busy-wait on the cores
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         so.log_severity_level = 3
         asked = providers or ["CPUExecutionProvider"]
         missing = [p for p in asked if p not in ort.get_available_providers()]
@@ -96,11 +98,12 @@ class Decoder:
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, engine: str | None = None, threads: int | None = None,
-                    providers: list[str] | None = None) -> "Decoder":
+                    providers: list[str] | None = None, spin: bool = True) -> "Decoder":
         want_gpu = bool(providers and any("CUDA" in p or "Tensorrt" in p for p in providers))
         entry = pick_engine(bundle, engine, prefer_gpu=want_gpu)
         m = bundle.manifest
-        dec = cls(bundle.path(entry.file), m.model, DecoderIO.from_dict(m.io), threads, providers, name=entry.file)
+        dec = cls(bundle.path(entry.file), m.model, DecoderIO.from_dict(m.io), threads, providers, name=entry.file,
+                  spin=spin)
         dec.engine = entry
         return dec
 
@@ -194,10 +197,10 @@ class Generator:
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, engine: str | None = None, threads: int | None = None,
-                    providers: list[str] | None = None) -> "Generator":
+                    providers: list[str] | None = None, spin: bool = True) -> "Generator":
         m = bundle.manifest
         tok = ChatTokenizer(bundle.path(m.tokenizer.file), m.tokenizer)
-        return cls(tok, Decoder.from_bundle(bundle, engine, threads, providers), m.generation, bundle)
+        return cls(tok, Decoder.from_bundle(bundle, engine, threads, providers, spin), m.generation, bundle)
 
     def sampling(self, **overrides) -> SamplingConfig:
         base = {k: v for k, v in self.defaults.items() if k in SamplingConfig.__dataclass_fields__}
