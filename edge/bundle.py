@@ -110,6 +110,7 @@ class Fingerprint:
     gpu_sm: str | None = None  # e.g. "8.7"
     gpu_name: str | None = None
     shapes: dict | None = None
+    version_compatible: bool = False  # TensorRT engine built to run on later TensorRT of the same major
 
 
 @dataclass(frozen=True)

@@ -75,8 +75,6 @@ def _repl(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     from edge.bundle import Bundle
-    from edge.runtime import pick_engine
-
     b = Bundle.open(args.bundle, verify="full" if args.verify else "size")
     m = b.manifest
     d = m.model
@@ -89,9 +87,20 @@ def _info(args: argparse.Namespace) -> int:
         q = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in e.quality.items() if not isinstance(v, (dict, list)))
         print(f"  {e.name:14s} {fp.format}/{fp.precision}/{fp.variant} opset {fp.opset}  {q}")
     print("stages   " + " -> ".join(f"{s.name} ({s.seconds:.0f}s)" for s in m.stages))
+    from edge.backends import decide
+    from edge.machine import detect
+
+    here = detect()
+    gpu = f"{here.gpu_name} (SM {here.gpu_sm})" if here.has_gpu else f"no GPU ({here.gpu_error or 'none found'})"
+    jet = f", Jetson {here.module} / L4T {here.l4t} / JetPack {here.jetpack or '?'}" if here.jetson else ""
+    print(f"machine  {here.arch}{jet}, {gpu}, TensorRT {here.tensorrt or 'not installed'}, "
+          f"onnxruntime {here.onnxruntime or 'not installed'} ({', '.join(here.ort_providers) or '-'})"
+          + (f", profile {here.profile}" if here.profile else ""))
     try:
-        chosen = pick_engine(b)
-        print(f"here     would run '{chosen.name}' with ONNX Runtime on CPU")
+        choice = decide(m, here)
+        for line in choice.skipped:
+            print(f"  skip   {line}")
+        print(f"here     would run {choice.describe()}")
     except EdgeChatError as e:
         print(f"here     cannot run: {e}")
     return 0
@@ -117,6 +126,67 @@ def _serve(args: argparse.Namespace) -> int:
     gen = _gen(args, spin=False)
     return serve(gen, host=args.host, port=args.port, max_users=args.max_users, max_queue=args.max_queue,
                  auth=auth, ui=not args.no_ui)
+
+
+def build_engine_command(args: argparse.Namespace, profile: str) -> int:
+    """Shared by `edge-chat build-engine` (on the device) and `edge-export engines` (workstation T4/L4)."""
+    import json
+
+    from edge.bundle import Bundle
+    from edge.machine import detect
+    from edge.trt_builder import build_engine, plan_build
+
+    here = detect()
+    bundle = Bundle.open(args.bundle, verify="full")
+    plan = plan_build(bundle, profile, args.precision, tensorrt_version=args.tensorrt or here.tensorrt,
+                      max_batch=args.max_batch, max_context=args.max_context,
+                      optimization_level=args.optimization_level, version_compatible=args.version_compatible)
+    s = plan.settings
+    print(f"engine   {plan.engine_name} for {plan.profile.display_name} from {plan.source.file}, TensorRT "
+          f"{plan.tensorrt_version}{' (strongly typed)' if s.strongly_typed else ''}, flags {', '.join(s.flags) or '-'}")
+    print(f"shapes   batch <= {s.max_batch}, context <= {s.max_context}; workspace {s.workspace_bytes >> 20} MiB; "
+          f"build needs ~{plan.ram_needed_gb:.1f} GB host RAM"
+          + (f" of {plan.ram_available_gb:.1f} GB available" if plan.ram_available_gb else ""))
+    if args.dry_run:
+        print(json.dumps(plan.summary(), indent=2))
+        return 0
+    if here.has_gpu and str(here.gpu_sm) != s.gpu_sm:
+        raise EdgeChatError(f"this GPU is SM {here.gpu_sm} ({here.gpu_name}) but {plan.profile.display_name} is SM "
+                            f"{s.gpu_sm}: an engine runs only on the GPU architecture it was built on; build it on "
+                            "the target (or pick the profile of this GPU)")
+    entry = build_engine(plan, here)
+    q = entry.quality
+    print(f"built    {entry.file} in {q.get('build_seconds')} s; golden answers same as {q.get('built_from')}: "
+          f"{q.get('golden_same_as_source', '?')}, passed {q.get('golden_passed', '?')}")
+    return 0
+
+
+def _build_engine(args: argparse.Namespace) -> int:
+    profile = args.profile
+    if profile == "auto":
+        from edge.machine import detect
+
+        here = detect()
+        if not here.profile:
+            raise EdgeChatError("cannot tell which device this is"
+                                + (f" ({here.profile_error})" if here.profile_error else
+                                   " (no /etc/nv_tegra_release and no known GPU)")
+                                + ": pass --profile NAME")
+        profile = here.profile
+    return build_engine_command(args, profile)
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", help="bundle folder (the engine is added to it)")
+    p.add_argument("--precision", default="fp16", choices=["fp16", "int8-qdq", "fp32", "bf16"],
+                   help="fp16 (from the fp32 graph) or int8-qdq (the SmoothQuant Q/DQ graph)")
+    p.add_argument("--max-context", type=int, help="longest sequence the engine takes (default: the profile's)")
+    p.add_argument("--max-batch", type=int, help="most sequences decoded together (default: the profile's)")
+    p.add_argument("--optimization-level", type=int, default=3, help="TensorRT builder optimization level 0-5")
+    p.add_argument("--version-compatible", action="store_true",
+                   help="engine that also runs on later TensorRT of the same major version (a little slower)")
+    p.add_argument("--tensorrt", help="TensorRT version to plan for (default: the installed one)")
+    p.add_argument("--dry-run", action="store_true", help="print the builder settings and stop")
 
 
 def _add_gen_flags(p: argparse.ArgumentParser) -> None:
@@ -162,6 +232,14 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-ui", action="store_true", help="API only, no Gradio page")
     s.add_argument("--verify", action="store_true", help="check every file's SHA-256 before loading")
     s.set_defaults(func=_serve)
+    e = sub.add_parser("build-engine", help="build a TensorRT engine for this device into the bundle",
+                       description="Build a TensorRT engine on this device (Jetson engines must be built on the "
+                                   "Jetson) from the bundle's ONNX graph; records its fingerprint and re-asks the "
+                                   "golden prompts with it.")
+    add_engine_flags(e)
+    e.add_argument("--profile", default="auto", help="device profile, or auto (Jetson from /etc/nv_tegra_release "
+                                                     "and the device-tree model; T4/L4 from the GPU name)")
+    e.set_defaults(func=_build_engine)
     i = sub.add_parser("info", help="what a bundle holds and what would run here")
     i.add_argument("bundle")
     i.add_argument("--verify", action="store_true", help="check every file's SHA-256")

@@ -198,9 +198,28 @@ class Generator:
     @classmethod
     def from_bundle(cls, bundle: Bundle, engine: str | None = None, threads: int | None = None,
                     providers: list[str] | None = None, spin: bool = True) -> "Generator":
+        """Load with the backend the fallback chain picks here (edge.backends), unless `providers` forces
+        ONNX Runtime execution providers."""
         m = bundle.manifest
         tok = ChatTokenizer(bundle.path(m.tokenizer.file), m.tokenizer)
-        return cls(tok, Decoder.from_bundle(bundle, engine, threads, providers, spin), m.generation, bundle)
+        if providers is not None:
+            return cls(tok, Decoder.from_bundle(bundle, engine, threads, providers, spin), m.generation, bundle)
+        from edge.backends import decide
+        from edge.machine import detect
+
+        choice = decide(m, detect(), engine)
+        for line in choice.skipped:
+            (log.warning if line.startswith("TensorRT '") else log.info)("skipped %s", line)
+        log.info("running %s", choice.describe())
+        if choice.backend == "tensorrt":
+            from edge.trt_runtime import TensorRTDecoder
+
+            dec = TensorRTDecoder.from_entry(bundle, m.engine(choice.engine))
+        else:
+            dec = Decoder.from_bundle(bundle, choice.engine, threads, list(choice.providers), spin)
+        gen = cls(tok, dec, m.generation, bundle)
+        gen.choice = choice
+        return gen
 
     def sampling(self, **overrides) -> SamplingConfig:
         base = {k: v for k, v in self.defaults.items() if k in SamplingConfig.__dataclass_fields__}

@@ -58,7 +58,8 @@ class Service:
         self.model_id = m.model_name.split("/")[-1] if m else "edgechat"
         engine = getattr(gen.decoder, "engine", None)
         self.precision = engine.fingerprint.precision if engine is not None else "?"
-        self.backend = f"ONNX Runtime {gen.decoder.providers[0].replace('ExecutionProvider', '')}"
+        p0 = gen.decoder.providers[0]
+        self.backend = "TensorRT" if p0 == "TensorRT" else f"ONNX Runtime {p0.replace('ExecutionProvider', '')}"
         self.started = time.time()
 
     def sampling(self, max_tokens: int | None, prompt_len: int, **kw) -> SamplingConfig:

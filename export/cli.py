@@ -62,6 +62,19 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engines(args: argparse.Namespace) -> int:
+    from edge.cli import build_engine_command
+    from edge.errors import EdgeChatError
+    from edge.profiles import load_profile
+
+    prof = load_profile(args.target)
+    if prof.facts.get("build_on_device") and not args.dry_run:
+        raise EdgeChatError(f"{prof.display_name} engines are built on the device itself (TensorRT cannot "
+                            "cross-build for Jetson): copy the bundle there (edge-export deploy) and run "
+                            f"'edge-chat build-engine BUNDLE --profile {prof.id}' on it; --dry-run shows the settings")
+    return build_engine_command(args, args.target)
+
+
 def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="edge-export",
@@ -98,6 +111,15 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--fresh", action="store_true", help="ignore finished stages in OUT.work/ and start over")
     b.add_argument("--online", action="store_true", help="allow hub downloads (default: offline, HF_HUB_OFFLINE=1)")
     b.set_defaults(func=_build)
+
+    from edge.cli import add_engine_flags
+
+    e = sub.add_parser("engines", help="build a TensorRT engine for a T4 or L4 on this workstation",
+                       description="Build a TensorRT engine into BUNDLE for the GPU in this machine (T4 or L4). "
+                                   "Jetson engines are built on the Jetson: edge-chat build-engine.")
+    add_engine_flags(e)
+    e.add_argument("--target", required=True, help="t4 or l4 (Jetson profiles only with --dry-run)")
+    e.set_defaults(func=_engines)
     return ap
 
 

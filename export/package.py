@@ -10,6 +10,7 @@ from pathlib import Path
 
 from edge.bundle import Bundle, BundleWriter, EngineEntry, Fingerprint, Manifest, StageRecord
 from edge.io_contract import DecoderIO
+from export import trt_compat
 from export.load import META, model_dims, tokenizer_spec
 
 DEFAULT_GENERATION = {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
@@ -30,6 +31,9 @@ def _opset(path: Path) -> int:
 
     m = onnx.load(str(path), load_external_data=False)
     return max(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
+
+
+TENSORRT_SOURCES = ("fp32", "fp16", "int8-qdq")
 
 
 def run(hf_dir: Path, engines: list[EngineArtifact], stages: list[StageRecord], dst: Path, max_context: int,
@@ -55,7 +59,12 @@ def run(hf_dir: Path, engines: list[EngineArtifact], stages: list[StageRecord], 
             fp = Fingerprint(format="onnx", precision=e.precision, opset=_opset(edir / "model.onnx"),
                              variant=e.variant, providers=["CPUExecutionProvider", "CUDAExecutionProvider"],
                              onnxruntime_version=ort.__version__)
-            entries.append(EngineEntry(name=e.name, file=f"engines/{e.name}/model.onnx", fingerprint=fp, quality=e.quality))
+            quality = dict(e.quality)
+            if e.precision in TENSORRT_SOURCES and e.variant == "plain":  # graphs TensorRT builds engines from
+                rep = trt_compat.check(edir / "model.onnx")
+                quality["tensorrt_check"] = {"compatible": rep.compatible, "problems": rep.problems,
+                                             "opset": rep.opset, "qdq_nodes": rep.quantize_nodes + rep.dequantize_nodes}
+            entries.append(EngineEntry(name=e.name, file=f"engines/{e.name}/model.onnx", fingerprint=fp, quality=quality))
         for rel, path in (extra_files or {}).items():
             (w.root / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, w.root / rel)

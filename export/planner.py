@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from edge.bundle import ModelDims
 from edge.errors import RecipeError
 from edge.profiles import DeviceProfile
+from edge.trt_settings import TENSORRT_BUILD_RAM_FACTOR
 
 GB = 1e9
 # bytes per weight. int4-weight: 4 bits + one fp16 scale per block of 32 (MatMulNBits).
@@ -22,7 +23,6 @@ WEIGHT_BYTES = {
 PRECISIONS = tuple(WEIGHT_BYTES)
 # Highest quality first: the recommendation walks this list.
 QUALITY_ORDER = ("fp32", "fp16", "bf16", "fp8", "int8-qdq", "int8-dynamic", "int4-weight")
-TENSORRT_BUILD_RAM_FACTOR = 3.5  # TensorRT's builder peaks at ~3-4x the weights in host RAM
 PREFILL_CHUNK = 512
 
 

@@ -38,13 +38,10 @@ def _ids(gen, text):
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.9, 1234)])
 def test_batched_answers_equal_single_user_answers(tiny_generator, sched, temperature, seed):
     gen = tiny_generator
-    cfgs = [gen.sampling(max_new_tokens=12 + 7 * i, temperature=temperature, top_p=0.95, seed=seed) for i in range(len(PROMPTS))]
+    cfgs = [gen.sampling(max_new_tokens=30 + 7 * i, temperature=temperature, top_p=0.95, seed=seed) for i in range(len(PROMPTS))]
     alone = [gen.complete(_ids(gen, p), c) for p, c in zip(PROMPTS, cfgs)]
-    # more requests than slots, joining while others decode
-    reqs = []
-    for p, c in zip(PROMPTS, cfgs):
-        reqs.append(sched.submit(_ids(gen, p), c))
-        time.sleep(0.01)
+    # more requests than slots: the later ones join while others decode (each prefill runs alone)
+    reqs = [sched.submit(_ids(gen, p), c) for p, c in zip(PROMPTS, cfgs)]
     got = [_answer(r) for r in reqs]
     assert sched.metrics.peak_batch == 4  # rows really shared steps
     for (want_text, want_last), (text, last) in zip(alone, got):

@@ -1,0 +1,178 @@
+"""Build a TensorRT engine from a bundle's ONNX graph, on the machine that will run it.
+
+Lives in `edge/` because Jetson engines are built on the Jetson (TensorRT cannot cross-build for it).
+Everything decided before TensorRT is called is in `edge.trt_settings` (pure, tested everywhere);
+`plan_build` gathers it and refuses early (wrong precision, not enough RAM). `build_engine` is the thin
+part that calls TensorRT, writes the engine into the bundle (temp file, fsync, rename, then the
+manifest), records its fingerprint and re-asks the golden prompts with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge.bundle import Bundle, EngineEntry, FileEntry, Fingerprint, sha256_file
+from edge.errors import BundleError
+from edge.io_contract import DecoderIO
+from edge.machine import Machine
+from edge.profiles import DeviceProfile, load_profile
+from edge.trt_settings import BuilderSettings, builder_settings, check_build_ram, mem_available_gb
+
+log = logging.getLogger("edgechat")
+SOURCE_GRAPH = {"fp16": ("fp16", "fp32"), "fp32": ("fp32",), "bf16": ("bf16", "fp32"), "int8-qdq": ("int8-qdq",)}
+
+
+@dataclass
+class BuildPlan:
+    bundle: Bundle
+    profile: DeviceProfile
+    source: EngineEntry
+    settings: BuilderSettings
+    tensorrt_version: str
+    ram_needed_gb: float
+    ram_available_gb: float | None
+
+    @property
+    def engine_name(self) -> str:
+        return f"trt-{self.settings.precision}-sm{self.settings.gpu_sm.replace('.', '')}"
+
+    def summary(self) -> dict:
+        return {"engine": self.engine_name, "from": self.source.file, "device": self.profile.id,
+                "tensorrt": self.tensorrt_version, "ram_needed_gb": round(self.ram_needed_gb, 2),
+                "ram_available_gb": self.ram_available_gb and round(self.ram_available_gb, 2),
+                "settings": self.settings.to_dict()}
+
+
+def _weight_bytes(bundle: Bundle, entry: EngineEntry) -> int:
+    folder = bundle.path(entry.file).parent
+    return sum(f.stat().st_size for f in folder.glob("model.onnx*"))
+
+
+def plan_build(bundle: Bundle, profile: DeviceProfile | str, precision: str = "fp16",
+               tensorrt_version: str | None = None, max_batch: int | None = None, max_context: int | None = None,
+               optimization_level: int = 3, version_compatible: bool = False,
+               available_gb: float | None = None) -> BuildPlan:
+    """Everything up to the TensorRT call: source graph, settings, RAM check. Raises with what to do."""
+    prof = load_profile(profile) if isinstance(profile, str) else profile
+    m = bundle.manifest
+    wanted = SOURCE_GRAPH.get(precision)
+    if wanted is None:
+        raise BundleError(f"no TensorRT engine precision '{precision}': choose fp16, int8-qdq, fp32 or bf16")
+    onnx = {e.fingerprint.precision: e for e in m.engines if e.fingerprint.format == "onnx"
+            and e.fingerprint.variant == "plain"}
+    source = next((onnx[p] for p in wanted if p in onnx), None)
+    if source is None:
+        raise BundleError(f"the {precision} engine is built from the bundle's {' or '.join(wanted)} ONNX graph, which "
+                          f"this bundle lacks (it has {', '.join(sorted(onnx)) or 'none'}): rebuild it with "
+                          f"edge-export build --precision {wanted[-1]}")
+    check = source.quality.get("tensorrt_check")
+    if check and not check.get("compatible", True):
+        raise BundleError(f"the export-time TensorRT check failed for {source.file}: {'; '.join(check['problems'])}")
+    trt = tensorrt_version or (prof.tensorrt_versions[0] if prof.tensorrt_versions else None)
+    if not trt:
+        raise BundleError(f"{prof.display_name} has no TensorRT")
+    settings = builder_settings(prof, m.model, DecoderIO.from_dict(m.io), precision, trt,
+                                graph_precision=source.fingerprint.precision if source.fingerprint.precision in
+                                ("fp32", "fp16", "bf16") else "fp32",
+                                max_batch=max_batch, max_context=max_context, optimization_level=optimization_level,
+                                version_compatible=version_compatible)
+    have = available_gb if available_gb is not None else mem_available_gb()
+    need = check_build_ram(_weight_bytes(bundle, source), have, prof, settings.max_context)
+    return BuildPlan(bundle, prof, source, settings, trt, need, have)
+
+
+def _network(trt, builder, logger, onnx_path: Path, strongly_typed: bool):
+    flags = 0
+    if strongly_typed:
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):  # from file: external weights next to it are found
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise BundleError(f"TensorRT's ONNX parser rejected {onnx_path.name}: {errors}")
+    return network, parser
+
+
+def build_engine(plan: BuildPlan, machine: Machine, recheck_golden: bool = True) -> EngineEntry:
+    """Build, write into the bundle, fingerprint, re-ask the golden prompts. Needs TensorRT and a GPU."""
+    from edge.trt_runtime import import_tensorrt
+
+    trt = import_tensorrt()
+    s = plan.settings
+    if plan.tensorrt_version.split(".")[0] != trt.__version__.split(".")[0]:
+        log.warning("settings were planned for TensorRT %s; building with %s", plan.tensorrt_version, trt.__version__)
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network, _parser = _network(trt, builder, logger, plan.bundle.path(plan.source.file), s.strongly_typed)
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, s.workspace_bytes)
+    config.builder_optimization_level = s.optimization_level
+    for flag in s.flags:
+        config.set_flag(getattr(trt.BuilderFlag, flag))
+    for sp in s.profiles:
+        p = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in sp.shapes.items():
+            p.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(p)
+    cache_path = Path(s.timing_cache)
+    cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
+    config.set_timing_cache(cache, ignore_mismatch=False)
+    t0 = time.perf_counter()
+    log.info("building %s for %s (this takes minutes)", plan.engine_name, plan.profile.display_name)
+    blob = builder.build_serialized_network(network, config)
+    if blob is None:
+        raise BundleError(f"TensorRT failed to build {plan.engine_name}; see the TensorRT messages above "
+                          "(lower --max-context or --max-batch if it ran out of memory)")
+    seconds = time.perf_counter() - t0
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_cache = cache_path.with_suffix(".tmp")
+    tmp_cache.write_bytes(memoryview(config.get_timing_cache().serialize()))
+    os.replace(tmp_cache, cache_path)
+
+    rel = f"engines/{plan.engine_name}/model.engine"
+    dst = plan.bundle.path(rel)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(memoryview(blob))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, dst)
+    fp = Fingerprint(format="tensorrt", precision=s.precision, opset=plan.source.fingerprint.opset,
+                     variant="plain", providers=[], tensorrt_version=trt.__version__, cuda_version=machine.cuda,
+                     gpu_sm=machine.gpu_sm or s.gpu_sm, gpu_name=machine.gpu_name,
+                     shapes={p.name: {k: [list(x) for x in v] for k, v in p.shapes.items()} for p in s.profiles},
+                     version_compatible=s.version_compatible)
+    entry = EngineEntry(name=plan.engine_name, file=rel, fingerprint=fp,
+                        quality={"build_seconds": round(seconds, 1), "built_from": plan.source.name,
+                                 "device_profile": plan.profile.id, "size_bytes": dst.stat().st_size})
+    m = plan.bundle.manifest
+    files = dict(m.files) | {rel: FileEntry(dst.stat().st_size, sha256_file(dst))}
+    engines = [e for e in m.engines if e.name != entry.name] + [entry]
+    plan.bundle.update_manifest(dataclasses.replace(m, engines=engines, files=files))
+    if recheck_golden:
+        entry = _recheck(plan, entry)
+    return entry
+
+
+def _recheck(plan: BuildPlan, entry: EngineEntry) -> EngineEntry:
+    from edge.golden import recheck
+    from edge.runtime import Generator
+    from edge.tokenizer import ChatTokenizer
+    from edge.trt_runtime import TensorRTDecoder
+
+    b = plan.bundle
+    m = b.manifest
+    gen = Generator(ChatTokenizer(b.path(m.tokenizer.file), m.tokenizer), TensorRTDecoder.from_entry(b, entry),
+                    m.generation, b)
+    result = recheck(gen, m, reference=plan.source.name)
+    entry = dataclasses.replace(entry, quality=entry.quality | {
+        "golden_same_as_source": result["same_as_reference"], "golden_passed": result["golden_passed"]})
+    engines = [entry if e.name == entry.name else e for e in m.engines]
+    b.update_manifest(dataclasses.replace(m, engines=engines))
+    return entry

@@ -1,0 +1,104 @@
+"""The TensorRT backend: runs a bundle's serialized engine with the same generation loop and KV-cache
+handling as the ONNX Runtime decoder (it is a `Decoder`: `forward`, `prefill`, `new_cache` are shared;
+only `run` and the value type differ). KV caches stay on the GPU as `DeviceArray`s; the present
+buffers of one step are the past of the next. Shapes are set per call; the engine's two optimization
+profiles (prefill, decode; see `edge.trt_settings.shape_profiles`) each get an execution context.
+
+Imports `tensorrt` lazily, so this module loads anywhere; it runs where TensorRT and a GPU exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from edge.bundle import Bundle, EngineEntry, ModelDims
+from edge.cuda_mem import DeviceArray, open_cuda
+from edge.errors import BundleError, MissingDependencyError
+from edge.io_contract import DecoderIO
+from edge.runtime import Decoder, KVCache
+
+log = logging.getLogger("edgechat")
+
+
+def import_tensorrt():
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise MissingDependencyError(
+            "tensorrt", "building or running TensorRT engines",
+            "on Jetson: sudo apt install python3-libnvinfer (JetPack ships TensorRT); on x86: "
+            "pip install tensorrt (needs NVIDIA's package index)") from None
+    return trt
+
+
+class TensorRTDecoder(Decoder):
+    """A TensorRT engine behind the Decoder interface."""
+
+    def __init__(self, path: str | os.PathLike, dims: ModelDims, io: DecoderIO, name: str | None = None) -> None:
+        trt = import_tensorrt()
+        self.trt = trt
+        self.dims, self.io = dims, io
+        self.name = name or os.path.basename(str(path))
+        self.cuda = open_cuda()
+        self.logger = trt.Logger(trt.Logger.WARNING)
+        runtime = trt.Runtime(self.logger)
+        with open(path, "rb") as f:
+            self.engine_ = runtime.deserialize_cuda_engine(f.read())
+        if self.engine_ is None:
+            raise BundleError(f"TensorRT could not load {self.name}: built by another TensorRT version or for another "
+                              "GPU; rebuild it here with edge-chat build-engine")
+        self.contexts = []
+        for i in range(self.engine_.num_optimization_profiles):
+            ctx = self.engine_.create_execution_context()
+            ctx.set_optimization_profile_async(i, self.cuda.stream_handle)
+            self.contexts.append(ctx)
+        self.providers = ["TensorRT"]
+        self.device = "cuda"
+        self.past_names = io.past_names(dims.num_layers)
+        self.present_names = io.present_names(dims.num_layers)
+        self._kv_dtype = np.dtype(trt.nptype(self.engine_.get_tensor_dtype(self.past_names[0])))
+        self._logits_dtype = np.dtype(trt.nptype(self.engine_.get_tensor_dtype(io.logits)))
+
+    @classmethod
+    def from_entry(cls, bundle: Bundle, entry: EngineEntry) -> "TensorRTDecoder":
+        m = bundle.manifest
+        dec = cls(bundle.path(entry.file), m.model, DecoderIO.from_dict(m.io), name=entry.file)
+        dec.engine = entry
+        return dec
+
+    def new_cache(self, batch: int = 1) -> KVCache:
+        shape = (batch, self.dims.num_kv_heads, 0, self.dims.head_dim)
+        return KVCache([DeviceArray(self.cuda, shape, self._kv_dtype) for _ in self.past_names])
+
+    def to_ortvalue(self, array: np.ndarray) -> DeviceArray:  # the batching scheduler's name for "to device"
+        return DeviceArray.from_numpy(self.cuda, np.asarray(array, dtype=self._kv_dtype))
+
+    def run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list) -> tuple[np.ndarray, list]:
+        batch, seq = ids.shape
+        # profile 0 = prefill (batch 1, many tokens), 1 = decode (one token per sequence)
+        past_len = past[0].shape[2] if past else 0
+        ctx = self.contexts[1 if seq == 1 and past_len >= 1 and len(self.contexts) > 1 else 0]
+        keep = []  # host inputs must live until the copy is done
+        for name, arr in ((self.io.input_ids, ids), (self.io.attention_mask, mask), (self.io.position_ids, positions)):
+            d = DeviceArray.from_numpy(self.cuda, np.ascontiguousarray(arr, dtype=np.int64))
+            keep.append(d)
+            ctx.set_input_shape(name, d.shape)
+            ctx.set_tensor_address(name, d.ptr)
+        for name, val in zip(self.past_names, past):
+            ctx.set_input_shape(name, val.shape)
+            ctx.set_tensor_address(name, val.ptr)
+        logits = DeviceArray(self.cuda, tuple(ctx.get_tensor_shape(self.io.logits)), self._logits_dtype)
+        ctx.set_tensor_address(self.io.logits, logits.ptr)
+        present = []
+        for name in self.present_names:
+            d = DeviceArray(self.cuda, tuple(ctx.get_tensor_shape(name)), self._kv_dtype)
+            ctx.set_tensor_address(name, d.ptr)
+            present.append(d)
+        if not ctx.execute_async_v3(self.cuda.stream_handle):
+            raise BundleError(f"TensorRT failed to run {self.name} for batch {batch} x {seq} tokens after "
+                              f"{past[0].shape[2] if past else 0} (outside the engine's shape profiles?)")
+        out = logits.numpy()  # synchronizes the stream
+        return out.astype(np.float32, copy=False), present
