@@ -128,6 +128,26 @@ def _serve(args: argparse.Namespace) -> int:
                  auth=auth, ui=not args.no_ui)
 
 
+def _golden(args: argparse.Namespace) -> int:
+    """Re-ask the bundle's golden prompts with the backend that would serve here."""
+    import json
+
+    from edge.golden import recheck
+
+    gen = _gen(args)
+    name = gen.decoder.engine.name if hasattr(gen.decoder, "engine") else None
+    res = recheck(gen, gen.bundle.manifest, reference=name)  # this engine's own recorded answers, else fp32's
+    res["engine"] = name or "?"
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    for row in res["prompts"]:
+        mark = "same" if row["same"] else "DIFFERENT"
+        print(f"[{mark}] {row['prompt']}\n    here:     {row['answer']}\n    recorded: {row['reference']}")
+    print(f"same as recorded: {res['same_as_reference']}, keywords passed: {res['golden_passed']} ({res['engine']})")
+    return 0
+
+
 def build_engine_command(args: argparse.Namespace, profile: str) -> int:
     """Shared by `edge-chat build-engine` (on the device) and `edge-export engines` (workstation T4/L4)."""
     import json
@@ -240,6 +260,13 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--profile", default="auto", help="device profile, or auto (Jetson from /etc/nv_tegra_release "
                                                      "and the device-tree model; T4/L4 from the GPU name)")
     e.set_defaults(func=_build_engine)
+    g = sub.add_parser("golden", help="re-ask the golden prompts and compare with the recorded answers")
+    g.add_argument("bundle")
+    g.add_argument("--engine", help="engine name from the manifest (default: what would run here)")
+    g.add_argument("--threads", type=int)
+    g.add_argument("--verify", action="store_true")
+    g.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    g.set_defaults(func=_golden)
     i = sub.add_parser("info", help="what a bundle holds and what would run here")
     i.add_argument("bundle")
     i.add_argument("--verify", action="store_true", help="check every file's SHA-256")

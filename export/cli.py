@@ -75,6 +75,24 @@ def _engines(args: argparse.Namespace) -> int:
     return build_engine_command(args, args.target)
 
 
+def _deploy(args: argparse.Namespace) -> int:
+    from export.deploy import Target, deploy, rollback
+
+    if not args.host:
+        raise EdgeChatError("deploy needs the device: edge-export deploy BUNDLE user@host")
+    t = Target(host=args.host, port=args.port, identity=args.identity, known_hosts=args.known_hosts,
+               accept_new_host_key=args.accept_new_host_key, root=args.root, python=args.remote_python,
+               device_root=args.device_root)
+    if args.rollback:
+        rollback(t)
+        return 0
+    if not args.bundle:
+        raise EdgeChatError("deploy needs a bundle folder: edge-export deploy BUNDLE user@host")
+    deploy(args.bundle, t, profile=args.profile, precision=args.precision, service=args.service, keep=args.keep,
+           reserve_gb=args.reserve_gb, dry_run=args.dry_run)
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="edge-export",
@@ -120,6 +138,28 @@ def make_parser() -> argparse.ArgumentParser:
     add_engine_flags(e)
     e.add_argument("--target", required=True, help="t4 or l4 (Jetson profiles only with --dry-run)")
     e.set_defaults(func=_engines)
+
+    d = sub.add_parser("deploy", help="copy a bundle to a Jetson over SSH, build its engine there, switch to it",
+                       description="Preflight the device, copy and verify the bundle, build the TensorRT engine on "
+                                   "the device (or fall back to ONNX Runtime), check the golden answers, then switch "
+                                   "the 'current' release atomically. Any failure leaves the previous release current.")
+    d.add_argument("bundle", nargs="?", help="bundle folder (not needed with --rollback)")
+    d.add_argument("host", nargs="?", help="user@host of the device")
+    d.add_argument("--port", type=int, default=22)
+    d.add_argument("--identity", help="SSH private key (default: ssh's own choice)")
+    d.add_argument("--known-hosts", help="known_hosts file (default: ~/.ssh/known_hosts)")
+    d.add_argument("--accept-new-host-key", action="store_true", help="trust a host seen for the first time")
+    d.add_argument("--profile", default="auto", help="device profile on the device (default: auto-detected)")
+    d.add_argument("--precision", default="fp16", choices=["fp16", "int8-qdq"], help="TensorRT engine precision")
+    d.add_argument("--root", default="~/.edgechat", help="install root on the device")
+    d.add_argument("--remote-python", default="python3", help="python on the device that has edgechat installed")
+    d.add_argument("--service", action="store_true", help="install/refresh a systemd user unit running the server")
+    d.add_argument("--keep", type=int, default=3, help="releases kept on the device (older ones are removed)")
+    d.add_argument("--reserve-gb", type=float, default=1.0, help="disk that must stay free after the copy")
+    d.add_argument("--dry-run", action="store_true", help="preflight only")
+    d.add_argument("--rollback", action="store_true", help="return the device to its previous release")
+    d.add_argument("--device-root", help=argparse.SUPPRESS)  # tests: where the device's identity files are
+    d.set_defaults(func=_deploy)
     return ap
 
 

@@ -1,0 +1,271 @@
+"""Deploy a bundle to a Jetson (or any Linux box) over SSH: preflight, copy, install, switch, roll back.
+
+Transport: the system OpenSSH client and rsync, not a Python SSH library. They honour the user's
+~/.ssh/config, agents and known_hosts exactly as `ssh` does, rsync resumes an interrupted copy
+(`--partial`) and skips files already there, and both are on every JetPack image. SSH runs with
+BatchMode (never a password prompt) and StrictHostKeyChecking (an unknown host is refused unless
+--accept-new-host-key).
+
+Layout on the device (install root, default ~/.edgechat):
+    releases/<bundle-id>/bundle/    the bundle, verified by SHA-256 on the device
+    current -> releases/<id>        flipped atomically (symlink + rename) only after every step passed
+    previous -> releases/<id>       what --rollback returns to
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edge.bundle import Bundle
+from edge.errors import EdgeChatError
+from edge.machine import Machine, interpret
+
+PROBE = Path(__file__).resolve().parent.parent / "edge" / "probe.py"
+VERIFY = r'''
+import hashlib, json, sys
+root = sys.argv[1]
+m = json.load(open(root + "/manifest.json"))
+bad = []
+for rel, e in m["files"].items():
+    h = hashlib.sha256()
+    try:
+        with open(root + "/" + rel, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError:
+        bad.append(rel); continue
+    if h.hexdigest() != e["sha256"]:
+        bad.append(rel)
+print(json.dumps(bad))
+'''
+
+
+class DeployError(EdgeChatError):
+    """A deploy step failed; the previous release is still the current one."""
+
+    def __init__(self, step: str, message: str) -> None:
+        self.step = step
+        super().__init__(f"deploy stopped at '{step}': {message} (the previous release is still current)")
+
+
+@dataclass
+class Target:
+    host: str  # user@host
+    port: int = 22
+    identity: str | None = None
+    known_hosts: str | None = None
+    accept_new_host_key: bool = False
+    root: str = "~/.edgechat"
+    python: str = "python3"  # python on the device
+    device_root: str | None = None  # where identity files are read (tests); "/" on a real device
+
+    def ssh_base(self) -> list[str]:
+        cmd = ["ssh", "-p", str(self.port), "-o", "BatchMode=yes", "-o", "ConnectTimeout=15",
+               "-o", f"StrictHostKeyChecking={'accept-new' if self.accept_new_host_key else 'yes'}"]
+        if self.known_hosts:
+            cmd += ["-o", f"UserKnownHostsFile={self.known_hosts}"]
+        if self.identity:
+            cmd += ["-i", self.identity, "-o", "IdentitiesOnly=yes"]
+        return cmd
+
+    def run(self, script: str, step: str, stdin: str | None = None, timeout: float = 1800,
+            check: bool = True) -> subprocess.CompletedProcess:
+        env = f"EDGECHAT_DEVICE_ROOT={shlex.quote(self.device_root)} " if self.device_root else ""
+        r = subprocess.run([*self.ssh_base(), self.host, f"{env}sh -c {shlex.quote(script)}"], input=stdin,
+                           capture_output=True, text=True, timeout=timeout)
+        if r.returncode == 255:
+            msg = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "ssh failed"
+            if "Host key verification failed" in r.stderr or "No ED25519 host key is known" in r.stderr \
+                    or "host key is known" in r.stderr:
+                msg = (f"the host key of {self.host} is not in known_hosts: check it (ssh-keyscan -p {self.port} HOST) "
+                       "and add it, or pass --accept-new-host-key on a network you trust")
+            raise DeployError(step, msg)
+        if check and r.returncode != 0:
+            raise DeployError(step, (r.stderr.strip() or r.stdout.strip() or f"exit {r.returncode}")[-800:])
+        return r
+
+    @property
+    def root_q(self) -> str:
+        """The install root for a remote shell (~ expanded by the shell)."""
+        return self.root if self.root.startswith("~") else shlex.quote(self.root)
+
+
+@dataclass
+class Report:
+    steps: list[tuple[str, str]] = field(default_factory=list)  # (step, what happened)
+    machine: Machine | None = None
+    release: str = ""
+    sent_files: int = 0
+
+    def add(self, step: str, what: str, echo=print) -> None:
+        self.steps.append((step, what))
+        echo(f"[{step}] {what}")
+
+
+def preflight_table(m: Machine, bundle: Bundle, need_gb: float) -> list[tuple[str, str]]:
+    return [
+        ("architecture", m.arch),
+        ("module", f"{m.module or '-'}" + (f" -> profile {m.profile}" if m.profile else "")),
+        ("L4T / JetPack", f"{m.l4t or '-'} / {m.jetpack or '-'}"),
+        ("TensorRT", f"{m.tensorrt or 'not installed'}" + (f" ({m.tensorrt_source})" if m.tensorrt_source else "")),
+        ("CUDA", m.cuda or "-"),
+        ("onnxruntime", f"{m.onnxruntime or 'not installed'}" + (f" {m.ort_providers}" if m.ort_providers else "")),
+        ("Python", m.python),
+        ("free disk", f"{m.disk_free_gb:.1f} GB (bundle needs {need_gb:.2f} GB)" if m.disk_free_gb is not None else "?"),
+        ("MemAvailable", f"{m.mem_available_gb:.1f} GB" if m.mem_available_gb is not None else "?"),
+        ("bundle", f"{bundle.manifest.model_name} ({bundle.manifest.bundle_id})"),
+    ]
+
+
+def preflight(t: Target, bundle: Bundle, reserve_gb: float = 1.0, profile: str | None = None,
+              echo=print) -> Machine:
+    """Probe the device (edge/probe.py piped into its python3) and refuse what cannot work."""
+    r = t.run(f"{t.python} - {t.root}", "preflight", stdin=PROBE.read_text())
+    try:
+        m = interpret(json.loads(r.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        raise DeployError("preflight", f"the device's probe printed no facts: {r.stdout[-300:]} {r.stderr[-300:]}")
+    need = sum(f.size for f in bundle.manifest.files.values()) / 1e9 * 1.1
+    rows = preflight_table(m, bundle, need)
+    w = max(len(k) for k, _ in rows)
+    echo("preflight " + t.host)
+    for k, v in rows:
+        echo(f"  {k:<{w}}  {v}")
+    if m.disk_free_gb is not None and m.disk_free_gb - need < reserve_gb:
+        raise DeployError("preflight", f"{m.disk_free_gb:.1f} GB free under {t.root} but the bundle needs {need:.2f} GB "
+                                       f"and {reserve_gb:.1f} GB must stay free: free space or lower --reserve-gb")
+    if not m.onnxruntime and not m.tensorrt:
+        raise DeployError("preflight", "the device has neither onnxruntime nor TensorRT, so nothing could run the "
+                                       "bundle: pip install onnxruntime (or onnxruntime-gpu) there first")
+    want = profile if profile and profile != "auto" else None
+    if want and m.profile and want.split("@")[0] != m.profile.split("@")[0]:
+        raise DeployError("preflight", f"--profile {want} but the device is {m.module} ({m.profile})")
+    if m.jetson and not m.profile and not want:
+        raise DeployError("preflight", f"{m.profile_error or 'unknown Jetson module'}")
+    return m
+
+
+def _rsync(t: Target, src: Path, dst: str, checksum: bool, step: str) -> int:
+    """Copy src/ to dst/ on the device; resumable (--partial); returns files transferred."""
+    ssh = " ".join(shlex.quote(x) for x in t.ssh_base())
+    cmd = ["rsync", "-a", "--partial", "--stats", "--mkpath", "-e", ssh, f"{src}/", f"{t.host}:{dst}/"]
+    if checksum:
+        cmd.insert(2, "--checksum")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
+    if r.returncode != 0:
+        raise DeployError(step, f"rsync failed ({r.returncode}): {r.stderr.strip()[-500:]}")
+    for line in r.stdout.splitlines():
+        if line.startswith("Number of regular files transferred:"):
+            return int(line.split(":")[1].strip().replace(",", ""))
+    return 0
+
+
+def deploy(bundle_path: str, t: Target, profile: str = "auto", precision: str = "fp16", service: bool = False,
+           keep: int = 3, reserve_gb: float = 1.0, dry_run: bool = False, echo=print) -> Report:
+    bundle = Bundle.open(bundle_path, verify="full")
+    rep = Report()
+    rep.machine = m = preflight(t, bundle, reserve_gb, profile, echo)
+    rep.add("preflight", "ok", echo)
+    if dry_run:
+        rep.add("dry-run", "stopping after preflight (nothing copied)", echo)
+        return rep
+    rid = bundle.manifest.bundle_id
+    rep.release = rid
+    rel = f"{t.root}/releases/{rid}"
+    # copy: rsync skips files already there with the same size+mtime; the device then hashes everything and
+    # anything that does not match is sent again, compared by content this time.
+    sent = _rsync(t, bundle.root, f"{rel}/bundle", checksum=False, step="copy")
+    bad = json.loads(t.run(f"{t.python} - {rel}/bundle", "verify", stdin=VERIFY).stdout.strip() or "[]")
+    if bad:
+        rep.add("verify", f"{len(bad)} file(s) differ on the device ({', '.join(bad[:3])}): sending them again", echo)
+        sent += _rsync(t, bundle.root, f"{rel}/bundle", checksum=True, step="copy")
+        bad = json.loads(t.run(f"{t.python} - {rel}/bundle", "verify", stdin=VERIFY).stdout.strip() or "[]")
+        if bad:
+            raise DeployError("verify", f"{', '.join(bad)} still differ from the manifest after re-sending")
+    rep.sent_files = sent
+    rep.add("copy", f"{sent} file(s) sent, all {len(bundle.manifest.files)} verified by SHA-256 on the device", echo)
+
+    edge_chat = f"{t.python} -m edge.cli"
+    have = t.run(f"{t.python} -c 'import edge.cli'", "install", check=False)
+    if have.returncode != 0:
+        raise DeployError("install", "the edgechat runtime is not installed on the device: pip install "
+                                     "'edgechat[serve]' there (with onnxruntime or onnxruntime-gpu), then deploy again")
+    prof = f"--profile {shlex.quote(profile)}"
+    if m.tensorrt and m.tensorrt_source == "python" and m.has_gpu:
+        t.run(f"{edge_chat} build-engine {rel}/bundle {prof} --precision {precision}", "build-engine", timeout=7200)
+        rep.add("build-engine", f"TensorRT {m.tensorrt} engine built on the device", echo)
+    else:
+        # no TensorRT: still check the engine plan is valid for this device, then fall back to ONNX Runtime
+        if m.jetson or profile != "auto":
+            t.run(f"{edge_chat} build-engine {rel}/bundle {prof} --precision {precision} --dry-run", "build-engine")
+        why = (f"TensorRT {m.tensorrt} has no Python bindings there (sudo apt install python3-libnvinfer)"
+               if m.tensorrt else "no TensorRT on the device")
+        rep.add("build-engine", f"skipped: {why}; it will run with ONNX Runtime", echo)
+    r = t.run(f"{edge_chat} golden {rel}/bundle --json", "golden", timeout=3600)
+    g = json.loads(r.stdout.strip().splitlines()[-1])
+    rep.add("golden", f"answers same as the workstation's: {g['same_as_reference']} (keywords passed "
+                      f"{g['golden_passed']}, engine {g['engine']})", echo)
+
+    unit = _unit(t, rel)
+    if service:
+        t.run(f"mkdir -p ~/.config/systemd/user && cat > ~/.config/systemd/user/edgechat.service", "service",
+              stdin=unit)
+    # switch: previous -> old current, current -> this release, each by symlink + rename (atomic)
+    t.run(f"cd {t.root_q} && if [ -L current ] && [ \"$(readlink current)\" != releases/{rid} ]; then "
+          f"ln -sfn \"$(readlink current)\" previous.tmp && mv -T previous.tmp previous; fi && "
+          f"ln -sfn releases/{rid} current.tmp && mv -T current.tmp current", "switch")
+    rep.add("switch", f"current -> releases/{rid}", echo)
+    if service:
+        if m.systemd:
+            t.run("systemctl --user daemon-reload && systemctl --user enable --now edgechat.service && "
+                  "systemctl --user restart edgechat.service", "service")
+            _health(t, "service")
+            rep.add("service", "edgechat.service restarted and /health is ok", echo)
+        else:
+            rep.add("service", "unit written to ~/.config/systemd/user/edgechat.service; systemd is not running "
+                               "on the device, so it was not activated", echo)
+    pruned = _prune(t, keep)
+    if pruned:
+        rep.add("prune", f"removed old releases: {', '.join(pruned)}", echo)
+    return rep
+
+
+def _unit(t: Target, rel: str) -> str:
+    return (f"[Unit]\nDescription=EdgeChat chat server\nAfter=network.target\n\n[Service]\n"
+            f"ExecStart={t.python} -m edge.cli serve %h/{t.root.removeprefix('~/')}/current/bundle --host 127.0.0.1\n"
+            "Restart=on-failure\nRestartSec=5\n\n[Install]\nWantedBy=default.target\n")
+
+
+def _health(t: Target, step: str, tries: int = 60) -> None:
+    for _ in range(tries):
+        r = t.run("curl -fsS http://127.0.0.1:7860/health", step, check=False)
+        if r.returncode == 0:
+            return
+        time.sleep(2)
+    raise DeployError(step, "the service did not answer /health within 2 minutes (journalctl --user -u edgechat)")
+
+
+def _prune(t: Target, keep: int) -> list[str]:
+    """Keep at most `keep` releases, counting current and previous, which are never removed."""
+    r = t.run(f"cd {t.root_q}/releases && cur=$(basename \"$(readlink ../current)\"); "
+              f"prev=$(basename \"$(readlink ../previous 2>/dev/null)\" 2>/dev/null); "
+              f"n=0; [ -d \"$cur\" ] && n=$((n+1)); [ -n \"$prev\" ] && [ \"$prev\" != \"$cur\" ] && [ -d \"$prev\" ] && n=$((n+1)); "
+              f"room=$(( {keep} - n )); [ $room -lt 0 ] && room=0; "
+              f"ls -1t | while read d; do [ \"$d\" = \"$cur\" ] || [ \"$d\" = \"$prev\" ] || echo \"$d\"; done | "
+              f"tail -n +$((room + 1)) | while read d; do rm -rf \"$d\" && echo \"$d\"; done", "prune")
+    return [x for x in r.stdout.split() if x]
+
+
+def rollback(t: Target, echo=print) -> str:
+    r = t.run(f"cd {t.root_q} && [ -L previous ] && old=$(readlink current) && new=$(readlink previous) && "
+              f"ln -sfn \"$new\" current.tmp && mv -T current.tmp current && "
+              f"ln -sfn \"$old\" previous.tmp && mv -T previous.tmp previous && echo \"$new\"", "rollback", check=False)
+    if r.returncode != 0 or not r.stdout.strip():
+        raise DeployError("rollback", "there is no previous release to return to")
+    echo(f"[rollback] current -> {r.stdout.strip()}")
+    return r.stdout.strip()
