@@ -46,6 +46,7 @@ class Machine:
     mem_available_gb: float | None = None
     disk_free_gb: float | None = None
     systemd: bool = False
+    glibc: str | None = None  # for the manylinux tags of wheels shipped to the device
 
     @property
     def has_gpu(self) -> bool:
@@ -111,7 +112,7 @@ def interpret(facts: dict) -> Machine:
         gpu_name=facts.get("gpu_name"), gpu_sm=facts.get("gpu_sm"), gpu_error=facts.get("gpu_error"),
         onnxruntime=facts.get("onnxruntime"), ort_providers=list(facts.get("ort_providers") or []),
         mem_total_gb=gb("mem_total_bytes"), mem_available_gb=gb("mem_available_bytes"),
-        disk_free_gb=gb("disk_free_bytes"), systemd=bool(facts.get("systemd")))
+        disk_free_gb=gb("disk_free_bytes"), systemd=bool(facts.get("systemd")), glibc=facts.get("glibc"))
     tegra = facts.get("nv_tegra_release")
     if tegra:
         kw["jetson"] = True

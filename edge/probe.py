@@ -130,6 +130,7 @@ def probe(install_root: str | None = None, root: str | None = None) -> dict:
         "arch": platform.machine(),
         "python": platform.python_version(),
         "python_executable": sys.executable,
+        "glibc": platform.libc_ver()[1] or None,
         "nv_tegra_release": _read(r / "etc/nv_tegra_release"),
         "device_tree_model": _read(r / "proc/device-tree/model"),
         "mem_total_bytes": mem.get("MemTotal"),

@@ -78,6 +78,8 @@ def _engines(args: argparse.Namespace) -> int:
 def _deploy(args: argparse.Namespace) -> int:
     from export.deploy import Target, deploy, rollback
 
+    if args.rollback and args.bundle and not args.host:  # edge-export deploy --rollback user@host
+        args.host, args.bundle = args.bundle, None
     if not args.host:
         raise EdgeChatError("deploy needs the device: edge-export deploy BUNDLE user@host")
     t = Target(host=args.host, port=args.port, identity=args.identity, known_hosts=args.known_hosts,
@@ -89,7 +91,7 @@ def _deploy(args: argparse.Namespace) -> int:
     if not args.bundle:
         raise EdgeChatError("deploy needs a bundle folder: edge-export deploy BUNDLE user@host")
     deploy(args.bundle, t, profile=args.profile, precision=args.precision, service=args.service, keep=args.keep,
-           reserve_gb=args.reserve_gb, dry_run=args.dry_run)
+           reserve_gb=args.reserve_gb, dry_run=args.dry_run, device_runtime=args.device_runtime)
     return 0
 
 
@@ -128,6 +130,13 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--skip-eval", action="store_true", help="skip the quality evaluation stage")
     b.add_argument("--fresh", action="store_true", help="ignore finished stages in OUT.work/ and start over")
     b.add_argument("--online", action="store_true", help="allow hub downloads (default: offline, HF_HUB_OFFLINE=1)")
+    b.add_argument("--prune", type=float, metavar="RATIO",
+                   help="prune to this fraction of the parameters (e.g. 0.6), then distill (see [prune] in a recipe)")
+    b.add_argument("--fit", metavar="PROFILE", help="prune until the INT8 model fits this device profile")
+    b.add_argument("--fit-context", type=int, help="context the --fit plan must hold (default 4096)")
+    b.add_argument("--distill-steps", type=int, help="distillation steps after pruning (default 300)")
+    b.add_argument("--distill-minutes", type=float, help="stop distilling after this many minutes")
+    b.add_argument("--no-distill", action="store_true", help="prune only (the report then has no recovery row)")
     b.set_defaults(func=_build)
 
     from edge.cli import add_engine_flags
@@ -152,7 +161,10 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--profile", default="auto", help="device profile on the device (default: auto-detected)")
     d.add_argument("--precision", default="fp16", choices=["fp16", "int8-qdq"], help="TensorRT engine precision")
     d.add_argument("--root", default="~/.edgechat", help="install root on the device")
-    d.add_argument("--remote-python", default="python3", help="python on the device that has edgechat installed")
+    d.add_argument("--remote-python", default="python3", help="python on the device (JetPack's python3 by default)")
+    d.add_argument("--device-runtime", action="store_true",
+                   help="use the edgechat installed in the device's python instead of shipping this one's wheel "
+                        "(and the wheels of whatever the device lacks) with the release")
     d.add_argument("--service", action="store_true", help="install/refresh a systemd user unit running the server")
     d.add_argument("--keep", type=int, default=3, help="releases kept on the device (older ones are removed)")
     d.add_argument("--reserve-gb", type=float, default=1.0, help="disk that must stay free after the copy")

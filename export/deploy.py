@@ -24,6 +24,7 @@ from pathlib import Path
 from edge.bundle import Bundle
 from edge.errors import EdgeChatError
 from edge.machine import Machine, interpret
+from export import runtime_set
 
 PROBE = Path(__file__).resolve().parent.parent / "edge" / "probe.py"
 VERIFY = r'''
@@ -150,10 +151,12 @@ def preflight(t: Target, bundle: Bundle, reserve_gb: float = 1.0, profile: str |
     return m
 
 
-def _rsync(t: Target, src: Path, dst: str, checksum: bool, step: str) -> int:
-    """Copy src/ to dst/ on the device; resumable (--partial); returns files transferred."""
+def _rsync(t: Target, src: Path | list[Path], dst: str, checksum: bool, step: str) -> int:
+    """Copy a folder's contents (or a list of files) into dst/ on the device; resumable (--partial);
+    returns the number of files transferred."""
     ssh = " ".join(shlex.quote(x) for x in t.ssh_base())
-    cmd = ["rsync", "-a", "--partial", "--stats", "--mkpath", "-e", ssh, f"{src}/", f"{t.host}:{dst}/"]
+    srcs = [f"{src}/"] if isinstance(src, Path) else [str(p) for p in src]
+    cmd = ["rsync", "-a", "--partial", "--stats", "--mkpath", "-e", ssh, *srcs, f"{t.host}:{dst}/"]
     if checksum:
         cmd.insert(2, "--checksum")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
@@ -165,8 +168,37 @@ def _rsync(t: Target, src: Path, dst: str, checksum: bool, step: str) -> int:
     return 0
 
 
+def _sh_path(p: str) -> str:
+    """A device path for a remote shell: a leading ~ becomes $HOME (expanded inside double quotes too)."""
+    return '"$HOME"' + shlex.quote(p[1:]) if p.startswith("~/") else shlex.quote(p)
+
+
+def install_runtime(t: Target, m: Machine, rel: str, service: bool, rep: Report, echo=print) -> str:
+    """Ship the edgechat wheel and the wheels the device lacks, unpack them into rel/runtime, and return
+    the command that runs this release's edge-chat."""
+    try:
+        rs = runtime_set.plan(t, m, service, echo)
+    except runtime_set.RuntimeSetError as e:
+        raise DeployError("runtime", str(e)) from e
+    sent = _rsync(t, rs.wheels, f"{rel}/wheels", checksum=False, step="runtime")
+    runtime = f"{rel}/runtime"
+    wheels = " ".join(_sh_path(f"{rel}/wheels/{w.name}") for w in rs.wheels)
+    t.run(f"{t.python} - {_sh_path(runtime)} {wheels}", "runtime", stdin=runtime_set.UNPACK)
+    edge_chat = f"PYTHONPATH={_sh_path(runtime)} {t.python} -m edge.cli"
+    r = t.run(f"PYTHONPATH={_sh_path(runtime)} {t.python} -c 'import edge, edge.cli; print(edge.__file__)'",
+              "runtime", check=False)
+    if r.returncode != 0:
+        raise DeployError("runtime", f"this release's runtime does not import on the device: {r.stderr.strip()[-600:]}")
+    rep.add("runtime", f"{rs.summary()} ({sent} wheel(s) sent)", echo)
+    return edge_chat
+
+
 def deploy(bundle_path: str, t: Target, profile: str = "auto", precision: str = "fp16", service: bool = False,
-           keep: int = 3, reserve_gb: float = 1.0, dry_run: bool = False, echo=print) -> Report:
+           keep: int = 3, reserve_gb: float = 1.0, dry_run: bool = False, device_runtime: bool = False,
+           echo=print) -> Report:
+    """Preflight, copy + verify, runtime, build-engine, golden, switch, service, prune; any failure raises
+    DeployError naming the step, with `current` untouched. device_runtime: use an edgechat already installed
+    in the device's Python instead of shipping this one with the release."""
     bundle = Bundle.open(bundle_path, verify="full")
     rep = Report()
     rep.machine = m = preflight(t, bundle, reserve_gb, profile, echo)
@@ -190,11 +222,15 @@ def deploy(bundle_path: str, t: Target, profile: str = "auto", precision: str = 
     rep.sent_files = sent
     rep.add("copy", f"{sent} file(s) sent, all {len(bundle.manifest.files)} verified by SHA-256 on the device", echo)
 
-    edge_chat = f"{t.python} -m edge.cli"
-    have = t.run(f"{t.python} -c 'import edge.cli'", "install", check=False)
-    if have.returncode != 0:
-        raise DeployError("install", "the edgechat runtime is not installed on the device: pip install "
-                                     "'edgechat[serve]' there (with onnxruntime or onnxruntime-gpu), then deploy again")
+    if device_runtime:
+        edge_chat = f"{t.python} -m edge.cli"
+        have = t.run(f"{t.python} -c 'import edge.cli'", "runtime", check=False)
+        if have.returncode != 0:
+            raise DeployError("runtime", "--device-runtime but edgechat is not installed in the device's Python: "
+                                         "pip install 'edgechat[serve]' there, or deploy without --device-runtime")
+        rep.add("runtime", "using the edgechat installed on the device", echo)
+    else:
+        edge_chat = install_runtime(t, m, rel, service, rep, echo)
     prof = f"--profile {shlex.quote(profile)}"
     if m.tensorrt and m.tensorrt_source == "python" and m.has_gpu:
         t.run(f"{edge_chat} build-engine {rel}/bundle {prof} --precision {precision}", "build-engine", timeout=7200)
@@ -211,7 +247,7 @@ def deploy(bundle_path: str, t: Target, profile: str = "auto", precision: str = 
     rep.add("golden", f"answers same as the workstation's: {g['same_as_reference']} (keywords passed "
                       f"{g['golden_passed']}, engine {g['engine']})", echo)
 
-    unit = _unit(t, rel)
+    unit = _unit(t, device_runtime)
     if service:
         t.run(f"mkdir -p ~/.config/systemd/user && cat > ~/.config/systemd/user/edgechat.service", "service",
               stdin=unit)
@@ -235,9 +271,11 @@ def deploy(bundle_path: str, t: Target, profile: str = "auto", precision: str = 
     return rep
 
 
-def _unit(t: Target, rel: str) -> str:
-    return (f"[Unit]\nDescription=EdgeChat chat server\nAfter=network.target\n\n[Service]\n"
-            f"ExecStart={t.python} -m edge.cli serve %h/{t.root.removeprefix('~/')}/current/bundle --host 127.0.0.1\n"
+def _unit(t: Target, device_runtime: bool) -> str:
+    root = "%h/" + t.root[2:] if t.root.startswith("~/") else t.root
+    env = "" if device_runtime else f"Environment=PYTHONPATH={root}/current/runtime\n"
+    return (f"[Unit]\nDescription=EdgeChat chat server\nAfter=network.target\n\n[Service]\n{env}"
+            f"ExecStart={t.python} -m edge.cli serve {root}/current/bundle --host 127.0.0.1\n"
             "Restart=on-failure\nRestartSec=5\n\n[Install]\nWantedBy=default.target\n")
 
 

@@ -125,6 +125,10 @@ def test_deploy_scenarios(device, tiny_bundle, tmp_path):
     assert device.current() == "releases/tiny-release-one"
     release = device.install / "releases/tiny-release-one/bundle"
     assert (release / "manifest.json").is_file()
+    # the release carries its own runtime: this checkout's wheel, unpacked; the device's numpy etc. are used
+    assert "edgechat-0.1.0-py3-none-any.whl + 0 dependency wheel(s)" in steps["runtime"], steps["runtime"]
+    assert "from the device: " in steps["runtime"] and "numpy" in steps["runtime"]
+    assert (device.install / "releases/tiny-release-one/runtime/edge/cli.py").is_file()
 
     # redeploy of the same bundle copies nothing
     rep = deploy(str(b1), t, echo=_quiet)
@@ -171,7 +175,8 @@ def test_deploy_scenarios(device, tiny_bundle, tmp_path):
     steps = dict(rep.steps)
     assert "not activated" in steps["service"]
     unit = (Path(os.path.expanduser("~")) / ".config/systemd/user/edgechat.service").read_text()
-    assert f"{sys.executable} -m edge.cli serve" in unit and "Restart=on-failure" in unit
+    assert f"{sys.executable} -m edge.cli serve {device.install}/current/bundle" in unit and "Restart=on-failure" in unit
+    assert f"Environment=PYTHONPATH={device.install}/current/runtime" in unit
     left = sorted(p.name for p in (device.install / "releases").iterdir())
     assert left == ["tiny-release-one", "tiny-release-two"], left  # current and previous are never pruned
     assert "tiny-release-three" in steps.get("prune", "")
@@ -208,3 +213,27 @@ def test_deploy_cli_dry_run_prints_the_preflight(device, tiny_bundle):
                 t.identity, "--known-hosts", t.known_hosts, "--root", t.root, "--remote-python", t.python,
                 "--device-root", t.device_root, "--profile", "agx-orin-64gb", "--dry-run")
     assert r.returncode == 2 and "--profile agx-orin-64gb but the device is" in r.stderr
+
+
+def test_runtime_ships_what_the_device_lacks(device, tiny_bundle, tmp_path, monkeypatch):
+    """A requirement the device's python does not have is fetched for its platform and shipped with the release;
+    one that cannot be had stops the deploy at 'runtime' before anything is switched."""
+    from packaging.requirements import Requirement
+
+    from export import runtime_set
+
+    monkeypatch.setenv("EDGECHAT_CACHE", str(tmp_path / "cache"))
+    base = runtime_set.requirements
+    monkeypatch.setattr(runtime_set, "requirements", lambda m, s: [*base(m, s), Requirement("six>=1.16")])
+    b = _variant(tiny_bundle.root, tmp_path / "six.bundle", "tiny-release-six")
+    rep = deploy(str(b), device.target(), echo=_quiet)
+    steps = dict(rep.steps)
+    assert "1 dependency wheel(s) (six " in steps["runtime"], steps["runtime"]
+    assert (device.install / "releases/tiny-release-six/runtime/six.py").is_file()
+    assert device.current() == "releases/tiny-release-six"
+
+    monkeypatch.setattr(runtime_set, "requirements", lambda m, s: [Requirement("edgechat-no-such-dist==9.9")])
+    b2 = _variant(tiny_bundle.root, tmp_path / "nope.bundle", "tiny-release-nope")
+    with pytest.raises(DeployError, match="deploy stopped at 'runtime'.*lacks edgechat-no-such-dist==9.9"):
+        deploy(str(b2), device.target(), echo=_quiet)
+    assert device.current() == "releases/tiny-release-six"
