@@ -85,14 +85,17 @@ def speed(dec: Decoder, prompt_ids: list[int], new_tokens: int, runs: int) -> di
     return {"ttft_ms": statistics.median(ttfts) * 1000, "decode_tok_s": statistics.median(rates)}
 
 
-def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions) -> dict:
+def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict | None = None) -> dict:
+    """Measure every engine; KL and agreement are against the teacher when there is one (a pruned
+    build), else against the shipped fp32 graph. `stages`: prune/distill records for the report."""
     from export.data import load_chats
     from export.load import chat_tokenizer, model_dims
     from export.report import write_report
 
-    dims = model_dims(hf_dir, opts.max_context)
     tok = chat_tokenizer(hf_dir)
-    decs = {e.name: Decoder(e.folder / "model.onnx", dims, DecoderIO(), threads=opts.threads, name=e.name) for e in engines}
+    decs = {e.name: Decoder(e.folder / "model.onnx", model_dims(getattr(e, "dims_dir", None) or hf_dir, opts.max_context),
+                            DecoderIO(), threads=opts.threads, name=e.name) for e in engines}
+    ref = "teacher" if "teacher" in decs else "fp32"
     chats = load_chats(opts.data, "evaluation", opts.samples)
     parts: dict[str, list[dict]] = {n: [] for n in decs}
     for chat in tqdm(chats, desc="evaluate (held-out chats)", unit="chat"):
@@ -100,22 +103,26 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions) -> dict:
         if len(ids) < 2:
             continue
         x, y = np.array([ids[:-1]]), np.array(ids[1:])
-        teacher = decs["fp32"].forward(x, decs["fp32"].new_cache(), last_only=False)[0]
+        teacher = decs[ref].forward(x, decs[ref].new_cache(), last_only=False)[0]
         for name, d in decs.items():
-            student = teacher if name == "fp32" else d.forward(x, d.new_cache(), last_only=False)[0]
+            student = teacher if name == ref else d.forward(x, d.new_cache(), last_only=False)[0]
             parts[name].append(token_metrics(student, teacher, y))
-    results: dict = {"engines": {}, "golden": [], "eval_chats": len(chats), "data": opts.data or "chitchat-dataset:evaluation"}
+    results: dict = {"engines": {}, "golden": [], "eval_chats": len(chats), "reference": ref,
+                     "data": opts.data or "chitchat-dataset:evaluation", "stages": stages or {}}
     bench_ids = tok.encode_chat(BENCH_PROMPT)
     greedy = SamplingConfig(max_new_tokens=opts.golden_tokens)
     for e in tqdm(engines, desc="golden prompts + speed", unit="engine"):
         d = decs[e.name]
         q = summarize(parts[e.name])
         q["size_bytes"] = sum(f.stat().st_size for f in e.folder.glob("model.onnx*"))
-        if getattr(e, "report_only", False):
+        if getattr(e, "report_only", False) and not getattr(e, "lineage", False):
             results["engines"][e.name] = q  # quality only: no golden answers or timing for ablations
             continue
         q |= speed(d, bench_ids, opts.bench_tokens, opts.bench_runs)
         q["bench_prompt_tokens"] = len(bench_ids)
+        if getattr(e, "lineage", False):
+            results["engines"][e.name] = q  # teacher / pruned-only: speed too, golden answers only for what ships
+            continue
         gen = Generator(tok, d)
         passed = 0
         for g in GOLDEN:
@@ -129,5 +136,10 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions) -> dict:
     base = results["engines"]["fp32"]["perplexity"]
     for q in results["engines"].values():
         q["perplexity_delta_pct"] = 100 * (q["perplexity"] / base - 1)
+        if ref == "teacher":
+            q["perplexity_vs_teacher_pct"] = 100 * (q["perplexity"] / results["engines"]["teacher"]["perplexity"] - 1)
+    if ref == "teacher" and "pruned-only" in results["engines"]:
+        t, p, f = (results["engines"][k]["perplexity"] for k in ("teacher", "pruned-only", "fp32"))
+        results["recovered"] = (p - f) / (p - t) if p > t else None  # share of pruning's perplexity rise won back
     write_report(results, dst)
     return results

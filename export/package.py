@@ -24,6 +24,8 @@ class EngineArtifact:
     variant: str = "plain"
     quality: dict = field(default_factory=dict)
     report_only: bool = False  # measured for the report (e.g. an ablation), not shipped
+    dims_dir: Path | None = None  # the HF folder this graph was exported from, when not the shipped model's
+    lineage: bool = False  # teacher / pruned-only: quality and speed measured, no golden answers
 
 
 def _opset(path: Path) -> int:

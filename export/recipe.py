@@ -20,6 +20,8 @@ else:  # pragma: no cover
 
 from edge.bundle import Bundle, StageRecord
 from edge.errors import RecipeError
+from export.distill import DistillOptions
+from export.prune import PruneOptions
 
 BUILD_PRECISIONS = ("fp32", "int8-dynamic", "int8-qdq", "int4-weight")
 
@@ -40,6 +42,8 @@ class BuildOptions:
     fresh: bool = False
     online: bool = False
     threads: int | None = None
+    prune: PruneOptions | None = None  # [prune] section: None = keep the model's size
+    distill: DistillOptions | None = None  # [distill] section: only after a prune
 
     def __post_init__(self) -> None:
         bad = [p for p in self.precisions if p not in BUILD_PRECISIONS]
@@ -51,6 +55,9 @@ class BuildOptions:
             raise RecipeError(f"max_context must be >= 64, got {self.max_context}")
         if not 0 <= self.smoothquant_alpha <= 1:
             raise RecipeError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
+        if self.distill is not None and self.prune is None:
+            raise RecipeError("distill needs a prune stage before it (a [prune] section or --prune RATIO): "
+                              "distilling a model into itself teaches it nothing")
 
     @property
     def work(self) -> Path:
@@ -64,6 +71,15 @@ class BuildOptions:
             raise RecipeError(f"recipe file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise RecipeError(f"recipe {path} is not valid TOML: {e}") from None
+        nested = {}
+        for name, kind in (("prune", PruneOptions), ("distill", DistillOptions)):
+            if isinstance(raw.get(name), dict):
+                sec = raw.pop(name)
+                known = {f.name for f in dataclasses.fields(kind)}
+                if set(sec) - known:
+                    raise RecipeError(f"recipe {path} [{name}] has unknown options {sorted(set(sec) - known)} "
+                                      f"(known: {sorted(known)})")
+                nested[name] = kind(**sec)
         flat = {}
         for section, values in raw.items():
             if isinstance(values, dict):
@@ -76,6 +92,7 @@ class BuildOptions:
             raise RecipeError(f"recipe {path} has unknown options {sorted(unknown)} (known: {sorted(known)})")
         if "precisions" in flat:
             flat["precisions"] = tuple(flat["precisions"])
+        flat.update(nested)
         flat.update({k: v for k, v in overrides.items() if v is not None})
         if "output" not in flat:
             raise RecipeError("no output folder: pass -o OUT.bundle")
@@ -88,9 +105,20 @@ class BuildOptions:
                     precisions=tuple(a.precision) if a.precision else None, max_context=a.max_context,
                     calibration=a.calibration, eval_samples=a.eval_samples, skip_eval=a.skip_eval or None,
                     fresh=a.fresh or None, online=a.online or None)
-        if a.recipe:
-            return cls.from_toml(a.recipe, **over)
-        return cls(**{k: (Path(v) if k == "output" else v) for k, v in over.items() if v is not None})
+        base = cls.from_toml(a.recipe, **over) if a.recipe else \
+            cls(**{k: (Path(v) if k == "output" else v) for k, v in over.items() if v is not None})
+        prune, distill = base.prune, base.distill
+        if getattr(a, "prune", None) is not None or getattr(a, "fit", None):
+            prune = dataclasses.replace(prune or PruneOptions(), target_ratio=a.prune if a.prune is not None else
+                                        (prune.target_ratio if prune and not a.fit else None), fit=a.fit or (prune.fit if prune else None),
+                                        fit_context=a.fit_context or (prune.fit_context if prune else 4096))
+            distill = distill or DistillOptions()
+        if getattr(a, "distill_steps", None) or getattr(a, "distill_minutes", None):
+            distill = dataclasses.replace(distill or DistillOptions(), **{k: v for k, v in
+                                          (("steps", a.distill_steps), ("max_minutes", a.distill_minutes)) if v})
+        if getattr(a, "no_distill", False):
+            distill = None
+        return dataclasses.replace(base, prune=prune, distill=distill)
 
 
 def build(opts: BuildOptions, log=print) -> Bundle:
@@ -108,8 +136,36 @@ def build(opts: BuildOptions, log=print) -> Bundle:
                             lambda d: load.run(ref, d, online=opts.online), opts.fresh, log)
     records.append(rec)
     eopts = onnx_export.ExportOptions(opset=opts.opset, parity_atol=opts.parity_atol)
-    fp32_dir, rec = run_stage(work, "export", dataclasses.asdict(eopts), lambda d: onnx_export.run(hf_dir, d, eopts),
-                              opts.fresh, log)
+    lineage: list = []  # teacher and pruned-only graphs: measured for the report, not shipped
+    teacher_dir = hf_dir
+    if opts.prune is not None:
+        from export import distill, prune
+
+        popts = opts.prune
+        pruned_dir, rec = run_stage(work, "prune", dataclasses.asdict(popts) | {"load": rec.finished},
+                                    lambda d: prune.run(teacher_dir, d, popts), opts.fresh, log)
+        records.append(rec)
+        log(f"[prune] {prune.describe(rec.metrics)}")
+        hf_dir = pruned_dir
+        t_dir, t_rec = run_stage(work, "export-teacher", dataclasses.asdict(eopts) | {"load": records[0].finished},
+                                 lambda d: onnx_export.run(teacher_dir, d, eopts), opts.fresh, log)
+        lineage.append(package.EngineArtifact("teacher", t_dir, "fp32", report_only=True, dims_dir=teacher_dir,
+                                              lineage=True))
+        if opts.distill is not None:
+            dopts = opts.distill
+            p_dir, _ = run_stage(work, "export-pruned", dataclasses.asdict(eopts) | {"prune": rec.finished},
+                                 lambda d: onnx_export.run(pruned_dir, d, eopts), opts.fresh, log)
+            lineage.append(package.EngineArtifact("pruned-only", p_dir, "fp32", report_only=True, dims_dir=pruned_dir,
+                                                  lineage=True))
+            hf_dir, rec = run_stage(work, "distill", dataclasses.asdict(dopts) | {"prune": rec.finished},
+                                    lambda d: distill.run(teacher_dir, pruned_dir, d, dopts,
+                                                          ckpt_dir=work / ".distill-checkpoint"), opts.fresh, log)
+            records.append(rec)
+            log(f"[distill] {rec.metrics['steps']} steps, {rec.metrics['tokens_seen']} tokens, loss "
+                f"{rec.metrics['loss_first']:.3f} -> {rec.metrics['loss_last']:.3f}")
+    shipped_from = rec.finished
+    fp32_dir, rec = run_stage(work, "export", dataclasses.asdict(eopts) | ({"model": shipped_from} if opts.prune else {}),
+                              lambda d: onnx_export.run(hf_dir, d, eopts), opts.fresh, log)
     records.append(rec)
     engines = [package.EngineArtifact("fp32", fp32_dir, "fp32", quality={"parity": rec.metrics})]
     report_only: list = []  # measured and shown in the report, not shipped
@@ -137,10 +193,12 @@ def build(opts: BuildOptions, log=print) -> Bundle:
 
         evopts = evaluate.EvalOptions(samples=opts.eval_samples, data=opts.calibration, threads=opts.threads,
                                       max_context=opts.max_context)
-        params = dataclasses.asdict(evopts) | {"engines": [e.name for e in engines + report_only],
+        measured = lineage + engines + report_only
+        stage_info = {r.name: r.metrics for r in records if r.name in ("prune", "distill")}
+        params = dataclasses.asdict(evopts) | {"engines": [e.name for e in measured],
                                                "inputs": [r.finished for r in records]}
         edir, rec = run_stage(work, "evaluate", params,
-                              lambda d: evaluate.run(hf_dir, engines + report_only, d, evopts), opts.fresh, log)
+                              lambda d: evaluate.run(hf_dir, measured, d, evopts, stages=stage_info), opts.fresh, log)
         records.append(rec)
         results = rec.metrics
         for e in engines:

@@ -6,17 +6,44 @@ import html
 from pathlib import Path
 
 COLUMNS = [("size_bytes", "size", lambda v: f"{v / 1e6:.1f} MB"), ("perplexity", "ppl", lambda v: f"{v:.3f}"),
-           ("perplexity_delta_pct", "Δppl", lambda v: f"{v:+.2f}%"), ("kl_to_fp32", "KL to fp32", lambda v: f"{v:.4f}"),
+           ("perplexity_delta_pct", "Δppl", lambda v: f"{v:+.2f}%"),
+           ("perplexity_vs_teacher_pct", "Δppl vs teacher", lambda v: f"{v:+.1f}%"),
+           ("kl_to_fp32", "KL to ref", lambda v: f"{v:.4f}"),
            ("top1_agreement", "top-1 agree", lambda v: f"{100 * v:.1f}%"),
            ("decode_tok_s", "decode tok/s", lambda v: f"{v:.1f}"), ("ttft_ms", "TTFT", lambda v: f"{v:.0f} ms"),
            ("golden_passed", "golden", str)]
 
 
+def _columns(results: dict) -> list:
+    return [c for c in COLUMNS if any(c[0] in q for q in results["engines"].values())]
+
+
 def _rows(results: dict) -> list[list[str]]:
     rows = []
     for name, q in results["engines"].items():
-        rows.append([name] + [fmt(q[k]) if k in q else "-" for k, _, fmt in COLUMNS])
+        rows.append([name] + [fmt(q[k]) if k in q else "-" for k, _, fmt in _columns(results)])
     return rows
+
+
+def _stage_lines(results: dict) -> list[str]:
+    """What prune and distill did, and how much of pruning's loss distillation won back."""
+    st = results.get("stages") or {}
+    out = []
+    if "prune" in st:
+        from export.prune import describe
+
+        p = st["prune"]
+        out.append(f"Prune ({p['method']} importance on {p['calibration_tokens']} calibration tokens): {describe(p)}; "
+                   f"dropped layers {p['dropped_layers'] or 'none'}.")
+    if "distill" in st:
+        d = st["distill"]
+        out.append(f"Distill: {d['steps']} steps, {d['tokens_seen']} tokens in {d['seconds']:.0f} s on {d['device']} "
+                   f"({d['tokens_per_s']} tok/s, AMP {d['amp']}), KD loss {d['loss_first']:.3f} -> {d['loss_last']:.3f}"
+                   + (f"; {d['stopped_early']}" if d.get("stopped_early") else "") + ".")
+    if results.get("recovered") is not None:
+        out.append(f"Distillation recovered {100 * results['recovered']:.0f}% of the perplexity increase pruning caused "
+                   "(teacher -> pruned-only -> fp32 rows).")
+    return out
 
 
 def _plots(results: dict, dst: Path) -> list[str]:
@@ -51,17 +78,33 @@ def _plots(results: dict, dst: Path) -> list[str]:
     fig.savefig(dst / "tokens_per_second.png", dpi=110)
     plt.close(fig)
     files.append("tokens_per_second.png")
+    losses = (results.get("stages") or {}).get("distill", {}).get("losses")
+    if losses:
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        step = max(1, results["stages"]["distill"]["steps"] // len(losses))
+        ax.plot([i * step for i in range(len(losses))], losses)
+        ax.set_xlabel("step")
+        ax.set_ylabel("KD loss")
+        ax.set_title("Distillation loss")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(dst / "distill_loss.png", dpi=110)
+        plt.close(fig)
+        files.append("distill_loss.png")
     return files
 
 
 def write_report(results: dict, dst: Path) -> None:
     images = _plots(results, dst)
-    head = ["engine"] + [c for _, c, _ in COLUMNS]
+    head = ["engine"] + [c for _, c, _ in _columns(results)]
     rows = _rows(results)
+    ref = "the fp32 teacher (the model before pruning)" if results.get("reference") == "teacher" else "the fp32 graph"
+    stages = _stage_lines(results)
     md = ["# EdgeChat export report", "",
-          f"Held-out data: {results['data']} ({results['eval_chats']} chats). KL and top-1 agreement are against the fp32 graph.", "",
+          f"Held-out data: {results['data']} ({results['eval_chats']} chats). KL and top-1 agreement are against {ref}.", "",
           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
+    md += ([""] + stages) if stages else []
     md += [""] + [f"![{i}]({i})" for i in images] + ["", "## Golden prompts (greedy)", ""]
     for g in results["golden"]:
         mark = "" if g["passed"] is None else (" ✅" if g["passed"] else " ❌")
@@ -83,6 +126,6 @@ def write_report(results: dict, dst: Path) -> None:
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:48%}}</style></head><body>
 <h1>EdgeChat export report</h1><p>Held-out data: {e(results['data'])} ({results['eval_chats']} chats).
-KL and top-1 agreement are measured against the fp32 graph.</p>{table}
+KL and top-1 agreement are measured against {e(ref)}.</p>{table}{''.join(f"<p>{e(x)}</p>" for x in stages)}
 {''.join(f'<img src="{i}" alt="{i}">' for i in images)}<h2>Golden prompts (greedy)</h2>{golden}</body></html>"""
     (dst / "report.html").write_text(page, encoding="utf-8")

@@ -1,0 +1,240 @@
+"""Distill stage: teach the pruned student back what the teacher knew, on chat text.
+
+Loss: KL(teacher || student) on temperature-softened next-token distributions (x T^2, Hinton et al.),
+plus optionally a cosine loss between matched hidden states (student block i against the teacher block
+it came from; only when pruning kept the hidden size). Data: the distillation split of
+chitchat-dataset (or the user's JSONL), formatted with the model's own chat template and packed into
+fixed-length blocks. AdamW, linear warm-up then cosine decay, gradient clipping, optional gradient
+checkpointing, AMP on CUDA (bf16 where supported, else fp16 with loss scaling). A checkpoint is written
+every `checkpoint_every` steps outside the stage folder, so an interrupted run resumes where it stopped
+and ends where the uninterrupted one would (the batch order is a function of the seed and the step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from edge.errors import RecipeError
+
+CKPT = "checkpoint.pt"
+NOT_RESULT = ("max_minutes", "threads", "checkpoint_every", "grad_checkpointing")  # change speed, not the result
+
+
+def _resume_key(opts: "DistillOptions") -> dict:
+    return {k: v for k, v in asdict(opts).items() if k not in NOT_RESULT}
+
+
+@dataclass(frozen=True)
+class DistillOptions:
+    steps: int = 300
+    batch_size: int = 4
+    seq_len: int = 256
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    warmup: int = 20
+    temperature: float = 2.0
+    hidden_loss: float = 0.0  # weight of the cosine loss on matched hidden states (0: logits only)
+    grad_clip: float = 1.0
+    grad_checkpointing: bool = False
+    amp: str = "auto"  # auto | bf16 | fp16 | off (AMP only on CUDA)
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int | None = None
+    checkpoint_every: int = 50
+    max_minutes: float | None = None  # stop early (and say so) when the time budget is spent
+    samples: int | None = None  # distillation chats used (None: all)
+    data: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for k in ("steps", "batch_size", "seq_len", "checkpoint_every"):
+            if getattr(self, k) < 1:
+                raise RecipeError(f"distill {k} must be >= 1, got {getattr(self, k)}")
+        if self.lr <= 0 or self.temperature <= 0:
+            raise RecipeError("distill lr and temperature must be > 0")
+        if self.amp not in ("auto", "bf16", "fp16", "off") or self.device not in ("auto", "cpu", "cuda"):
+            raise RecipeError("distill amp is one of auto|bf16|fp16|off and device one of auto|cpu|cuda")
+
+
+def pack(sequences: list[list[int]], seq_len: int) -> np.ndarray:
+    """Chats end to end, cut into [n, seq_len + 1] blocks (inputs and shifted targets)."""
+    flat = np.fromiter((t for s in sequences for t in s), dtype=np.int64)
+    n = len(flat) // (seq_len + 1)
+    if n < 1:
+        raise RecipeError(f"the distillation data has {len(flat)} tokens, fewer than one block of {seq_len + 1}: "
+                          "give more chats or a smaller seq_len")
+    return flat[: n * (seq_len + 1)].reshape(n, seq_len + 1)
+
+
+def batch_indices(n_blocks: int, step: int, batch: int, seed: int) -> np.ndarray:
+    """The blocks of a step: epochs are seeded permutations, so any step can be recomputed after a resume."""
+    per_epoch = max(1, n_blocks // batch)
+    epoch, k = divmod(step, per_epoch)
+    perm = np.random.default_rng(seed + epoch).permutation(n_blocks)
+    return perm[k * batch:(k + 1) * batch] if n_blocks >= batch else perm
+
+
+def lr_at(step: int, opts: DistillOptions) -> float:
+    if step < opts.warmup:
+        return opts.lr * (step + 1) / opts.warmup
+    t = (step - opts.warmup) / max(1, opts.steps - opts.warmup)
+    return opts.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def kd_loss(student_logits, teacher_logits, temperature: float):
+    import torch.nn.functional as F
+
+    t = temperature
+    s = F.log_softmax(student_logits.float() / t, dim=-1)
+    p = F.log_softmax(teacher_logits.float() / t, dim=-1)
+    return F.kl_div(s.flatten(0, -2), p.flatten(0, -2), log_target=True, reduction="batchmean") * t * t
+
+
+def _layer_map(student_dir: Path, teacher_layers: int, student_layers: int) -> list[int]:
+    meta = json.loads((student_dir / "edgechat_source.json").read_text()) if (student_dir / "edgechat_source.json").is_file() else {}
+    kept = (meta.get("pruned_layers") or list(range(teacher_layers)))[:student_layers]
+    return kept
+
+
+def _amp(opts: DistillOptions, device: str):
+    import torch
+
+    if device != "cuda" or opts.amp == "off":
+        return None, None
+    if opts.amp in ("auto", "bf16") and torch.cuda.is_bf16_supported():
+        return torch.bfloat16, None
+    if opts.amp == "bf16":
+        raise RecipeError("distill amp=bf16 but this GPU has no bfloat16 (e.g. a T4): use amp=fp16")
+    return torch.float16, torch.amp.GradScaler("cuda")
+
+
+def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, ckpt_dir: Path | None = None) -> dict:
+    """Distill the student in student_dir toward the teacher in teacher_dir; write the result to dst."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from export.data import load_chats
+    from export.load import META, chat_tokenizer
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if opts.device == "auto" else opts.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RecipeError("distill device=cuda but torch sees no CUDA GPU: use device=cpu (or auto)")
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    torch.manual_seed(opts.seed)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval().to(device)
+    student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).to(device)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    if teacher.config.vocab_size != student.config.vocab_size:
+        raise RecipeError("teacher and student have different vocabularies: distillation needs the same tokenizer")
+    use_hidden = opts.hidden_loss > 0
+    if use_hidden and teacher.config.hidden_size != student.config.hidden_size:
+        raise RecipeError("hidden_loss needs the same hidden size in teacher and student (pruning changed it): "
+                          "set hidden_loss = 0 or prune with hidden_ratio = 1")
+    layer_map = _layer_map(student_dir, teacher.config.num_hidden_layers, student.config.num_hidden_layers)
+    if opts.grad_checkpointing:
+        student.gradient_checkpointing_enable()
+        student.config.use_cache = False
+    student.train()
+
+    tok = chat_tokenizer(student_dir)
+    chats = load_chats(opts.data, "distillation", opts.samples)
+    blocks = pack([tok.encode_chat(c, add_generation_prompt=False) for c in chats], opts.seq_len)
+
+    decay = [p for n, p in student.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in student.named_parameters() if p.ndim < 2]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}], lr=opts.lr, betas=(0.9, 0.95))
+    amp_dtype, scaler = _amp(opts, device)
+    start, losses, tokens_seen, seconds = 0, [], 0, 0.0
+    ckpt = (ckpt_dir / CKPT) if ckpt_dir else None
+    if ckpt and ckpt.is_file():
+        state = torch.load(ckpt, map_location=device, weights_only=False)
+        if state["options"] == _resume_key(opts):
+            student.load_state_dict(state["student"])
+            optim.load_state_dict(state["optim"])
+            if scaler and state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+            start, losses, tokens_seen, seconds = state["step"], state["losses"], state["tokens_seen"], state["seconds"]
+
+    def save(step: int) -> None:
+        if not ckpt:
+            return
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"options": _resume_key(opts), "student": student.state_dict(), "optim": optim.state_dict(),
+                    "scaler": scaler.state_dict() if scaler else None, "step": step, "losses": losses,
+                    "tokens_seen": tokens_seen, "seconds": seconds}, tmp)
+        os.replace(tmp, ckpt)
+
+    stopped = None
+    bar = tqdm(range(start, opts.steps), desc="distill", unit="step", initial=start, total=opts.steps)
+    for step in bar:
+        t0 = time.perf_counter()
+        idx = batch_indices(len(blocks), step, opts.batch_size, opts.seed)
+        xb = torch.from_numpy(blocks[idx]).to(device)
+        x = xb[:, :-1]
+        for g in optim.param_groups:
+            g["lr"] = lr_at(step, opts)
+        with torch.autocast(device_type=device, dtype=amp_dtype, enabled=amp_dtype is not None):
+            with torch.no_grad():
+                t_out = teacher(x, output_hidden_states=use_hidden)
+            s_out = student(x, output_hidden_states=use_hidden, use_cache=False)
+            loss = kd_loss(s_out.logits, t_out.logits, opts.temperature)
+            if use_hidden:
+                cos = [1 - torch.nn.functional.cosine_similarity(s_out.hidden_states[i + 1].float(),
+                                                                 t_out.hidden_states[layer_map[i] + 1].float(), dim=-1).mean()
+                       for i in range(student.config.num_hidden_layers)]
+                loss = loss + opts.hidden_loss * torch.stack(cos).mean()
+        optim.zero_grad(set_to_none=True)
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optim)
+        else:
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), opts.grad_clip)
+        if scaler:
+            scaler.step(optim)
+            scaler.update()
+        else:
+            optim.step()
+        dt = time.perf_counter() - t0
+        seconds += dt
+        tokens_seen += x.numel()
+        losses.append(round(float(loss.detach()), 5))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{x.numel() / dt:.0f}")
+        if (step + 1) % opts.checkpoint_every == 0 or step + 1 == opts.steps:
+            save(step + 1)
+        if opts.max_minutes and seconds > opts.max_minutes * 60 and step + 1 < opts.steps:
+            stopped = f"time budget of {opts.max_minutes} min spent after {step + 1} of {opts.steps} steps"
+            save(step + 1)
+            break
+    bar.close()
+    student.eval()
+    if opts.grad_checkpointing:
+        student.gradient_checkpointing_disable()
+        student.config.use_cache = True
+    student.to("cpu").save_pretrained(dst)
+    for f in student_dir.iterdir():
+        if f.is_file() and not f.name.startswith(("model", "config.json")) and f.suffix != ".safetensors":
+            shutil.copy2(f, dst / f.name)
+    meta = json.loads((student_dir / META).read_text())
+    (dst / META).write_text(json.dumps(meta | {"distilled": True}, indent=2))
+    k = max(1, len(losses) // 10)
+    return {
+        "steps": len(losses), "tokens_seen": tokens_seen, "seconds": round(seconds, 1),
+        "tokens_per_s": round(tokens_seen / seconds, 1) if seconds else None, "device": device,
+        "amp": str(amp_dtype).replace("torch.", "") if amp_dtype else "off", "temperature": opts.temperature,
+        "loss_first": float(np.mean(losses[:k])), "loss_last": float(np.mean(losses[-k:])),
+        "losses": losses[:: max(1, len(losses) // 100)], "blocks": int(len(blocks)), "stopped_early": stopped,
+        "resumed_from_step": start or None,
+    }

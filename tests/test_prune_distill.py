@@ -1,0 +1,281 @@
+"""Prune and distill on tiny models: shapes, importance vs random, GQA groups, loss, resume, errors, the build."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import make_tiny_model
+from edge.errors import RecipeError
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory) -> Path:
+    """A tiny model as the load stage leaves it (HF folder + edgechat_source.json)."""
+    from export import load
+    from export.model_source import resolve
+
+    d = tmp_path_factory.mktemp("prune")
+    src = make_tiny_model(d / "src", layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=1)
+    (d / "loaded").mkdir()
+    load.run(resolve(str(src)), d / "loaded")
+    return d / "loaded"
+
+
+def _model(path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _seqs(loaded, n=8):
+    from export.prune import calibration_sequences
+
+    return calibration_sequences(loaded, None, n, 128)
+
+
+def _kl_to(teacher, student, seqs) -> float:
+    import torch
+
+    tot = 0.0
+    with torch.no_grad():
+        for s in seqs:
+            x = torch.tensor([s])
+            lt = torch.log_softmax(teacher(x).logits.double(), -1)
+            ls = torch.log_softmax(student(x).logits.double(), -1)
+            tot += float((lt.exp() * (lt - ls)).sum(-1).mean())
+    return tot / len(seqs)
+
+
+def test_pruned_model_is_a_plain_checkpoint_of_the_expected_shape(loaded, tmp_path):
+    from export import prune
+
+    opts = prune.PruneOptions(target_ratio=0.6, drop_layers=1, kv_groups=1, hidden_ratio=0.75, multiple=16, samples=8)
+    m = prune.run(loaded, tmp_path, opts)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"],
+            cfg["head_dim"]) == (3, 2, 1, 48, 16)
+    assert set(cfg) >= set(json.loads((loaded / "config.json").read_text())) - {"head_dim"}  # same keys, smaller numbers
+    small = _model(tmp_path)  # plain transformers, no EdgeChat code
+    sd = small.state_dict()
+    assert sd["model.layers.0.self_attn.q_proj.weight"].shape == (2 * 16, 48)
+    assert sd["model.layers.0.self_attn.k_proj.weight"].shape == (16, 48)
+    assert sd["model.layers.0.mlp.down_proj.weight"].shape == (48, cfg["intermediate_size"])
+    n = sum(p.numel() for p in small.parameters())
+    assert n == m["params_after"] and n <= 0.6 * m["params_before"]
+    assert small.config.tie_word_embeddings and small.lm_head.weight.data_ptr() == small.model.embed_tokens.weight.data_ptr()
+    import torch
+
+    assert torch.isfinite(small(torch.tensor([[1, 5, 9, 3]])).logits).all()
+    meta = json.loads((tmp_path / "edgechat_source.json").read_text())
+    assert meta["num_parameters"] == n and meta["pruned_from"]["num_parameters"] == m["params_before"]
+    assert (tmp_path / "tokenizer.json").is_file()
+
+
+def test_mlp_width_is_solved_to_land_on_the_target(loaded):
+    from export import prune
+
+    teacher = _model(loaded)
+    imp = prune.measure(teacher, _seqs(loaded))
+    full = prune.count_params(teacher.config)
+    for ratio in (0.9, 0.75):
+        shape = prune.solve_shape(teacher.config, imp, prune.PruneOptions(target_ratio=ratio, multiple=8), ratio)
+        n = prune.count_params(teacher.config, shape)
+        wider = prune.count_params(teacher.config, prune.Shape(shape.layers, shape.kv_groups, shape.hidden,
+                                                               shape.intermediate + 8))
+        assert n <= ratio * full < wider  # the widest MLP (in steps of 8) within the budget
+
+
+def test_activation_importance_beats_random_pruning_of_the_same_size(loaded):
+    from export import prune
+
+    teacher = _model(loaded)
+    seqs = _seqs(loaded, 16)
+    opts = prune.PruneOptions(target_ratio=0.7, kv_groups=1, multiple=8)
+    imp = prune.measure(teacher, seqs)
+    shape = prune.solve_shape(teacher.config, imp, opts, 0.7)
+    ours = _kl_to(teacher, prune.prune_state(teacher, imp, shape), seqs)
+    rand = [_kl_to(teacher, prune.prune_state(teacher, prune.measure(teacher, seqs, "random", seed), shape), seqs)
+            for seed in range(3)]
+    assert ours < min(rand), (ours, rand)
+
+
+def test_gqa_groups_stay_whole(loaded):
+    """A KV head is kept with exactly the query heads that read it."""
+    from export import prune
+
+    teacher = _model(loaded)
+    imp = prune.measure(teacher, _seqs(loaded))
+    shape = prune.solve_shape(teacher.config, imp, prune.PruneOptions(target_ratio=1.0, kv_groups=1), 1.0)
+    small = prune.prune_state(teacher, imp, shape)
+    D, rep = 16, 2
+    for i in range(teacher.config.num_hidden_layers):
+        g = int(np.argmax(imp.heads[i].reshape(2, rep).sum(1)))  # the group kept in layer i
+        big, sm = teacher.model.layers[i].self_attn, small.model.layers[i].self_attn
+        assert np.allclose(sm.k_proj.weight.detach(), big.k_proj.weight.detach()[g * D:(g + 1) * D])
+        assert np.allclose(sm.v_proj.weight.detach(), big.v_proj.weight.detach()[g * D:(g + 1) * D])
+        assert np.allclose(sm.q_proj.weight.detach(), big.q_proj.weight.detach()[g * rep * D:(g + 1) * rep * D])
+        assert np.allclose(sm.o_proj.weight.detach(), big.o_proj.weight.detach()[:, g * rep * D:(g + 1) * rep * D])
+
+
+def test_depth_pruning_drops_the_least_important_blocks(loaded):
+    from export import prune
+
+    teacher = _model(loaded)
+    imp = prune.measure(teacher, _seqs(loaded))
+    shape = prune.solve_shape(teacher.config, imp, prune.PruneOptions(target_ratio=1.0, drop_layers=2), 1.0)
+    assert set(range(4)) - set(shape.layers) == set(np.argsort(imp.blocks)[:2].tolist())
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(target_ratio=0), r"target_ratio must be in \(0, 1\]"),
+    (dict(target_ratio=1.5), r"target_ratio must be in \(0, 1\]"),
+    (dict(hidden_ratio=0), "hidden_ratio"),
+    (dict(method="magic"), "method 'magic' unknown"),
+    (dict(target_ratio=None), "prune needs a target"),
+])
+def test_invalid_prune_options(kw, match):
+    from export.prune import PruneOptions
+
+    with pytest.raises(RecipeError, match=match):
+        PruneOptions(**kw)
+
+
+def test_impossible_shapes_are_refused_with_what_to_do(loaded):
+    from export import prune
+
+    teacher = _model(loaded)
+    imp = prune.measure(teacher, _seqs(loaded, 2))
+    with pytest.raises(RecipeError, match="kv_groups=3 but the model has 2 KV heads"):
+        prune.solve_shape(teacher.config, imp, prune.PruneOptions(kv_groups=3), 0.6)
+    with pytest.raises(RecipeError, match="drop_layers=4 but the model has 4 layers"):
+        prune.solve_shape(teacher.config, imp, prune.PruneOptions(drop_layers=4), 0.6)
+    with pytest.raises(RecipeError, match="narrowing the MLP alone.*drop_layers"):
+        prune.solve_shape(teacher.config, imp, prune.PruneOptions(target_ratio=0.1), 0.1)
+
+
+@pytest.fixture(scope="module")
+def pruned(loaded, tmp_path_factory) -> Path:
+    from export import prune
+
+    d = tmp_path_factory.mktemp("pruned")
+    prune.run(loaded, d, prune.PruneOptions(target_ratio=0.6, kv_groups=1, multiple=16, samples=8))
+    return d
+
+
+def _dopts(**kw):
+    from export.distill import DistillOptions
+
+    return DistillOptions(**({"steps": 12, "batch_size": 2, "seq_len": 32, "lr": 1e-3, "warmup": 2, "samples": 60,
+                              "checkpoint_every": 4} | kw))
+
+
+def test_distill_loss_falls(loaded, pruned, tmp_path):
+    from export import distill
+
+    m = distill.run(loaded, pruned, tmp_path / "out", _dopts(steps=30))
+    assert m["steps"] == 30 and m["tokens_seen"] == 30 * 2 * 32
+    assert m["loss_last"] < 0.7 * m["loss_first"], (m["loss_first"], m["loss_last"])
+    before = _kl_to(_model(loaded), _model(pruned), _seqs(loaded))
+    after = _kl_to(_model(loaded), _model(tmp_path / "out"), _seqs(loaded))
+    assert after < before  # closer to the teacher on calibration chats it was not trained on
+
+
+def test_distill_resume_ends_where_the_uninterrupted_run_does(loaded, pruned, tmp_path):
+    import torch
+
+    from export import distill
+
+    distill.run(loaded, pruned, tmp_path / "straight", _dopts())
+    ck = tmp_path / "ckpt"
+    first = distill.run(loaded, pruned, tmp_path / "cut", _dopts(max_minutes=1e-9), ckpt_dir=ck)
+    assert first["stopped_early"] and first["steps"] == 1 and (ck / distill.CKPT).is_file()
+    resumed = distill.run(loaded, pruned, tmp_path / "resumed", _dopts(), ckpt_dir=ck)
+    assert resumed["resumed_from_step"] == 1 and resumed["steps"] == 12
+    a, b = _model(tmp_path / "straight").state_dict(), _model(tmp_path / "resumed").state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+def test_distill_checks(loaded, pruned, tmp_path):
+    from export import distill
+    from export.distill import DistillOptions
+
+    with pytest.raises(RecipeError, match="steps must be >= 1"):
+        DistillOptions(steps=0)
+    with pytest.raises(RecipeError, match="hidden_loss needs the same hidden size"):
+        from export import prune
+
+        hp = tmp_path / "hp"
+        prune.run(loaded, hp, prune.PruneOptions(target_ratio=1.0, hidden_ratio=0.5, multiple=16, samples=2))
+        distill.run(loaded, hp, tmp_path / "x", _dopts(hidden_loss=1.0))
+    with pytest.raises(RecipeError, match="fewer than one block"):
+        distill.pack([[1, 2, 3]], 32)
+
+
+def test_recipe_sections_and_flags(tmp_path):
+    import argparse
+
+    from export.recipe import BuildOptions
+
+    r = tmp_path / "r.toml"
+    r.write_text('[prune]\ntarget_ratio = 0.5\nkv_groups = 2\n[distill]\nsteps = 7\n')
+    o = BuildOptions.from_toml(r, output="x.bundle")
+    assert o.prune.target_ratio == 0.5 and o.prune.kv_groups == 2 and o.distill.steps == 7
+    r.write_text('[prune]\ntarget = 0.5\n')
+    with pytest.raises(RecipeError, match=r"\[prune\] has unknown options \['target'\]"):
+        BuildOptions.from_toml(r, output="x.bundle")
+    r.write_text('[distill]\nsteps = 7\n')
+    with pytest.raises(RecipeError, match="distill needs a prune stage"):
+        BuildOptions.from_toml(r, output="x.bundle")
+    ns = dict(output="o.bundle", model="default", recipe=None, precision=None, max_context=None, calibration=None,
+              eval_samples=None, skip_eval=False, fresh=False, online=False, fit=None, fit_context=None,
+              distill_steps=None, distill_minutes=None, no_distill=False)
+    o = BuildOptions.from_cli(argparse.Namespace(**(ns | {"prune": 0.6, "distill_minutes": 20.0})))
+    assert o.prune.target_ratio == 0.6 and o.distill.max_minutes == 20.0
+    o = BuildOptions.from_cli(argparse.Namespace(**(ns | {"prune": 0.6, "no_distill": True})))
+    assert o.prune is not None and o.distill is None
+    o = BuildOptions.from_cli(argparse.Namespace(**(ns | {"prune": None, "fit": "orin-nano-8gb", "fit_context": 1024})))
+    assert o.prune.fit == "orin-nano-8gb" and o.prune.target_ratio is None and o.prune.fit_context == 1024
+
+
+def test_fit_a_device_budget(loaded):
+    from export.prune import fit_ratio
+
+    assert fit_ratio(loaded, "orin-nano-8gb", 1024) == 1.0  # a 0.2M-parameter model fits already
+    with pytest.raises(RecipeError, match="KV cache alone is too large"):
+        fit_ratio(loaded, "orin-nano-8gb", 10_000_000)
+
+
+def test_build_with_prune_and_distill_reports_the_lineage(loaded, tmp_path):
+    """teacher -> pruned-only -> distilled fp32 -> int8 side by side; the bundle runs with the edge runtime."""
+    from edge.bundle import Bundle
+    from edge.runtime import Generator
+    from edge.sampling import SamplingConfig
+    from export.prune import PruneOptions
+    from export.recipe import BuildOptions, build
+
+    src = loaded.parent / "src"
+    b = build(BuildOptions(output=tmp_path / "p.bundle", model=str(src), precisions=("fp32", "int8-dynamic"),
+                           max_context=256, eval_samples=3, calibration_samples=4,
+                           prune=PruneOptions(target_ratio=0.6, kv_groups=1, multiple=16, samples=4),
+                           distill=_dopts(steps=6)), log=lambda s: None)
+    m = Bundle.open(b.root).manifest
+    names = [s.name for s in m.stages]
+    assert names[:4] == ["load", "prune", "distill", "export"] and "evaluate" in names
+    ev = next(s for s in m.stages if s.name == "evaluate").metrics
+    assert list(ev["engines"])[:3] == ["teacher", "pruned-only", "fp32"] and ev["reference"] == "teacher"
+    assert ev["engines"]["teacher"]["kl_to_fp32"] == 0 and "perplexity_vs_teacher_pct" in ev["engines"]["fp32"]
+    assert [e.name for e in m.engines] == ["fp32", "int8-dynamic"]  # the lineage is reported, not shipped
+    assert m.model.num_parameters <= 0.6 * next(s for s in m.stages if s.name == "prune").metrics["params_before"]
+    report = (b.root / "report/report.md").read_text()
+    assert "| teacher |" in report and "| pruned-only |" in report and "Distill: 6 steps" in report
+    assert (b.root / "report/distill_loss.png").is_file()
+    gen = Generator.from_bundle(Bundle.open(b.root), engine="int8-dynamic", threads=1)
+    text, _ = gen.complete(gen.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), SamplingConfig(max_new_tokens=4))
+    assert isinstance(text, str)
+    shutil.rmtree(b.root.with_name(b.root.name + ".work"), ignore_errors=True)
