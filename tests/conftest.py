@@ -133,7 +133,9 @@ def long_bundle(tmp_path_factory):
     """fp32 only, 4k context: answers long enough to press Stop in the middle of one."""
     from export.recipe import BuildOptions, build
 
-    src = make_tiny_model(tmp_path_factory.mktemp("tiny4k") / "tiny-llama-4k", max_pos=4096)
+    # wider than the other tiny model so an answer takes seconds, not the ~1 s 2000 tokens take at 64 wide
+    src = make_tiny_model(tmp_path_factory.mktemp("tiny4k") / "tiny-llama-4k", max_pos=4096, layers=4, hidden=256,
+                          heads=4, kv_heads=2, intermediate=768)
     out = tmp_path_factory.mktemp("bundles") / "long.bundle"
     bundle = build(BuildOptions(output=out, model=str(src), precisions=("fp32",), max_context=4096, eval_samples=2,
                                 calibration_samples=2), log=lambda s: None)

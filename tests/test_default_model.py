@@ -45,12 +45,11 @@ def test_int8_dynamic_size_and_agreement(smol_bundle):
     q = m.engine("int8-dynamic").quality
     assert q["top1_agreement"] >= 0.90
     assert q["kl_to_fp32"] < 0.02
-    assert q["perplexity_delta_pct"] <= 3.0  # the measured +1.95% must not get worse; the 1.5% target is below
+    rec = next(s for s in m.stages if s.name == "quantize-int8-dynamic")
+    assert rec.metrics["fp32_activation_nodes"] == ["/model/layers.0/mlp/down_proj/MatMul_Q8",
+                                                    "/model/layers.29/mlp/down_proj/MatMul_Q8"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "target missed: MatMulNBits 8-bit with INT8 activation compute (accuracy_level 4) measured +1.95% held-out "
-    "perplexity (48 chats); accuracy_level 1 reaches +1.1% but decodes at 4 tok/s. Tracked in the INT8 issue."))
 def test_int8_dynamic_perplexity_target(smol_bundle):
     assert smol_bundle.manifest.engine("int8-dynamic").quality["perplexity_delta_pct"] <= 1.5
 
@@ -66,3 +65,25 @@ def test_golden_prompts_saved(smol_bundle):
     g = [x for x in smol_bundle.manifest.golden if x["prompt"] == "What is the capital of Japan?"]
     assert {x["engine"] for x in g} == {"fp32", "int8-dynamic", "int8-qdq"}
     assert all(x["passed"] for x in g)
+
+
+def test_prune_and_distill_the_default_model(smol_bundle, tmp_path):
+    """Pruned to 60% the real model is still a plain SmolLM2/Llama checkpoint, and a few distillation steps
+    move it toward the teacher (the full 25-minute run is the pruned recipe; numbers in the README)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from export import distill, prune
+
+    hf = smol_bundle.root.with_name(smol_bundle.root.name + ".work") / "load"
+    m = prune.run(hf, tmp_path / "pruned", prune.PruneOptions(target_ratio=0.6, hidden_ratio=0.8, samples=16))
+    assert m["params_after"] <= 0.6 * m["params_before"] and m["hidden"] == "576 -> 448"
+    cfg = json.loads((tmp_path / "pruned/config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["head_dim"] == 64 and cfg["num_key_value_heads"] == 3
+    small = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned")
+    assert torch.isfinite(small(torch.tensor([[1, 2, 3]])).logits).all()
+    d = distill.run(hf, tmp_path / "pruned", tmp_path / "distilled",
+                    distill.DistillOptions(steps=6, batch_size=2, seq_len=128, lr=5e-4, warmup=1, samples=200))
+    assert d["steps"] == 6 and d["loss_last"] < d["loss_first"], d["losses"]

@@ -34,6 +34,18 @@ def test_int8_dynamic_has_no_fp32_weight_matrices(tiny_bundle):
     assert any(n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul", "MatMulNBits") for n in g.graph.node)
 
 
+def test_int8_dynamic_keeps_fp32_activations_only_on_the_edge_down_projections(tiny_bundle):
+    g = _graph(tiny_bundle, "int8-dynamic")
+    level = {n.name: next(a.i for a in n.attribute if a.name == "accuracy_level")
+             for n in g.graph.node if n.op_type == "MatMulNBits"}
+    last = tiny_bundle.manifest.model.num_layers - 1
+    precise = sorted(k for k, v in level.items() if v == 1)
+    assert precise == ["/model/layers.0/mlp/down_proj/MatMul_Q8", f"/model/layers.{last}/mlp/down_proj/MatMul_Q8"]
+    assert all(v == 4 for k, v in level.items() if k not in precise)
+    rec = next(s for s in tiny_bundle.manifest.stages if s.name == "quantize-int8-dynamic")
+    assert rec.metrics["fp32_activation_nodes"] == precise
+
+
 def test_qdq_only_on_weight_matmuls_symmetric_and_finite(tiny_bundle):
     g = _graph(tiny_bundle, "int8-qdq")
     inits = {i.name: numpy_helper.to_array(i) for i in g.graph.initializer}
