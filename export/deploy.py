@@ -177,7 +177,7 @@ def install_runtime(t: Target, m: Machine, rel: str, service: bool, rep: Report,
     """Ship the edgechat wheel and the wheels the device lacks, unpack them into rel/runtime, and return
     the command that runs this release's edge-chat."""
     try:
-        rs = runtime_set.plan(t, m, service, echo)
+        rs = runtime_set.plan(t, m, service)
     except runtime_set.RuntimeSetError as e:
         raise DeployError("runtime", str(e)) from e
     sent = _rsync(t, rs.wheels, f"{rel}/wheels", checksum=False, step="runtime")
@@ -211,12 +211,15 @@ def deploy(bundle_path: str, t: Target, profile: str = "auto", precision: str = 
     rel = f"{t.root}/releases/{rid}"
     # copy: rsync skips files already there with the same size+mtime; the device then hashes everything and
     # anything that does not match is sent again, compared by content this time.
+    def differing() -> list[str]:  # files on the device whose SHA-256 is not the manifest's
+        return json.loads(t.run(f"{t.python} - {rel}/bundle", "verify", stdin=VERIFY).stdout.strip() or "[]")
+
     sent = _rsync(t, bundle.root, f"{rel}/bundle", checksum=False, step="copy")
-    bad = json.loads(t.run(f"{t.python} - {rel}/bundle", "verify", stdin=VERIFY).stdout.strip() or "[]")
+    bad = differing()
     if bad:
         rep.add("verify", f"{len(bad)} file(s) differ on the device ({', '.join(bad[:3])}): sending them again", echo)
         sent += _rsync(t, bundle.root, f"{rel}/bundle", checksum=True, step="copy")
-        bad = json.loads(t.run(f"{t.python} - {rel}/bundle", "verify", stdin=VERIFY).stdout.strip() or "[]")
+        bad = differing()
         if bad:
             raise DeployError("verify", f"{', '.join(bad)} still differ from the manifest after re-sending")
     rep.sent_files = sent
@@ -247,10 +250,9 @@ def deploy(bundle_path: str, t: Target, profile: str = "auto", precision: str = 
     rep.add("golden", f"answers same as the workstation's: {g['same_as_reference']} (keywords passed "
                       f"{g['golden_passed']}, engine {g['engine']})", echo)
 
-    unit = _unit(t, device_runtime)
     if service:
         t.run(f"mkdir -p ~/.config/systemd/user && cat > ~/.config/systemd/user/edgechat.service", "service",
-              stdin=unit)
+              stdin=_unit(t, device_runtime))
     # switch: previous -> old current, current -> this release, each by symlink + rename (atomic)
     t.run(f"cd {t.root_q} && if [ -L current ] && [ \"$(readlink current)\" != releases/{rid} ]; then "
           f"ln -sfn \"$(readlink current)\" previous.tmp && mv -T previous.tmp previous; fi && "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -122,7 +121,7 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
     from transformers import AutoModelForCausalLM
 
     from export.data import load_chats
-    from export.load import META, chat_tokenizer
+    from export.load import META, chat_tokenizer, copy_side_files
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if opts.device == "auto" else opts.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -224,9 +223,7 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
         student.gradient_checkpointing_disable()
         student.config.use_cache = True
     student.to("cpu").save_pretrained(dst)
-    for f in student_dir.iterdir():
-        if f.is_file() and not f.name.startswith(("model", "config.json")) and f.suffix != ".safetensors":
-            shutil.copy2(f, dst / f.name)
+    copy_side_files(student_dir, dst)
     meta = json.loads((student_dir / META).read_text())
     (dst / META).write_text(json.dumps(meta | {"distilled": True}, indent=2))
     k = max(1, len(losses) // 10)

@@ -71,6 +71,15 @@ def run(ref: ModelRef, dst: Path, online: bool = False) -> dict:
     return {"num_parameters": n}
 
 
+def copy_side_files(src: Path, dst: Path) -> None:
+    """Tokenizer, chat template, generation config and our source record: everything but weights and config."""
+    import shutil
+
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith(("model", "config.json")) and f.suffix != ".safetensors":
+            shutil.copy2(f, dst / f.name)
+
+
 def model_dims(hf_dir: Path, max_context: int | None = None) -> ModelDims:
     """Dims of the loaded model as the bundle records them (context capped, exact parameter count)."""
     cfg = json.loads((hf_dir / "config.json").read_text())

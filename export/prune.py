@@ -16,7 +16,6 @@ device, `fit`).
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -295,7 +294,7 @@ def run(hf_dir: Path, dst: Path, opts: PruneOptions) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from export.load import META
+    from export.load import META, copy_side_files
 
     torch.manual_seed(opts.seed)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -308,9 +307,7 @@ def run(hf_dir: Path, dst: Path, opts: PruneOptions) -> dict:
     shape = solve_shape(model.config, imp, opts, target)
     small = prune_state(model, imp, shape)
     small.save_pretrained(dst)
-    for f in hf_dir.iterdir():  # tokenizer, chat template, generation config: unchanged
-        if f.is_file() and not f.name.startswith(("model", "config.json")) and f.suffix != ".safetensors":
-            shutil.copy2(f, dst / f.name)
+    copy_side_files(hf_dir, dst)
     before = sum(p.numel() for p in model.parameters())
     after = sum(p.numel() for p in small.parameters())
     meta = json.loads((hf_dir / META).read_text())

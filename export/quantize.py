@@ -191,7 +191,7 @@ def precise_nodes(model, patterns: tuple[str, ...], num_layers: int) -> list[str
     return hit
 
 
-def _int8_dynamic(src: Path, dst: Path, opts: QuantizeOptions, num_layers: int = 0) -> list[str]:
+def _int8_dynamic(src: Path, dst: Path, opts: QuantizeOptions, num_layers: int) -> list[str]:
     if opts.int8_kernel == "nbits":
         _nbits(src, dst, bits=8, accuracy_level=opts.accuracy_level)
         if not opts.fp32_activation_nodes:

@@ -109,9 +109,9 @@ class BuildOptions:
             cls(**{k: (Path(v) if k == "output" else v) for k, v in over.items() if v is not None})
         prune, distill = base.prune, base.distill
         if getattr(a, "prune", None) is not None or getattr(a, "fit", None):
-            prune = dataclasses.replace(prune or PruneOptions(), target_ratio=a.prune if a.prune is not None else
-                                        (prune.target_ratio if prune and not a.fit else None), fit=a.fit or (prune.fit if prune else None),
-                                        fit_context=a.fit_context or (prune.fit_context if prune else 4096))
+            p = prune or PruneOptions()  # --prune RATIO and/or --fit PROFILE replace the recipe's target
+            prune = dataclasses.replace(p, target_ratio=a.prune, fit=a.fit or p.fit,
+                                        fit_context=a.fit_context or p.fit_context)
             distill = distill or DistillOptions()
         if getattr(a, "distill_steps", None) or getattr(a, "distill_minutes", None):
             distill = dataclasses.replace(distill or DistillOptions(), **{k: v for k, v in
@@ -147,7 +147,7 @@ def build(opts: BuildOptions, log=print) -> Bundle:
         records.append(rec)
         log(f"[prune] {prune.describe(rec.metrics)}")
         hf_dir = pruned_dir
-        t_dir, t_rec = run_stage(work, "export-teacher", dataclasses.asdict(eopts) | {"load": records[0].finished},
+        t_dir, _ = run_stage(work, "export-teacher", dataclasses.asdict(eopts) | {"load": records[0].finished},
                                  lambda d: onnx_export.run(teacher_dir, d, eopts), opts.fresh, log)
         lineage.append(package.EngineArtifact("teacher", t_dir, "fp32", report_only=True, dims_dir=teacher_dir,
                                               lineage=True))

@@ -46,6 +46,15 @@ def _stage_lines(results: dict) -> list[str]:
     return out
 
 
+def _save(fig, dst: Path, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(dst / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 def _plots(results: dict, dst: Path) -> list[str]:
     import matplotlib
 
@@ -63,10 +72,7 @@ def _plots(results: dict, dst: Path) -> list[str]:
     ax.set_ylabel("held-out perplexity (lower is better)")
     ax.set_title("Size vs quality per stage")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(dst / "size_vs_perplexity.png", dpi=110)
-    plt.close(fig)
-    files.append("size_vs_perplexity.png")
+    files.append(_save(fig, dst, "size_vs_perplexity.png"))
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     names = [n for n in names if "decode_tok_s" in eng[n]]
     ax.bar(names, [eng[n]["decode_tok_s"] for n in names], color="#4c72b0")
@@ -74,10 +80,7 @@ def _plots(results: dict, dst: Path) -> list[str]:
     ax.set_title("Decode speed per precision (this machine)")
     for i, n in enumerate(names):
         ax.text(i, eng[n]["decode_tok_s"], f"{eng[n]['decode_tok_s']:.0f}", ha="center", va="bottom")
-    fig.tight_layout()
-    fig.savefig(dst / "tokens_per_second.png", dpi=110)
-    plt.close(fig)
-    files.append("tokens_per_second.png")
+    files.append(_save(fig, dst, "tokens_per_second.png"))
     losses = (results.get("stages") or {}).get("distill", {}).get("losses")
     if losses:
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
@@ -87,10 +90,7 @@ def _plots(results: dict, dst: Path) -> list[str]:
         ax.set_ylabel("KD loss")
         ax.set_title("Distillation loss")
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(dst / "distill_loss.png", dpi=110)
-        plt.close(fig)
-        files.append("distill_loss.png")
+        files.append(_save(fig, dst, "distill_loss.png"))
     return files
 
 

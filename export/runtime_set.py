@@ -68,7 +68,6 @@ class RuntimeSet:
     wheels: list[Path] = field(default_factory=list)  # to copy and unpack, edgechat's first
     from_device: dict[str, str] = field(default_factory=dict)  # name -> version the device already has
     shipped: list[str] = field(default_factory=list)  # "name version" of dependency wheels shipped
-    missing: list[str] = field(default_factory=list)  # requirements neither there nor obtainable
 
     def summary(self) -> str:
         s = f"{self.wheels[0].name}" if self.wheels else "no edgechat wheel"
@@ -175,12 +174,16 @@ def download(reqs: list[Requirement], m: Machine) -> tuple[list[Path], str]:
     return sorted(out.glob("*.whl")), ""
 
 
-def plan(t, m: Machine, service: bool, echo=print) -> RuntimeSet:
+def device_versions(t, names) -> dict[str, str | None]:
+    """Installed version of each distribution in the device's Python (None when absent)."""
+    return json.loads(t.run(f"{t.python} - " + " ".join(names), "runtime", stdin=VERSIONS).stdout.strip().splitlines()[-1])
+
+
+def plan(t, m: Machine, service: bool) -> RuntimeSet:
     """Decide what to ship: ask the device which requirements it already satisfies, fetch the rest."""
     rs = RuntimeSet(wheels=[edgechat_wheel()])
     reqs = requirements(m, service)
-    have = json.loads(t.run(f"{t.python} - " + " ".join(r.name for r in reqs), "runtime", stdin=VERSIONS).stdout
-                      .strip().splitlines()[-1])
+    have = device_versions(t, [r.name for r in reqs])
     if m.onnxruntime:
         rs.from_device["onnxruntime"] = m.onnxruntime
     need = []
@@ -194,22 +197,22 @@ def plan(t, m: Machine, service: bool, echo=print) -> RuntimeSet:
         return rs
     wheels, err = download(need, m)
     if err:
-        rs.missing = [str(r) for r in need]
-        raise RuntimeSetError(f"the device lacks {', '.join(rs.missing)} and no wheels for {m.arch} / Python "
+        raise RuntimeSetError(f"the device lacks {', '.join(map(str, need))} and no wheels for {m.arch} / Python "
                               f"{m.python} could be fetched here ({err}): install them on the device "
                               f"(pip install {' '.join(repr(str(r)) for r in need)}), or deploy with "
                               "--device-runtime to use an edgechat installed there")
     # ship each resolved distribution the device does not already have (never shadow one it has)
     names = {canonicalize_name(parse_wheel_filename(w.name)[0]): w for w in wheels}
     wanted = set()
-    stack = [canonicalize_name(r.name) for r in need]
+    asked = {canonicalize_name(r.name) for r in need}
+    stack = list(asked)
     deps = _wheel_deps(names, m)
-    there = json.loads(t.run(f"{t.python} - " + " ".join(names), "runtime", stdin=VERSIONS).stdout.strip().splitlines()[-1])
+    there = device_versions(t, names)
     while stack:
         n = stack.pop()
         if n in wanted or n not in names:
             continue
-        if there.get(n) is not None and n not in {canonicalize_name(r.name) for r in need}:
+        if there.get(n) is not None and n not in asked:
             rs.from_device[n] = there[n]
             continue
         wanted.add(n)
