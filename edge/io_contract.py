@@ -24,6 +24,15 @@ class DecoderIO:
     batch_axis: str = "batch_size"
     sequence_axis: str = "sequence_length"
     past_axis: str = "past_sequence_length"
+    # the fused graph (GroupQueryAttention) takes per-row lengths instead of a mask and positions, and
+    # writes each step's K/V in place into a max-length buffer that is bound as both past and present
+    seqlens_k: str = ""  # int32 [batch]: tokens in the cache after this step, minus one
+    total_sequence_length: str = ""  # int32 scalar: the longest row's length after this step
+    shared_kv: bool = False
+
+    @property
+    def fused(self) -> bool:
+        return bool(self.seqlens_k)
 
     def past_names(self, num_layers: int) -> list[str]:
         return [n.format(i=i) for i in range(num_layers) for n in (self.past_key, self.past_value)]
@@ -32,6 +41,8 @@ class DecoderIO:
         return [n.format(i=i) for i in range(num_layers) for n in (self.present_key, self.present_value)]
 
     def input_names(self, num_layers: int) -> list[str]:
+        if self.fused:
+            return [self.input_ids, self.seqlens_k, self.total_sequence_length, *self.past_names(num_layers)]
         return [self.input_ids, self.attention_mask, self.position_ids, *self.past_names(num_layers)]
 
     def output_names(self, num_layers: int) -> list[str]:
@@ -43,3 +54,8 @@ class DecoderIO:
     @classmethod
     def from_dict(cls, d: dict) -> "DecoderIO":
         return cls(**d)
+
+
+FUSED_IO = DecoderIO(attention_mask="", position_ids="", past_axis="max_sequence_length",
+                     kv_layout="batch,kv_heads,max_sequence_length,head_dim", seqlens_k="seqlens_k",
+                     total_sequence_length="total_sequence_length", shared_kv=True)

@@ -1,0 +1,73 @@
+"""The fused (GroupQueryAttention) decoder graph computes what the HF model computes, with a shared KV buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge.io_contract import FUSED_IO
+
+
+def _step(session, ids: np.ndarray, past: int, bufs: list, layers: int) -> np.ndarray:
+    """One call: `ids` after `past` cached tokens; K/V written in place into `bufs` (bound as past and present)."""
+    io = FUSED_IO
+    b = session.io_binding()
+    b.bind_output(io.logits)  # first, so it is get_outputs()[0]
+    b.bind_cpu_input(io.input_ids, ids)
+    b.bind_cpu_input(io.seqlens_k, np.array([past + ids.shape[1] - 1], np.int32))
+    b.bind_cpu_input(io.total_sequence_length, np.array(past + ids.shape[1], np.int32))
+    for name, out, v in zip(io.past_names(layers), io.present_names(layers), bufs):
+        b.bind_ortvalue_input(name, v)
+        b.bind_ortvalue_output(out, v)
+    session.run_with_iobinding(b)
+    return b.get_outputs()[0].numpy()
+
+
+def test_fused_graph_matches_the_torch_model(tiny_model_dir, tmp_path):
+    import onnxruntime as ort
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from export import fused_graph
+
+    fused_graph.write(tiny_model_dir, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    cfg = model.config
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == FUSED_IO.input_names(cfg.num_hidden_layers)
+    ops = {n.op_type for n in __import__("onnx").load(str(tmp_path / "model.onnx"), load_external_data=False).graph.node}
+    assert {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= ops and "Concat" not in ops
+
+    ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, 23))
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.numpy()
+    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    new_bufs = lambda: [ort.OrtValue.ortvalue_from_numpy(np.zeros((1, kv_heads, 64, head_dim), np.float32))
+                        for _ in range(2 * cfg.num_hidden_layers)]
+    # whole prompt in one pass
+    got = _step(session, ids, 0, new_bufs(), cfg.num_hidden_layers)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+    # prefill 15, then one token at a time into the same buffers: every position's logits agree
+    bufs = new_bufs()
+    parts = [_step(session, ids[:, :15], 0, bufs, cfg.num_hidden_layers)]
+    for t in range(15, 23):
+        parts.append(_step(session, ids[:, t:t + 1], t, bufs, cfg.num_hidden_layers))
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), want, atol=1e-4, rtol=1e-3)
+    # and a second chunk of several tokens after a cached past (chunked prefill)
+    bufs = new_bufs()
+    first = _step(session, ids[:, :10], 0, bufs, cfg.num_hidden_layers)
+    second = _step(session, ids[:, 10:], 10, bufs, cfg.num_hidden_layers)
+    np.testing.assert_allclose(np.concatenate([first, second], axis=1), want, atol=1e-4, rtol=1e-3)
+
+
+def test_fused_graph_refuses_what_it_cannot_express(tmp_path):
+    import json
+
+    from edge.errors import ModelSourceError
+    from export import fused_graph
+
+    assert fused_graph.supported({"architectures": ["LlamaForCausalLM"]}) is None
+    assert "Qwen3ForCausalLM" in fused_graph.supported({"architectures": ["Qwen3ForCausalLM"]})
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}))
+    with pytest.raises(ModelSourceError, match="not SiLU.*plain graph"):
+        fused_graph.write(tmp_path, tmp_path / "out")
