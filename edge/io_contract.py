@@ -28,10 +28,10 @@ class DecoderIO:
     # writes each step's K/V in place into a max-length buffer that is bound as both past and present
     seqlens_k: str = ""  # int32 [batch]: tokens in the cache after this step, minus one
     total_sequence_length: str = ""  # int32 scalar: the longest row's length after this step
-    shared_kv: bool = False
 
     @property
     def fused(self) -> bool:
+        """Shared in-place KV buffer and lengths, not a growing past and a mask."""
         return bool(self.seqlens_k)
 
     def past_names(self, num_layers: int) -> list[str]:
@@ -58,4 +58,4 @@ class DecoderIO:
 
 FUSED_IO = DecoderIO(attention_mask="", position_ids="", past_axis="max_sequence_length",
                      kv_layout="batch,kv_heads,max_sequence_length,head_dim", seqlens_k="seqlens_k",
-                     total_sequence_length="total_sequence_length", shared_kv=True)
+                     total_sequence_length="total_sequence_length")

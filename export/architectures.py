@@ -22,6 +22,9 @@ class ArchSpec:
     mlp_gated: bool = True  # gate/up/down SwiGLU MLP (3 matrices) vs 2
     optimum_task: str = "text-generation-with-past"
     prunable: bool = True  # our prune stage knows its module names
+    # export/fused_graph.py can write it: plain GQA + RoPE (Qwen3's per-head q/k norms sit between
+    # the projection and the rotary, which GroupQueryAttention cannot take)
+    fusable: bool = True
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -30,7 +33,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("LlamaForCausalLM", "llama"),
         ArchSpec("MistralForCausalLM", "llama"),
         ArchSpec("Qwen2ForCausalLM", "qwen2", attention_bias=True),
-        ArchSpec("Qwen3ForCausalLM", "qwen3"),
+        ArchSpec("Qwen3ForCausalLM", "qwen3", fusable=False),
     )
 }
 

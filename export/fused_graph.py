@@ -11,7 +11,7 @@ network in ONNX Runtime's contrib ops, the way its GenAI model builder writes it
 
 It is only for ONNX Runtime (TensorRT wants the plain graph). Its inputs differ
 from the plain graph's (seqlens_k and total_sequence_length instead of a mask
-and positions): `FUSED_IO` below is its contract, recorded in the manifest.
+and positions): `edge.io_contract.FUSED_IO` is its contract.
 The quantize stage treats it like any fp32 graph (its MatMuls become
 MatMulNBits, the tied LM head shares the INT8 table with the embedding).
 """
@@ -25,25 +25,24 @@ import numpy as np
 
 from edge.errors import ModelSourceError
 from edge.io_contract import FUSED_IO
-
-# families whose attention is plain GQA + RoPE (Qwen3's per-head q/k norms sit between
-# the projection and the rotary, which GroupQueryAttention cannot take)
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from export.architectures import ARCHITECTURES, arch_spec, dims_from_hf_config
 
 
 def supported(cfg: dict) -> str | None:
     """None if the fused graph can express this model, else why not."""
-    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-    if arch not in SUPPORTED:
-        return f"{arch} has no fused graph yet (supported: {', '.join(SUPPORTED)})"
+    spec = arch_spec((cfg.get("architectures") or ["LlamaForCausalLM"])[0])
+    if not spec.fusable:
+        fusable = ", ".join(a for a, s in ARCHITECTURES.items() if s.fusable)
+        return f"{spec.hf_name} has no fused graph yet (supported: {fusable})"
     if cfg.get("hidden_act", "silu") != "silu":
         return f"activation {cfg.get('hidden_act')!r} is not SiLU"
-    if (cfg.get("rope_scaling") or {}).get("rope_type", (cfg.get("rope_scaling") or {}).get("type")) in ("dynamic",):
+    rope = cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) == "dynamic":
         return "dynamic NTK rope scaling changes with the sequence length"
     return None
 
 
-def _rotary_caches(model, max_pos: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+def _rotary_caches(model, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [max_pos, rotary_dim/2] from the model's own rotary module (any rope_type it knows)."""
     import torch
 
@@ -67,57 +66,58 @@ def write(src: Path, dst: Path) -> None:
         raise ModelSourceError(f"cannot write the fused graph: {why}; build with the plain graph only")
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     c = model.config
-    L, H, N = c.num_hidden_layers, c.hidden_size, c.num_attention_heads
-    KV = c.num_key_value_heads or N
-    D = getattr(c, "head_dim", None) or H // N
-    V, eps = c.vocab_size, float(c.rms_norm_eps)
+    dims = dims_from_hf_config(cfg)
+    N, KV, D, eps = dims.num_heads, dims.num_kv_heads, dims.head_dim, float(c.rms_norm_eps)
     window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
     io = FUSED_IO
     inits, nodes = [], []
 
     def const(name: str, array) -> str:
+        """An initializer from a numpy array or a torch tensor."""
+        if isinstance(array, torch.Tensor):
+            array = array.detach().float().numpy()
         inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
     def linear_weight(name: str, *mods) -> str:
         """[in, out] MatMul weight from one or more torch Linear layers, concatenated on the output axis."""
-        return const(name, torch.cat([m.weight.detach() for m in mods], 0).T.float().numpy())
+        return const(name, torch.cat([m.weight for m in mods], 0).T)
 
     def node(op: str, ins: list[str], outs: list[str], name: str, **attrs):
         domain = "com.microsoft" if op in ("SkipSimplifiedLayerNormalization", "GroupQueryAttention") else ""
         nodes.append(helper.make_node(op, ins, outs, name=name, domain=domain, **attrs))
         return outs[0]
 
+    residual = None  # the running sum the next SkipSimplifiedLayerNorm adds to
+
+    def skip_norm(x_in: str, weight: str, tag: str) -> str:
+        """RMSNorm(residual + x_in), keeping the sum as the new residual."""
+        nonlocal residual
+        if residual is None:  # the first one has no residual yet: plain RMSNorm
+            residual = x_in
+            return node("SimplifiedLayerNormalization", [x_in, weight], [f"{tag}/out"], f"{tag}/RMSNorm",
+                        axis=-1, epsilon=eps)
+        out, res = f"{tag}/out", f"{tag}/residual"
+        node("SkipSimplifiedLayerNormalization", [x_in, residual, weight], [out, "", "", res],
+             f"{tag}/SkipRMSNorm", epsilon=eps)
+        residual = res
+        return out
+
     sd = model.model
-    cos, sin = _rotary_caches(model, c.max_position_embeddings, D)
+    cos, sin = _rotary_caches(model, dims.max_context)
     const("cos_cache", cos)
     const("sin_cache", sin)
-    embed = const("model.embed_tokens.weight", sd.embed_tokens.weight.detach().float().numpy())
-    h = node("Gather", [embed, io.input_ids], ["/embed/out"], "/model/embed_tokens/Gather")
-    residual = None
-    pending = h  # what the next SkipSimplifiedLayerNorm adds to the residual
+    embed = const("model.embed_tokens.weight", sd.embed_tokens.weight)
+    pending = node("Gather", [embed, io.input_ids], ["/embed/out"], "/model/embed_tokens/Gather")
     for i, layer in enumerate(sd.layers):
         p = f"/model/layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
-
-        def skip_norm(x_in: str, weight: str, tag: str) -> str:
-            nonlocal residual
-            if residual is None:  # the first one has no residual yet: plain RMSNorm
-                residual = x_in
-                return node("SimplifiedLayerNormalization", [x_in, weight], [f"{tag}/out"], f"{tag}/RMSNorm",
-                            axis=-1, epsilon=eps)
-            out, res = f"{tag}/out", f"{tag}/residual"
-            node("SkipSimplifiedLayerNormalization", [x_in, residual, weight], [out, "", "", res],
-                 f"{tag}/SkipRMSNorm", epsilon=eps)
-            residual = res
-            return out
-
-        x = skip_norm(pending, const(f"model.layers.{i}.input_layernorm.weight",
-                                     layer.input_layernorm.weight.detach().float().numpy()), f"{p}/input_layernorm")
+        x = skip_norm(pending, const(f"model.layers.{i}.input_layernorm.weight", layer.input_layernorm.weight),
+                      f"{p}/input_layernorm")
         qkv = node("MatMul", [x, linear_weight(f"model.layers.{i}.attn.qkv_proj.weight", attn.q_proj, attn.k_proj,
                                                attn.v_proj)], [f"{p}/attn/qkv_proj/out"], f"{p}/attn/qkv_proj/MatMul")
         if attn.q_proj.bias is not None:
-            bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach().float().numpy()
+            bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
             qkv = node("Add", [qkv, const(f"model.layers.{i}.attn.qkv_proj.bias", bias)], [f"{p}/attn/qkv_bias/out"],
                        f"{p}/attn/qkv_proj/Add")
         gqa_attrs = dict(num_heads=N, kv_num_heads=KV, do_rotary=1, rotary_interleaved=0,
@@ -132,8 +132,7 @@ def write(src: Path, dst: Path) -> None:
         o = node("MatMul", [a, linear_weight(f"model.layers.{i}.attn.o_proj.weight", attn.o_proj)],
                  [f"{p}/attn/o_proj/out"], f"{p}/attn/o_proj/MatMul")
         x = skip_norm(o, const(f"model.layers.{i}.post_attention_layernorm.weight",
-                               layer.post_attention_layernorm.weight.detach().float().numpy()),
-                      f"{p}/post_attention_layernorm")
+                               layer.post_attention_layernorm.weight), f"{p}/post_attention_layernorm")
         inter = mlp.gate_proj.out_features
         gu = node("MatMul", [x, linear_weight(f"model.layers.{i}.mlp.gate_up_proj.weight", mlp.gate_proj, mlp.up_proj)],
                   [f"{p}/mlp/gate_up_proj/out"], f"{p}/mlp/gate_up_proj/MatMul")
@@ -144,8 +143,8 @@ def write(src: Path, dst: Path) -> None:
         node("Mul", [f"{p}/mlp/silu", f"{p}/mlp/up"], [f"{p}/mlp/act"], f"{p}/mlp/GateMul")
         pending = node("MatMul", [f"{p}/mlp/act", linear_weight(f"model.layers.{i}.mlp.down_proj.weight", mlp.down_proj)],
                        [f"{p}/mlp/down_proj/out"], f"{p}/mlp/down_proj/MatMul")
-    x = skip_norm(pending, const("model.norm.weight", sd.norm.weight.detach().float().numpy()), "/model/norm")
-    if c.tie_word_embeddings:  # Transpose(embedding): the quantize stage unties it into one shared INT8 table
+    x = skip_norm(pending, const("model.norm.weight", sd.norm.weight), "/model/norm")
+    if dims.tie_word_embeddings:  # Transpose(embedding): the quantize stage unties it into one shared INT8 table
         head = node("Transpose", [embed], ["/lm_head/weight_T"], "/lm_head/Transpose", perm=[1, 0])
     else:
         head = linear_weight("lm_head.weight", model.lm_head)
@@ -155,8 +154,9 @@ def write(src: Path, dst: Path) -> None:
     inputs = [helper.make_tensor_value_info(io.input_ids, TensorProto.INT64, [io.batch_axis, io.sequence_axis]),
               helper.make_tensor_value_info(io.seqlens_k, TensorProto.INT32, [io.batch_axis]),
               helper.make_tensor_value_info(io.total_sequence_length, TensorProto.INT32, [])]
-    outputs = [helper.make_tensor_value_info(io.logits, TensorProto.FLOAT, [io.batch_axis, io.sequence_axis, V])]
-    for i in range(L):
+    outputs = [helper.make_tensor_value_info(io.logits, TensorProto.FLOAT,
+                                             [io.batch_axis, io.sequence_axis, dims.vocab_size])]
+    for i in range(dims.num_layers):
         for past, present in ((io.past_key, io.present_key), (io.past_value, io.present_value)):
             inputs.append(helper.make_tensor_value_info(past.format(i=i), TensorProto.FLOAT, kv_shape))
             outputs.append(helper.make_tensor_value_info(present.format(i=i), TensorProto.FLOAT,

@@ -193,13 +193,8 @@ def precise_nodes(model, patterns: tuple[str, ...], num_layers: int) -> list[str
 
 def _int8_dynamic(src: Path, dst: Path, opts: QuantizeOptions, num_layers: int) -> list[str]:
     if opts.int8_kernel == "nbits":
-        _nbits(src, dst, bits=8, accuracy_level=opts.accuracy_level)
-        if not opts.fp32_activation_nodes:
-            return []
-        model = _load(dst)
-        hit = precise_nodes(model, tuple(opts.fp32_activation_nodes), num_layers)
-        _save(model, dst)
-        return hit
+        return _nbits(src, dst, bits=8, accuracy_level=opts.accuracy_level,
+                      precise=tuple(opts.fp32_activation_nodes), num_layers=num_layers)
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
@@ -207,13 +202,17 @@ def _int8_dynamic(src: Path, dst: Path, opts: QuantizeOptions, num_layers: int) 
     return []
 
 
-def _nbits(src: Path, dst: Path, bits: int, accuracy_level: int = 4) -> None:
+def _nbits(src: Path, dst: Path, bits: int, accuracy_level: int = 4, precise: tuple[str, ...] = (),
+           num_layers: int = 0) -> list[str]:
+    """MatMulNBits, block 32; the `precise` nodes (see precise_nodes) set before the one save. Returns them."""
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     cfg = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, accuracy_level=accuracy_level, bits=bits)
     q = MatMulNBitsQuantizer(_load(src), algo_config=cfg)
     q.process()
+    hit = precise_nodes(q.model.model, precise, num_layers) if precise else []
     _save(q.model.model, dst)
+    return hit
 
 
 def calibration_feeds(hf_dir: Path, opts: QuantizeOptions, num_layers: int, kv_heads: int, head_dim: int) -> list[dict]:

@@ -24,6 +24,7 @@ def _step(session, ids: np.ndarray, past: int, bufs: list, layers: int) -> np.nd
 
 
 def test_fused_graph_matches_the_torch_model(tiny_model_dir, tmp_path):
+    import onnx
     import onnxruntime as ort
     import torch
     from transformers import AutoModelForCausalLM
@@ -35,7 +36,7 @@ def test_fused_graph_matches_the_torch_model(tiny_model_dir, tmp_path):
     cfg = model.config
     session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == FUSED_IO.input_names(cfg.num_hidden_layers)
-    ops = {n.op_type for n in __import__("onnx").load(str(tmp_path / "model.onnx"), load_external_data=False).graph.node}
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph.node}
     assert {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= ops and "Concat" not in ops
 
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, 23))
