@@ -1,11 +1,15 @@
 """Continuous batching: many conversations share one decode step.
 
-Each active request owns a row of one batched KV cache. Rows have different
-lengths, so they are kept right-aligned in a [batch, kv_heads, width, head_dim]
-tensor per layer with the unused left columns masked out by `attention_mask`;
-positions are per row. A new request is prefilled alone (batch 1, chunked) and
-its cache joins the batch between steps; a finished or cancelled request
-leaves at once and its slot is free for the next step. The scheduler thread is
+Each active request owns a row of one batched KV cache. Rows have different lengths:
+- plain graphs (`BatchCache`): rows are kept right-aligned in a [batch, kv_heads, width,
+  head_dim] tensor per layer with the unused left columns masked out by `attention_mask`;
+  positions are per row; each step's present KV replaces the past (a copy per step).
+- fused graphs (`SharedBatchCache`): one [slots, kv_heads, capacity, head_dim] buffer per
+  layer, each row left-aligned with its own length (`seqlens_k`); GroupQueryAttention writes
+  the new token's K/V in place, so a step copies nothing, and a new request is prefilled
+  straight into its row.
+A new request is prefilled alone (batch 1, chunked) and its cache joins the batch between
+steps; a finished or cancelled request leaves at once and its slot is free for the next step. The scheduler thread is
 the only caller of the ONNX Runtime session. Consumers get `StreamEvent`s
 through a callback, so a slow reader never holds up the others.
 """
@@ -53,6 +57,10 @@ class BatchCache:
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def new_row(self, prompt_len: int) -> KVCache:
+        """An empty batch-1 cache to prefill a new request into (joins with `add`)."""
+        return self.decoder.new_cache()
+
     def add(self, row: KVCache) -> None:
         if self.values is None:
             self.values, self.lengths = list(row.values), [row.length]
@@ -92,6 +100,90 @@ class BatchCache:
         logits, self.values = self.decoder.run(np.asarray(tokens, dtype=np.int64)[:, None], mask, positions, self.values)
         self.lengths = [n + 1 for n in self.lengths]
         return logits[:, -1, :]
+
+
+class SharedBatchCache:
+    """Fused graphs: rows left-aligned in one in-place buffer per layer (see the module docstring).
+
+    Active rows are kept in slots 0..n-1 (order = the scheduler's row order) so a step binds
+    buffer[:n], a view that shares memory with the buffer: nothing is copied per step. A row
+    that leaves is closed up by moving the rows after it (one copy of their K/V, once).
+    """
+
+    def __init__(self, decoder: Decoder, slots: int, capacity: int = 256) -> None:
+        if decoder.device != "cpu":
+            raise EdgeChatError(f"batched serving of a fused graph runs on CPU only (this decoder runs on "
+                                f"{decoder.device}): serve a plain engine there (--engine fp32)")
+        self.decoder = decoder
+        self.slots = slots
+        self.buffers = decoder.new_cache(batch=slots, capacity=min(capacity, decoder.dims.max_context))
+        self.lengths: list[int] = []
+        self._views: tuple[int, list] | None = None  # (n, OrtValues over buffer[:n]) for the current n
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths, default=0)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def _reserve(self, columns: int) -> None:
+        if columns > self.buffers.capacity:
+            self.decoder.reserve(self.buffers, columns)
+            self._views = None
+
+    def new_row(self, prompt_len: int) -> KVCache:
+        """A batch-1 cache over the next free slot: the prefill writes its K/V in place, `add` admits it."""
+        n = len(self.lengths)
+        if n >= self.slots:
+            raise EdgeChatError(f"all {self.slots} batch slots are taken")
+        self._reserve(prompt_len + 1)
+        ort = _ort_module()
+        arrays = [a[n:n + 1] for a in self.buffers.arrays]
+        return KVCache([ort.OrtValue.ortvalue_from_numpy(a) for a in arrays], capacity=self.buffers.capacity,
+                       arrays=arrays)
+
+    def add(self, row: KVCache) -> None:
+        n = len(self.lengths)
+        if row.arrays is None or not np.may_share_memory(row.arrays[0], self.buffers.arrays[0][n]):
+            raise EdgeChatError("SharedBatchCache.add takes the cache its new_row() returned")
+        self.lengths.append(row.length)
+        self._views = None
+
+    def remove(self, rows: list[int]) -> None:
+        gone = set(rows)
+        keep = [i for i in range(len(self.lengths)) if i not in gone]
+        if keep != list(range(len(keep))):
+            w = self.width
+            for a in self.buffers.arrays:
+                a[: len(keep), :, :w] = a[keep, :, :w]
+        self.lengths = [self.lengths[i] for i in keep]
+        self._views = None
+
+    def step(self, tokens: list[int]) -> np.ndarray:
+        """Feed one token per row; returns next-token logits [batch, vocab]."""
+        n = len(self.lengths)
+        assert n and len(tokens) == n
+        self._reserve(self.width + 1)
+        if self._views is None or self._views[0] != n:
+            ort = _ort_module()
+            self._views = (n, [ort.OrtValue.ortvalue_from_numpy(a[:n]) for a in self.buffers.arrays])
+        seqlens_k = np.asarray(self.lengths, dtype=np.int32)  # after this step, minus one
+        logits = self.decoder.run_fused(np.asarray(tokens, dtype=np.int64)[:, None], seqlens_k, self.width + 1,
+                                        self._views[1])
+        self.lengths = [x + 1 for x in self.lengths]
+        return logits[:, -1, :]
+
+
+def _ort_module():
+    import onnxruntime as ort
+
+    return ort
+
+
+def batch_cache(decoder: Decoder, slots: int) -> BatchCache | SharedBatchCache:
+    """The batch cache the decoder's graph calls for."""
+    return SharedBatchCache(decoder, slots) if decoder.io.fused else BatchCache(decoder)
 
 
 _ids = itertools.count(1)
@@ -152,7 +244,7 @@ class Scheduler:
         self.metrics = metrics
         self.pending: deque[Request] = deque()
         self.rows: list[_Row] = []
-        self.cache = BatchCache(gen.decoder)
+        self.cache = batch_cache(gen.decoder, max_batch)
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -244,7 +336,7 @@ class Scheduler:
                 self._emit_final(req, text, "cancelled")
                 continue
             row = _Row(req, Sampler(req.cfg), text, list(req.prompt_ids))
-            cache = self.gen.decoder.new_cache()
+            cache = self.cache.new_row(len(req.prompt_ids))
             try:
                 logits = self.gen.decoder.prefill(req.prompt_ids, cache)[0]
             except EdgeChatError as e:

@@ -32,7 +32,10 @@ from edge.errors import (
     SchemaVersionError,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# 2: an engine may carry its own `io` contract (the fused graph's differs from the plain one's);
+# a version-1 manifest still reads, every engine using the manifest's `io`.
+READS_SCHEMA_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 PARTIAL_TAG = ".partial-"
 
@@ -119,6 +122,7 @@ class EngineEntry:
     file: str
     fingerprint: Fingerprint
     quality: dict = field(default_factory=dict)
+    io: dict = field(default_factory=dict)  # this engine's DecoderIO when it is not the manifest's `io`
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,10 @@ class Manifest:
         have = ", ".join(e.name for e in self.engines) or "none"
         raise ManifestError(f"bundle has no engine named '{name}' (it has: {have})")
 
+    def engine_io(self, entry: EngineEntry) -> dict:
+        """The input/output contract `entry`'s graph follows (edge.io_contract.DecoderIO as a dict)."""
+        return entry.io or self.io
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -168,10 +176,10 @@ class Manifest:
         if not isinstance(d, dict):
             raise ManifestError("manifest.json must hold a JSON object")
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READS_SCHEMA_VERSIONS:
             raise SchemaVersionError(
                 f"manifest schema_version {version!r} is not supported by this edgechat "
-                f"(it reads version {SCHEMA_VERSION}); upgrade edgechat or re-export the bundle"
+                f"(it reads versions {', '.join(map(str, READS_SCHEMA_VERSIONS))}); upgrade edgechat or re-export the bundle"
             )
         try:
             return cls(
@@ -187,6 +195,7 @@ class Manifest:
                         file=_req(e, "file", str),
                         fingerprint=_build(Fingerprint, _req(e, "fingerprint", dict), f"engines[{i}].fingerprint"),
                         quality=e.get("quality", {}),
+                        io=e.get("io", {}),
                     )
                     for i, e in enumerate(_req(d, "engines", list))
                 ],

@@ -59,3 +59,10 @@ class DecoderIO:
 FUSED_IO = DecoderIO(attention_mask="", position_ids="", past_axis="max_sequence_length",
                      kv_layout="batch,kv_heads,max_sequence_length,head_dim", seqlens_k="seqlens_k",
                      total_sequence_length="total_sequence_length")
+
+
+def io_for_variant(variant: str) -> DecoderIO:
+    """The contract a graph variant follows: "plain" (optimum's trace, standard ops) or "fused"."""
+    if variant not in ("plain", "fused"):
+        raise ValueError(f"unknown graph variant {variant!r}: plain or fused")
+    return FUSED_IO if variant == "fused" else DecoderIO()

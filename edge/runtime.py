@@ -54,10 +54,17 @@ def pick_engine(bundle: Bundle, name: str | None = None, prefer_gpu: bool = Fals
 
 @dataclass
 class KVCache:
-    """Per-layer past key/values as OrtValues, plus the length they cover."""
+    """Per-layer past key/values as OrtValues, plus the length they cover.
+
+    Plain graphs: each step's present outputs become the next past (`values` is replaced).
+    Fused graphs: `values` are fixed [batch, kv_heads, capacity, head_dim] buffers that the
+    graph writes in place; `arrays` holds the numpy memory behind them on CPU.
+    """
 
     values: list  # OrtValue per past input, in DecoderIO.past_names order
     length: int = 0
+    capacity: int = 0  # fused: columns the buffers hold; 0 = grows with each step (plain)
+    arrays: list | None = None  # fused on CPU: the numpy arrays the OrtValues share memory with
 
 
 class Decoder:
@@ -94,7 +101,8 @@ class Decoder:
         self._check_dims()
         self.past_names = self.io.past_names(self.dims.num_layers)
         self.present_names = self.io.present_names(self.dims.num_layers)
-        self._kv_dtype = np.float16 if "float16" in self.session.get_inputs()[3].type else np.float32
+        past0 = next(i for i in self.session.get_inputs() if i.name == self.past_names[0])
+        self._kv_dtype = np.float16 if "float16" in past0.type else np.float32
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, engine: str | None = None, threads: int | None = None,
@@ -102,7 +110,7 @@ class Decoder:
         want_gpu = bool(providers and any("CUDA" in p or "Tensorrt" in p for p in providers))
         entry = pick_engine(bundle, engine, prefer_gpu=want_gpu)
         m = bundle.manifest
-        dec = cls(bundle.path(entry.file), m.model, DecoderIO.from_dict(m.io), threads, providers, name=entry.file,
+        dec = cls(bundle.path(entry.file), m.model, DecoderIO.from_dict(m.engine_io(entry)), threads, providers, name=entry.file,
                   spin=spin)
         dec.engine = entry
         return dec
@@ -128,10 +136,47 @@ class Decoder:
         if problems:
             raise DimensionError(f"{self.name} does not match the manifest: " + "; ".join(problems))
 
-    def new_cache(self, batch: int = 1) -> KVCache:
+    def new_cache(self, batch: int = 1, capacity: int | None = None) -> KVCache:
+        """An empty cache. For a fused graph, `capacity` columns are allocated up front (default: the
+        model's context) and grown by `reserve` if a longer sequence comes."""
         ort = _ort()
-        empty = np.zeros((batch, self.dims.num_kv_heads, 0, self.dims.head_dim), dtype=self._kv_dtype)
-        return KVCache([ort.OrtValue.ortvalue_from_numpy(empty, self.device, 0) for _ in self.past_names])
+        if not self.io.fused:
+            empty = np.zeros((batch, self.dims.num_kv_heads, 0, self.dims.head_dim), dtype=self._kv_dtype)
+            return KVCache([ort.OrtValue.ortvalue_from_numpy(empty, self.device, 0) for _ in self.past_names])
+        cap = min(self.dims.max_context, capacity or self.dims.max_context)
+        cache = KVCache([], capacity=cap)
+        self._place(cache, [np.zeros(self._kv_shape(batch, cap), self._kv_dtype) for _ in self.past_names])
+        return cache
+
+    def _kv_shape(self, batch: int, columns: int) -> tuple[int, int, int, int]:
+        return (batch, self.dims.num_kv_heads, columns, self.dims.head_dim)
+
+    def _place(self, cache: KVCache, arrays: list[np.ndarray]) -> None:
+        """Make `arrays` the cache's buffers: shared memory on CPU, a device copy on a GPU."""
+        ort = _ort()
+        cache.capacity = arrays[0].shape[2]
+        if self.device == "cpu":
+            cache.arrays = arrays
+            cache.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]
+        else:
+            cache.arrays = None
+            cache.values = [ort.OrtValue.ortvalue_from_numpy(a, self.device, 0) for a in arrays]
+
+    def reserve(self, cache: KVCache, columns: int) -> None:
+        """Fused graphs: make the buffers hold at least `columns` tokens (doubling, up to the context),
+        keeping what they hold. Rare: the runtime sizes a cache for prompt + max_new_tokens."""
+        if not self.io.fused or columns <= cache.capacity:
+            return
+        if columns > self.dims.max_context:
+            raise ContextOverflowError(f"{columns} tokens exceed the model's context of {self.dims.max_context}")
+        cap = min(self.dims.max_context, max(columns, 2 * cache.capacity))
+        old = cache.arrays if cache.arrays is not None else [v.numpy() for v in cache.values]
+        grown = []
+        for a in old:
+            g = np.zeros(self._kv_shape(a.shape[0], cap), self._kv_dtype)
+            g[:, :, : a.shape[2]] = a
+            grown.append(g)
+        self._place(cache, grown)
 
     def forward(self, ids: np.ndarray, cache: KVCache, last_only: bool = True) -> np.ndarray:
         """Run `ids` [batch, seq] after the cached past; returns logits (last position, or all)."""
@@ -141,14 +186,18 @@ class Decoder:
         past = cache.length
         if past + seq > self.dims.max_context:
             raise ContextOverflowError(f"{past + seq} tokens exceed the model's context of {self.dims.max_context}")
-        mask = np.ones((batch, past + seq), dtype=np.int64)
-        positions = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq))
-        logits, cache.values = self.run(ids, mask, positions, cache.values)
+        if self.io.fused:
+            self.reserve(cache, past + seq)
+            logits = self.run_fused(ids, np.full(batch, past + seq - 1, np.int32), past + seq, cache.values)
+        else:
+            mask = np.ones((batch, past + seq), dtype=np.int64)
+            positions = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq))
+            logits, cache.values = self.run(ids, mask, positions, cache.values)
         cache.length = past + seq
         return logits[:, -1, :] if last_only else logits
 
     def run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list) -> tuple[np.ndarray, list]:
-        """One graph call: returns (logits [batch, seq, vocab], present OrtValues to pass as the next past)."""
+        """One plain-graph call: returns (logits [batch, seq, vocab], present OrtValues to pass as the next past)."""
         b = self.session.io_binding()
         b.bind_cpu_input(self.io.input_ids, np.ascontiguousarray(ids, dtype=np.int64))
         b.bind_cpu_input(self.io.attention_mask, np.ascontiguousarray(mask, dtype=np.int64))
@@ -161,6 +210,20 @@ class Decoder:
         self.session.run_with_iobinding(b)
         outs = b.get_outputs()
         return outs[0].numpy(), outs[1:]
+
+    def run_fused(self, ids: np.ndarray, seqlens_k: np.ndarray, total: int, buffers: list) -> np.ndarray:
+        """One fused-graph call: row i's new K/V go in place into `buffers` (bound as past AND present)
+        after its seqlens_k[i] + 1 - seq cached tokens; returns logits [batch, seq, vocab]."""
+        b = self.session.io_binding()
+        b.bind_output(self.io.logits, "cpu")  # first, so it is get_outputs()[0]
+        b.bind_cpu_input(self.io.input_ids, np.ascontiguousarray(ids, dtype=np.int64))
+        b.bind_cpu_input(self.io.seqlens_k, np.ascontiguousarray(seqlens_k, dtype=np.int32))
+        b.bind_cpu_input(self.io.total_sequence_length, np.array(total, dtype=np.int32))
+        for past, present, val in zip(self.past_names, self.present_names, buffers):
+            b.bind_ortvalue_input(past, val)
+            b.bind_ortvalue_output(present, val)
+        self.session.run_with_iobinding(b)
+        return b.get_outputs()[0].numpy()
 
     def to_ortvalue(self, array: np.ndarray):
         return _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=self._kv_dtype), self.device, 0)
@@ -236,7 +299,7 @@ class Generator:
         if len(prompt_ids) >= self.max_context:
             raise ContextOverflowError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_context}: shorten it")
-        cache = self.decoder.new_cache()
+        cache = self.decoder.new_cache(capacity=len(prompt_ids) + cfg.max_new_tokens + 1)
         sampler = Sampler(cfg)
         seen = list(prompt_ids)
         logits = self.decoder.prefill(prompt_ids, cache)[0]

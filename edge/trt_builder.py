@@ -76,7 +76,7 @@ def plan_build(bundle: Bundle, profile: DeviceProfile | str, precision: str = "f
     trt = tensorrt_version or (prof.tensorrt_versions[0] if prof.tensorrt_versions else None)
     if not trt:
         raise BundleError(f"{prof.display_name} has no TensorRT")
-    settings = builder_settings(prof, m.model, DecoderIO.from_dict(m.io), precision, trt,
+    settings = builder_settings(prof, m.model, DecoderIO.from_dict(m.engine_io(source)), precision, trt,
                                 graph_precision=source.fingerprint.precision if source.fingerprint.precision in
                                 ("fp32", "fp16", "bf16") else "fp32",
                                 max_batch=max_batch, max_context=max_context, optimization_level=optimization_level,

@@ -65,7 +65,7 @@ class TensorRTDecoder(Decoder):
     @classmethod
     def from_entry(cls, bundle: Bundle, entry: EngineEntry) -> "TensorRTDecoder":
         m = bundle.manifest
-        dec = cls(bundle.path(entry.file), m.model, DecoderIO.from_dict(m.io), name=entry.file)
+        dec = cls(bundle.path(entry.file), m.model, DecoderIO.from_dict(m.engine_io(entry)), name=entry.file)
         dec.engine = entry
         return dec
 

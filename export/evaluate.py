@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from edge.io_contract import DecoderIO
+from edge.io_contract import io_for_variant
 from edge.runtime import Decoder, Generator
 from edge.sampling import SamplingConfig
 
@@ -71,7 +71,7 @@ def speed(dec: Decoder, prompt_ids: list[int], new_tokens: int, runs: int) -> di
     """Median TTFT (prefill + first token) and decode tok/s, EOS ignored, after a warm-up."""
     ttfts, rates = [], []
     for r in range(runs + 1):
-        cache = dec.new_cache()
+        cache = dec.new_cache(capacity=len(prompt_ids) + new_tokens)
         t0 = time.perf_counter()
         logits = dec.prefill(prompt_ids, cache)[0]
         tok = int(np.argmax(logits))
@@ -94,7 +94,7 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
 
     tok = chat_tokenizer(hf_dir)
     decs = {e.name: Decoder(e.folder / "model.onnx", model_dims(getattr(e, "dims_dir", None) or hf_dir, opts.max_context),
-                            DecoderIO(), threads=opts.threads, name=e.name) for e in engines}
+                            io_for_variant(e.variant), threads=opts.threads, name=e.name) for e in engines}
     ref = "teacher" if "teacher" in decs else "fp32"
     chats = load_chats(opts.data, "evaluation", opts.samples)
     parts: dict[str, list[dict]] = {n: [] for n in decs}
@@ -103,9 +103,10 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
         if len(ids) < 2:
             continue
         x, y = np.array([ids[:-1]]), np.array(ids[1:])
-        teacher = decs[ref].forward(x, decs[ref].new_cache(), last_only=False)[0]
+        n = x.shape[1]
+        teacher = decs[ref].forward(x, decs[ref].new_cache(capacity=n), last_only=False)[0]
         for name, d in decs.items():
-            student = teacher if name == ref else d.forward(x, d.new_cache(), last_only=False)[0]
+            student = teacher if name == ref else d.forward(x, d.new_cache(capacity=n), last_only=False)[0]
             parts[name].append(token_metrics(student, teacher, y))
     results: dict = {"engines": {}, "golden": [], "eval_chats": len(chats), "reference": ref,
                      "data": opts.data or "chitchat-dataset:evaluation", "stages": stages or {}}

@@ -1,10 +1,14 @@
-"""Export stage: HF folder -> one ONNX decoder graph (prefill + decode) with a KV cache.
+"""Export stage: HF folder -> ONNX decoder graphs (prefill + decode) with a KV cache.
 
-The graph follows `edge.io_contract.DecoderIO`. optimum-onnx's exporter
-(`text-generation-with-past`) does the tracing; it sits behind `EXPORTERS` so
-another (torch.onnx dynamo) can be plugged for architectures it lacks. The
-parity check is part of the stage: PyTorch vs ONNX Runtime logits on several
-prompts, KV-cache decode vs full recompute, and greedy tokens for 64 steps.
+Two variants of the same network:
+- `model.onnx`, the plain graph (`edge.io_contract.DecoderIO`, standard ops): what TensorRT
+  and the int8-qdq recipe build from. optimum-onnx's exporter (`text-generation-with-past`)
+  does the tracing; it sits behind `EXPORTERS` so another can be plugged in.
+- `fused/model.onnx`, the fused graph (`FUSED_IO`, ONNX Runtime contrib ops, in-place KV
+  buffer; see export/fused_graph.py), when the architecture has one: what the CPU/CUDA
+  INT8 and INT4 engines are quantized from.
+The parity check is part of the stage, for each graph: PyTorch vs ONNX Runtime logits on
+several prompts, KV-cache decode vs full recompute, and greedy tokens for 64 steps.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from edge.errors import MissingDependencyError, ParityError
-from edge.io_contract import DecoderIO
+from edge.io_contract import FUSED_IO, DecoderIO
 from export.architectures import arch_spec, dims_from_hf_config
 
 PARITY_PROMPTS = [
@@ -35,6 +39,7 @@ class ExportOptions:
     exporter: str = "optimum"
     parity_atol: float = 1e-3
     greedy_tokens: int = 64
+    fused: bool = True  # also write the fused graph (when the architecture has one)
 
 
 def _export_optimum(src: Path, dst: Path, opts: ExportOptions) -> None:
@@ -58,38 +63,68 @@ def run(src: Path, dst: Path, opts: ExportOptions = ExportOptions()) -> dict:
         if (tmp / name).exists():
             shutil.move(str(tmp / name), dst / name)
     shutil.rmtree(tmp, ignore_errors=True)
-    metrics = check_parity(src, dst / "model.onnx", opts)
+    refs = TorchReference(src, opts.greedy_tokens)
+    metrics = check_parity(src, dst / "model.onnx", opts, refs=refs)
+    if opts.fused:
+        from export import fused_graph
+
+        why = fused_graph.supported(json.loads((src / "config.json").read_text()))
+        if why:
+            metrics["fused"] = {"written": False, "reason": why}
+        else:
+            fused_graph.write(src, dst / FUSED_DIR)
+            metrics["fused"] = {"written": True} | check_parity(src, dst / FUSED_DIR / "model.onnx", opts, FUSED_IO, refs=refs)
     return metrics
 
 
-def check_parity(src: Path, onnx_path: Path, opts: ExportOptions, prompts: list[list[dict]] = PARITY_PROMPTS) -> dict:
-    """Compare the ONNX graph with the PyTorch model it came from; raise ParityError listing every failure."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+FUSED_DIR = "fused"  # sub-folder of the export stage that holds the fused graph
 
+
+class TorchReference:
+    """The PyTorch model's logits and greedy tokens per parity prompt, computed once for every graph checked."""
+
+    def __init__(self, src: Path, greedy_tokens: int) -> None:
+        self.src, self.n, self._cache = src, greedy_tokens, {}
+        self._model = self._tok = None
+
+    def __call__(self, i: int, msgs: list[dict]) -> tuple[list[int], np.ndarray, list[int]]:
+        if i not in self._cache:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            if self._model is None:
+                self._model = AutoModelForCausalLM.from_pretrained(self.src, dtype=torch.float32).eval()
+                self._tok = AutoTokenizer.from_pretrained(self.src)
+            ids = self._tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            ids = list(ids)
+            with torch.no_grad():
+                logits = self._model(torch.tensor([ids])).logits[0].numpy()
+            self._cache[i] = (ids, logits, _greedy_torch(self._model, ids, self.n))
+        return self._cache[i]
+
+
+def check_parity(src: Path, onnx_path: Path, opts: ExportOptions, io: DecoderIO = DecoderIO(),
+                 prompts: list[list[dict]] = PARITY_PROMPTS, refs: TorchReference | None = None) -> dict:
+    """Compare the ONNX graph with the PyTorch model it came from; raise ParityError listing every failure."""
     from edge.runtime import Decoder
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(src)
+    refs = refs or TorchReference(src, opts.greedy_tokens)
     dims = dims_from_hf_config(json.loads((src / "config.json").read_text()))
-    dec = Decoder(onnx_path, dims, DecoderIO())
+    dec = Decoder(onnx_path, dims, io)
     problems, max_diff, cache_diff = [], 0.0, 0.0
     greedy_ok = True
     for i, msgs in enumerate(prompts):
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        ids = list(ids)
-        with torch.no_grad():
-            ref = model(torch.tensor([ids])).logits[0].numpy()
+        ids, ref, t_ids = refs(i, msgs)
         # full-sequence logits, no past
-        got = dec.forward(np.array([ids]), dec.new_cache(), last_only=False)[0]
+        got = dec.forward(np.array([ids]), dec.new_cache(capacity=len(ids)), last_only=False)[0]
         d = float(np.abs(got - ref).max())
         max_diff = max(max_diff, d)
         if d > opts.parity_atol:
             problems.append(f"prompt {i}: max |Δlogit| {d:.2e} > {opts.parity_atol:.0e}")
         # KV-cache decode must equal full recompute
-        cache = dec.new_cache()
+        cache = dec.new_cache(capacity=len(ids))
         dec.forward(np.array([ids[:-1]]), cache)
         step = dec.forward(np.array([[ids[-1]]]), cache)[0]
         cd = float(np.abs(step - got[-1]).max())
@@ -97,7 +132,7 @@ def check_parity(src: Path, onnx_path: Path, opts: ExportOptions, prompts: list[
         if cd > opts.parity_atol:
             problems.append(f"prompt {i}: cached decode differs from full recompute by {cd:.2e}")
         # greedy tokens, EOS ignored, same number of steps
-        t_ids, o_ids = _greedy_torch(model, ids, opts.greedy_tokens), _greedy_onnx(dec, ids, opts.greedy_tokens)
+        o_ids = _greedy_onnx(dec, ids, opts.greedy_tokens)
         if t_ids != o_ids:
             greedy_ok = False
             first = next(k for k, (a, b) in enumerate(zip(t_ids, o_ids)) if a != b)
@@ -106,7 +141,7 @@ def check_parity(src: Path, onnx_path: Path, opts: ExportOptions, prompts: list[
                "greedy_tokens_identical": greedy_ok, "greedy_tokens": opts.greedy_tokens, "prompts": len(prompts),
                "atol": opts.parity_atol}
     if problems:
-        raise ParityError(problems)
+        raise ParityError([f"{onnx_path.parent.name}/{onnx_path.name}: {p}" for p in problems])
     return metrics
 
 
@@ -126,7 +161,7 @@ def _greedy_torch(model, ids: list[int], n: int) -> list[int]:
 
 
 def _greedy_onnx(dec, ids: list[int], n: int) -> list[int]:
-    cache = dec.new_cache()
+    cache = dec.new_cache(capacity=len(ids) + n)
     logits = dec.forward(np.array([ids]), cache)[0]
     out = []
     for _ in range(n):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge.bundle import Bundle, BundleWriter, EngineEntry, Fingerprint, Manifest, StageRecord
-from edge.io_contract import DecoderIO
+from edge.io_contract import DecoderIO, io_for_variant
 from export import trt_compat
 from export.load import META, model_dims, tokenizer_spec
 
@@ -66,7 +66,9 @@ def run(hf_dir: Path, engines: list[EngineArtifact], stages: list[StageRecord], 
                 rep = trt_compat.check(edir / "model.onnx")
                 quality["tensorrt_check"] = {"compatible": rep.compatible, "problems": rep.problems,
                                              "opset": rep.opset, "qdq_nodes": rep.quantize_nodes + rep.dequantize_nodes}
-            entries.append(EngineEntry(name=e.name, file=f"engines/{e.name}/model.onnx", fingerprint=fp, quality=quality))
+            io = io_for_variant(e.variant)
+            entries.append(EngineEntry(name=e.name, file=f"engines/{e.name}/model.onnx", fingerprint=fp, quality=quality,
+                                       io={} if io == DecoderIO() else io.to_dict()))
         for rel, path in (extra_files or {}).items():
             (w.root / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, w.root / rel)

@@ -24,6 +24,7 @@ from export.distill import DistillOptions
 from export.prune import PruneOptions
 
 BUILD_PRECISIONS = ("fp32", "int8-dynamic", "int8-qdq", "int4-weight")
+FROM_FUSED = ("int8-dynamic", "int4-weight")  # ONNX Runtime engines: quantized from the fused graph when there is one
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class BuildOptions:
     fresh: bool = False
     online: bool = False
     threads: int | None = None
+    fused: bool = True  # write the fused ONNX Runtime graph and quantize the CPU/CUDA engines from it
     prune: PruneOptions | None = None  # [prune] section: None = keep the model's size
     distill: DistillOptions | None = None  # [distill] section: only after a prune
 
@@ -104,7 +106,8 @@ class BuildOptions:
         over = dict(output=a.output, model=a.model if a.model != "default" or not a.recipe else None,
                     precisions=tuple(a.precision) if a.precision else None, max_context=a.max_context,
                     calibration=a.calibration, eval_samples=a.eval_samples, skip_eval=a.skip_eval or None,
-                    fresh=a.fresh or None, online=a.online or None)
+                    fresh=a.fresh or None, online=a.online or None,
+                    fused=False if getattr(a, "no_fused", False) else None)
         base = cls.from_toml(a.recipe, **over) if a.recipe else \
             cls(**{k: (Path(v) if k == "output" else v) for k, v in over.items() if v is not None})
         prune, distill = base.prune, base.distill
@@ -135,7 +138,8 @@ def build(opts: BuildOptions, log=print) -> Bundle:
     hf_dir, rec = run_stage(work, "load", {"model": f"{ref.kind}:{ref.location}:{ref.gguf_file}"},
                             lambda d: load.run(ref, d, online=opts.online), opts.fresh, log)
     records.append(rec)
-    eopts = onnx_export.ExportOptions(opset=opts.opset, parity_atol=opts.parity_atol)
+    eopts = onnx_export.ExportOptions(opset=opts.opset, parity_atol=opts.parity_atol, fused=opts.fused)
+    lineage_eopts = dataclasses.replace(eopts, fused=False)  # teacher / pruned-only: measured in fp32 only
     lineage: list = []  # teacher and pruned-only graphs: measured for the report, not shipped
     teacher_dir = hf_dir
     if opts.prune is not None:
@@ -147,14 +151,14 @@ def build(opts: BuildOptions, log=print) -> Bundle:
         records.append(rec)
         log(f"[prune] {prune.describe(rec.metrics)}")
         hf_dir = pruned_dir
-        t_dir, _ = run_stage(work, "export-teacher", dataclasses.asdict(eopts) | {"load": records[0].finished},
-                                 lambda d: onnx_export.run(teacher_dir, d, eopts), opts.fresh, log)
+        t_dir, _ = run_stage(work, "export-teacher", dataclasses.asdict(lineage_eopts) | {"load": records[0].finished},
+                             lambda d: onnx_export.run(teacher_dir, d, lineage_eopts), opts.fresh, log)
         lineage.append(package.EngineArtifact("teacher", t_dir, "fp32", report_only=True, dims_dir=teacher_dir,
                                               lineage=True))
         if opts.distill is not None:
             dopts = opts.distill
-            p_dir, _ = run_stage(work, "export-pruned", dataclasses.asdict(eopts) | {"prune": rec.finished},
-                                 lambda d: onnx_export.run(pruned_dir, d, eopts), opts.fresh, log)
+            p_dir, _ = run_stage(work, "export-pruned", dataclasses.asdict(lineage_eopts) | {"prune": rec.finished},
+                                 lambda d: onnx_export.run(pruned_dir, d, lineage_eopts), opts.fresh, log)
             lineage.append(package.EngineArtifact("pruned-only", p_dir, "fp32", report_only=True, dims_dir=pruned_dir,
                                                   lineage=True))
             hf_dir, rec = run_stage(work, "distill", dataclasses.asdict(dopts) | {"prune": rec.finished},
@@ -170,6 +174,11 @@ def build(opts: BuildOptions, log=print) -> Bundle:
     engines = [package.EngineArtifact("fp32", fp32_dir, "fp32", quality={"parity": rec.metrics})]
     report_only: list = []  # measured and shown in the report, not shipped
     exported = rec.finished  # later stages depend on this export: a new export invalidates them
+    fused_dir = fp32_dir / onnx_export.FUSED_DIR
+    has_fused = opts.fused and (fused_dir / "model.onnx").is_file()
+    if opts.fused and not has_fused:
+        log(f"[export] no fused graph: {rec.metrics.get('fused', {}).get('reason', 'not written')}; "
+            "the ONNX Runtime engines use the plain graph")
 
     for precision in opts.precisions:
         if precision == "fp32":
@@ -178,10 +187,13 @@ def build(opts: BuildOptions, log=print) -> Bundle:
 
         qopts = quantize.QuantizeOptions(mode=precision, calibration=opts.calibration,
                                          samples=opts.calibration_samples, smoothquant_alpha=opts.smoothquant_alpha)
-        qdir, rec = run_stage(work, f"quantize-{precision}", dataclasses.asdict(qopts) | {"export": exported},
-                              lambda d, q=qopts: quantize.run(fp32_dir, hf_dir, d, q), opts.fresh, log)
+        variant = "fused" if has_fused and precision in FROM_FUSED else "plain"
+        src_dir = fused_dir if variant == "fused" else fp32_dir
+        qdir, rec = run_stage(work, f"quantize-{precision}",
+                              dataclasses.asdict(qopts) | {"export": exported, "variant": variant},
+                              lambda d, q=qopts, s=src_dir: quantize.run(s, hf_dir, d, q), opts.fresh, log)
         records.append(rec)
-        engines.append(package.EngineArtifact(precision, qdir, precision))
+        engines.append(package.EngineArtifact(precision, qdir, precision, variant=variant))
         if (qdir / quantize.ABLATION).is_dir():
             report_only.append(package.EngineArtifact(f"{precision}-{quantize.ABLATION}", qdir / quantize.ABLATION, precision,
                                                        report_only=True))

@@ -64,7 +64,7 @@ def tiny_bundle(tmp_path_factory, tiny_model_dir):
     from export.recipe import BuildOptions, build
 
     out = tmp_path_factory.mktemp("bundles") / "tiny.bundle"
-    return build(BuildOptions(output=out, model=str(tiny_model_dir), precisions=("fp32", "int8-dynamic", "int8-qdq"),
+    return build(BuildOptions(output=out, model=str(tiny_model_dir), precisions=("fp32", "int8-dynamic", "int8-qdq", "int4-weight"),
                               max_context=256, eval_samples=4, calibration_samples=8), log=lambda s: None)
 
 
@@ -74,6 +74,17 @@ def tiny_generator(tiny_bundle):
     from edge.runtime import Generator
 
     return Generator.from_bundle(Bundle.open(tiny_bundle.root), engine="fp32", threads=1)
+
+
+@pytest.fixture(scope="session")
+def fused_generator(tiny_bundle):
+    """The int8-dynamic engine: quantized from the fused (GroupQueryAttention, in-place KV) graph."""
+    from edge.bundle import Bundle
+    from edge.runtime import Generator
+
+    gen = Generator.from_bundle(Bundle.open(tiny_bundle.root), engine="int8-dynamic", threads=1)
+    assert gen.decoder.io.fused
+    return gen
 
 
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:

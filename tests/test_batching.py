@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from edge.batching import BatchCache, QueueFullError, Scheduler
+from edge.batching import BatchCache, QueueFullError, Scheduler, SharedBatchCache
 from edge.errors import ContextOverflowError
 from edge.metrics import Metrics
 
@@ -24,9 +24,15 @@ def _answer(req) -> tuple[str, object]:
     return "".join(parts), last
 
 
+@pytest.fixture(params=["plain", "fused"])
+def any_generator(request, tiny_generator, fused_generator):
+    """Both batch caches: the plain graph's right-aligned rows and the fused graph's shared in-place buffer."""
+    return tiny_generator if request.param == "plain" else fused_generator
+
+
 @pytest.fixture()
-def sched(tiny_generator):
-    s = Scheduler(tiny_generator, max_batch=4, max_queue=8, metrics=Metrics()).start()
+def sched(any_generator):
+    s = Scheduler(any_generator, max_batch=4, max_queue=8, metrics=Metrics()).start()
     yield s
     s.stop()
 
@@ -36,8 +42,8 @@ def _ids(gen, text):
 
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.9, 1234)])
-def test_batched_answers_equal_single_user_answers(tiny_generator, sched, temperature, seed):
-    gen = tiny_generator
+def test_batched_answers_equal_single_user_answers(any_generator, sched, temperature, seed):
+    gen = any_generator
     cfgs = [gen.sampling(max_new_tokens=30 + 7 * i, temperature=temperature, top_p=0.95, seed=seed) for i in range(len(PROMPTS))]
     alone = [gen.complete(_ids(gen, p), c) for p, c in zip(PROMPTS, cfgs)]
     # more requests than slots: the later ones join while others decode (each prefill runs alone)
@@ -87,13 +93,13 @@ def test_full_queue_is_refused_with_retry_after(tiny_generator):
         s.stop()
 
 
-def test_prompt_longer_than_context_is_refused(tiny_generator, sched):
+def test_prompt_longer_than_context_is_refused(any_generator, sched):
     with pytest.raises(ContextOverflowError, match="context holds 256"):
-        sched.submit(list(range(5, 305)), tiny_generator.sampling())
+        sched.submit(list(range(5, 305)), any_generator.sampling())
 
 
-def test_answer_stops_at_the_end_of_the_context(tiny_generator, sched):
-    gen = tiny_generator
+def test_answer_stops_at_the_end_of_the_context(any_generator, sched):
+    gen = any_generator
     ids = (_ids(gen, "Hello! " * 40))[:240]
     text, last = _answer(sched.submit(ids, gen.sampling(max_new_tokens=100)))
     want_text, want_last = gen.complete(ids, gen.sampling(max_new_tokens=100))
@@ -120,3 +126,28 @@ def test_batch_cache_keeps_rows_right_aligned_and_trims(tiny_generator):
     np.testing.assert_array_equal(bc.values[0].numpy()[0], rows[0].values[0].numpy()[0])
     bc.remove([0, 1])
     assert bc.values is None and bc.width == 0
+
+
+def test_shared_batch_cache_prefills_in_place_and_closes_up(fused_generator):
+    """Fused graphs: a row is prefilled straight into its slot; a row leaving moves the later ones up intact."""
+    dec = fused_generator.decoder
+    bc = SharedBatchCache(dec, slots=4, capacity=8)
+    for n in (3, 5, 2):
+        row = bc.new_row(n)
+        dec.prefill(list(range(10, 10 + n)), row)
+        bc.add(row)
+    assert bc.lengths == [3, 5, 2] and bc.width == 5
+    alone = dec.new_cache(capacity=8)
+    dec.prefill(list(range(10, 15)), alone)
+    k = bc.buffers.arrays[0]
+    np.testing.assert_array_equal(k[1, :, :5], alone.arrays[0][0, :, :5])  # row 1 holds the 5-token prompt, unmoved
+    third = k[2, :, :2].copy()
+    bc.remove([1])
+    assert bc.lengths == [3, 2]
+    np.testing.assert_array_equal(k[1, :, :2], third)  # the 2-token row moved up into slot 1
+    # a step past the buffer's capacity grows it and keeps every row's columns
+    bc.step([7, 7]), bc.step([8, 8]), bc.step([9, 9]), bc.step([9, 9]), bc.step([9, 9]), bc.step([9, 9])
+    assert bc.lengths == [9, 8] and bc.buffers.capacity >= 9
+    np.testing.assert_array_equal(bc.buffers.arrays[0][1, :, :2], third)
+    with pytest.raises(Exception, match="new_row"):
+        bc.add(dec.new_cache(capacity=8))

@@ -19,7 +19,7 @@ def test_manifest_round_trip(tiny_bundle):
     again = Manifest.from_dict(json.loads(json.dumps(m.to_dict())))
     assert again == m
     assert m.schema_version == SCHEMA_VERSION
-    assert {e.name for e in m.engines} == {"fp32", "int8-dynamic", "int8-qdq"}
+    assert {e.name for e in m.engines} == {"fp32", "int8-dynamic", "int8-qdq", "int4-weight"}
     assert m.model.num_layers == 2 and m.model.num_kv_heads == 2 and m.model.head_dim == 16
     assert m.tokenizer.eos_token_ids and m.tokenizer.chat_template
     assert [s.name for s in m.stages][:2] == ["load", "export"]
@@ -71,6 +71,21 @@ def test_unknown_schema_version(tiny_bundle, tmp_path):
     (dst / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(SchemaVersionError, match="99"):
         Bundle.open(dst)
+
+
+def test_schema_1_bundle_still_reads(tiny_bundle, tmp_path):
+    """A bundle from before per-engine IO (schema 1, plain engines only) loads and runs: every engine uses `io`."""
+    from edge.runtime import Generator
+
+    dst = copy_bundle(tiny_bundle, tmp_path)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["schema_version"] = 1
+    m["engines"] = [{k: v for k, v in e.items() if k != "io"} for e in m["engines"] if e["fingerprint"]["variant"] == "plain"]
+    (dst / "manifest.json").write_text(json.dumps(m))
+    b = Bundle.open(dst)
+    assert b.manifest.schema_version == 1 and all(b.manifest.engine_io(e) == b.manifest.io for e in b.manifest.engines)
+    gen = Generator.from_bundle(b, threads=1)
+    assert not gen.decoder.io.fused and gen.decoder.engine.name == "fp32"
 
 
 @pytest.mark.parametrize("mutate, match", [

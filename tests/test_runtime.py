@@ -26,7 +26,21 @@ def test_export_parity_recorded(tiny_bundle):
     assert par["greedy_tokens_identical"] and par["greedy_tokens"] == 64
 
 
-@pytest.mark.parametrize("engine", ["fp32", "int8-dynamic", "int8-qdq"])
+def test_fused_graph_recorded_per_engine(tiny_bundle):
+    """The manifest says which graph each engine is and the contract it binds; the fused graph's parity is recorded."""
+    from edge.io_contract import FUSED_IO
+
+    m = tiny_bundle.manifest
+    variants = {e.name: e.fingerprint.variant for e in m.engines}
+    assert variants == {"fp32": "plain", "int8-qdq": "plain", "int8-dynamic": "fused", "int4-weight": "fused"}
+    for e in m.engines:
+        assert m.engine_io(e) == (FUSED_IO.to_dict() if e.fingerprint.variant == "fused" else m.io)
+    fused = m.engine("fp32").quality["parity"]["fused"]
+    assert fused["written"] and fused["greedy_tokens_identical"] and fused["max_abs_logit_diff"] <= 1e-3
+    assert "tensorrt_check" not in m.engine("int8-dynamic").quality  # TensorRT builds from plain graphs only
+
+
+@pytest.mark.parametrize("engine", ["fp32", "int8-dynamic", "int8-qdq", "int4-weight"])
 def test_kv_cache_decode_equals_full_recompute(tiny_bundle, engine):
     gen = Generator.from_bundle(tiny_bundle, engine=engine, threads=1)
     d = gen.decoder
@@ -38,6 +52,35 @@ def test_kv_cache_decode_equals_full_recompute(tiny_bundle, engine):
         step = d.forward(np.array([[ids[k]]]), cache)[0]
         np.testing.assert_allclose(step, full[k], atol=2e-4 if engine == "fp32" else 5e-2)
     assert cache.length == len(ids)
+
+
+def test_fused_cache_grows_in_place_and_keeps_what_it_holds(fused_generator):
+    """A fused cache sized too small is grown (doubling, capped at the context) without changing any logit."""
+    d = fused_generator.decoder
+    ids = fused_generator.tokenizer.encode_chat(CHATS[2])
+    full = d.forward(np.array([ids]), d.new_cache(capacity=len(ids)), last_only=False)[0]
+    cache = d.new_cache(capacity=4)
+    assert cache.capacity == 4 and cache.values[0].shape()[2] == 4
+    d.forward(np.array([ids[:3]]), cache)
+    for k in range(3, len(ids)):
+        np.testing.assert_allclose(d.forward(np.array([[ids[k]]]), cache)[0], full[k], atol=1e-4)
+    assert 4 < cache.capacity <= d.dims.max_context and cache.capacity >= len(ids)
+    with pytest.raises(ContextOverflowError, match="context of 256"):
+        d.forward(np.zeros((1, 300), np.int64), d.new_cache(capacity=8))
+
+
+def test_fused_greedy_equals_plain_greedy(tiny_bundle, tiny_generator):
+    """The fused graph's greedy answer equals the plain graph's (same fp32 weights, exported twice)."""
+    from edge.io_contract import FUSED_IO
+    from edge.runtime import Decoder
+
+    work = tiny_bundle.root.with_name(tiny_bundle.root.name + ".work")
+    fused = Decoder(work / "export" / "fused" / "model.onnx", tiny_bundle.manifest.model, FUSED_IO, threads=1)
+    gen = Generator(tiny_generator.tokenizer, fused)
+    cfg = SamplingConfig(max_new_tokens=40, ignore_eos=True)
+    for chat in CHATS:
+        ids = gen.tokenizer.encode_chat(chat)
+        assert gen.complete(ids, cfg)[1].token_ids == tiny_generator.complete(ids, cfg)[1].token_ids
 
 
 def test_logits_match_pytorch(tiny_bundle, tiny_model_dir):
