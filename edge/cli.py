@@ -212,7 +212,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def _add_gen_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle folder written by edge-export build")
     p.add_argument("--engine", help="engine name from the manifest (default: fastest for this machine)")
-    p.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
+    p.add_argument("--threads", type=int, help="intra-op threads (default: the physical cores here)")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--max-new-tokens", type=int, help="answer length limit (default: the bundle's)")
     p.add_argument("--temperature", type=float, help="0 = greedy (default: the bundle's)")
@@ -241,7 +241,7 @@ def make_parser() -> argparse.ArgumentParser:
                                    "offline; concurrent users share batched decode steps.")
     s.add_argument("bundle", help="bundle folder written by edge-export build")
     s.add_argument("--engine", help="engine name from the manifest (default: fastest for this machine)")
-    s.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
+    s.add_argument("--threads", type=int, help="intra-op threads (default: the physical cores here)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=7860)
     s.add_argument("--max-users", type=int, default=8, help="answers generated at once (batch rows, default 8)")

@@ -8,6 +8,8 @@ module's profile when the driver cannot be asked.
 
 from __future__ import annotations
 
+import os
+
 import re
 import sys
 from dataclasses import asdict, dataclass, field
@@ -54,6 +56,27 @@ class Machine:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def physical_cores(sys_root: str = "/sys/devices/system/cpu") -> int:
+    """CPU cores, not SMT threads: the intra-op thread count that decodes fastest (a second thread on
+    a core only fights the first for the same vector units and memory bandwidth)."""
+    import glob
+
+    cores = set()
+    for path in glob.glob(os.path.join(sys_root, "cpu[0-9]*", "topology", "core_id")):
+        topo = os.path.dirname(path)
+        try:
+            with open(path) as f, open(os.path.join(topo, "physical_package_id")) as g:
+                cores.add((g.read().strip(), f.read().strip()))
+        except OSError:
+            continue
+    n = len(cores) or (os.cpu_count() or 1)
+    try:  # never more than this process may run on (containers, taskset)
+        n = min(n, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        pass
+    return max(1, n)
 
 
 def parse_tegra_release(text: str) -> str:

