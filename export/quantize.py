@@ -51,6 +51,8 @@ class QuantizeOptions:
     keep_lm_head_float: bool = True
     # int8-qdq: also write the same graph without SmoothQuant, so the report can show what it buys
     smoothquant_ablation: bool = True
+    # int8-qdq: weight MatMuls left in float (TensorRT runs them in FP16), by name pattern as fp32_activation_nodes
+    qdq_float_nodes: tuple[str, ...] = ()
     int4_symmetric: bool = False  # int4-weight: False = per-block zero points (asymmetric), see the module docstring
     int4_lm_head_bits: int = 8  # int4-weight: the LM head (and the tied embedding that shares it) at 8 bits
 
@@ -349,8 +351,10 @@ def _int8_qdq(src: Path, dst: Path, hf_dir: Path, opts: QuantizeOptions, dims) -
     smoothed = smooth(model, feeds, opts.smoothquant_alpha) if opts.smoothquant_alpha > 0 else 0
     pre = dst.parent / "smoothed.onnx"
     _save(model, pre)
+    skip = [p.replace("{last}", str(dims.num_layers - 1)) for p in opts.qdq_float_nodes]
     nodes = [n.name for n in weight_matmuls(model)
-             if not (opts.keep_lm_head_float and n.input[1].endswith(".lm_head_T"))]
+             if not (opts.keep_lm_head_float and n.input[1].endswith(".lm_head_T"))
+             and not any(p in n.name for p in skip)]
 
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
