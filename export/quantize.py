@@ -51,8 +51,10 @@ class QuantizeOptions:
     keep_lm_head_float: bool = True
     # int8-qdq: also write the same graph without SmoothQuant, so the report can show what it buys
     smoothquant_ablation: bool = True
-    # int8-qdq: weight MatMuls left in float (TensorRT runs them in FP16), by name pattern as fp32_activation_nodes
-    qdq_float_nodes: tuple[str, ...] = ()
+    # int8-qdq: weight MatMuls left in float (TensorRT runs them in FP16), by name pattern as fp32_activation_nodes.
+    # Default: the same two down_proj. SmolLM2-135M, alpha 0.8, 64 held-out chats: +3.82% -> +1.90% perplexity,
+    # KL 0.123 -> 0.097, top-1 81.0% -> 83.3%, for 2 of 211 weight MatMuls (~3.5 MB at FP16) unquantized.
+    qdq_float_nodes: tuple[str, ...] = ("layers.0/mlp/down_proj/", "layers.{last}/mlp/down_proj/")
     int4_symmetric: bool = False  # int4-weight: False = per-block zero points (asymmetric), see the module docstring
     int4_lm_head_bits: int = 8  # int4-weight: the LM head (and the tied embedding that shares it) at 8 bits
 
@@ -365,8 +367,9 @@ def _int8_qdq(src: Path, dst: Path, hf_dir: Path, opts: QuantizeOptions, dims) -
 
     _qdq(pre, dst, Reader(), nodes)
     pre.unlink()
+    float_nodes = [n.name for n in weight_matmuls(model) if n.name not in set(nodes)]
     metrics = {"smoothquant_groups": smoothed, "calibration_samples": len(feeds), "quantized_matmuls": len(nodes),
-               "lm_head_float": opts.keep_lm_head_float}
+               "lm_head_float": opts.keep_lm_head_float, "float_matmuls": float_nodes}
     if opts.smoothquant_ablation and opts.smoothquant_alpha > 0:
         (dst.parent / ABLATION).mkdir(exist_ok=True)
         _qdq(src, dst.parent / ABLATION / "model.onnx", Reader(), nodes)
