@@ -49,16 +49,16 @@ def test_int4_weight_is_asymmetric_4_bit_with_an_8_bit_head_shared_by_the_embedd
     assert q["top1_agreement"] > 0.5 and np.isfinite(q["perplexity"])
 
 
-def test_int8_dynamic_keeps_fp32_activations_only_on_the_edge_down_projections(tiny_bundle):
+def test_int8_dynamic_uses_finer_blocks_only_on_the_edge_down_projections(tiny_bundle):
     g = _graph(tiny_bundle, "int8-dynamic")
-    level = {n.name: next(a.i for a in n.attribute if a.name == "accuracy_level")
-             for n in g.graph.node if n.op_type == "MatMulNBits"}
+    attrs = {n.name: {a.name: a.i for a in n.attribute} for n in g.graph.node if n.op_type == "MatMulNBits"}
     last = tiny_bundle.manifest.model.num_layers - 1
-    precise = sorted(k for k, v in level.items() if v == 1)
-    assert precise == ["/model/layers.0/mlp/down_proj/MatMul_Q8", f"/model/layers.{last}/mlp/down_proj/MatMul_Q8"]
-    assert all(v == 4 for k, v in level.items() if k not in precise)
+    fine = sorted(k for k, v in attrs.items() if v["block_size"] == 16)
+    assert fine == ["/model/layers.0/mlp/down_proj/MatMul_Q8", f"/model/layers.{last}/mlp/down_proj/MatMul_Q8"]
+    assert all(v["block_size"] == 32 for k, v in attrs.items() if k not in fine)
+    assert all(v["bits"] == 8 and v["accuracy_level"] == 4 for v in attrs.values())  # INT8 activations everywhere
     rec = next(s for s in tiny_bundle.manifest.stages if s.name == "quantize-int8-dynamic")
-    assert rec.metrics["fp32_activation_nodes"] == precise
+    assert rec.metrics["block16_nodes"] == [f.removesuffix("_Q8") for f in fine]
 
 
 def test_qdq_only_on_weight_matmuls_symmetric_and_finite(tiny_bundle):
