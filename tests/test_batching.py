@@ -151,3 +151,25 @@ def test_shared_batch_cache_prefills_in_place_and_closes_up(fused_generator):
     np.testing.assert_array_equal(bc.buffers.arrays[0][1, :, :2], third)
     with pytest.raises(Exception, match="new_row"):
         bc.add(dec.new_cache(capacity=8))
+
+
+@pytest.mark.parametrize("engine", ["int8-dynamic", "int4-weight"])
+def test_batched_step_logits_equal_single_row_logits(tiny_bundle, engine):
+    """A row's logits must not depend on which other rows share the step (kernels whose numerics change
+    with the batch size would make batched answers drift from single-user ones)."""
+    from edge.bundle import Bundle
+    from edge.runtime import Generator
+
+    dec = Generator.from_bundle(Bundle.open(tiny_bundle.root), engine=engine, threads=1).decoder
+    prompts = [list(range(10, 13)), list(range(20, 27)), list(range(30, 35))]
+    bc = SharedBatchCache(dec, slots=4, capacity=16)
+    for p in prompts:
+        row = bc.new_row(len(p))
+        dec.prefill(p, row)
+        bc.add(row)
+    batched = [bc.step([40, 41, 42]) for _ in range(3)]
+    for i, p in enumerate(prompts):
+        alone = dec.new_cache(capacity=16)
+        dec.prefill(p, alone)
+        for step in batched:
+            np.testing.assert_allclose(step[i], dec.forward(np.array([[40 + i]]), alone)[0], atol=1e-5, rtol=0)
