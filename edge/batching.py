@@ -143,6 +143,26 @@ class SharedBatchCache:
         return KVCache([ort.OrtValue.ortvalue_from_numpy(a) for a in arrays], capacity=self.buffers.capacity,
                        arrays=arrays)
 
+    def prefill_rows(self, prompts: list[list[int]]) -> np.ndarray:
+        """Prefill several new requests in ONE call, right-padded into the next free slots (each row's
+        seqlens_k is its own length, so padding is never attended); they join the batch at once.
+        Returns each row's next-token logits [len(prompts), vocab]."""
+        n, k = len(self.lengths), len(prompts)
+        if n + k > self.slots:
+            raise EdgeChatError(f"{k} new rows do not fit: {self.slots - n} of {self.slots} batch slots are free")
+        lens = [len(p) for p in prompts]
+        width = max(lens)
+        self._reserve(width + 1)
+        ids = np.zeros((k, width), dtype=np.int64)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = p
+        ort = _ort_module()
+        views = [ort.OrtValue.ortvalue_from_numpy(a[n:n + k]) for a in self.buffers.arrays]
+        logits = self.decoder.run_fused(ids, np.asarray(lens, dtype=np.int32) - 1, width, views)
+        self.lengths.extend(lens)
+        self._views = None
+        return logits[np.arange(k), np.asarray(lens) - 1]
+
     def add(self, row: KVCache) -> None:
         n = len(self.lengths)
         if row.arrays is None or not np.may_share_memory(row.arrays[0], self.buffers.arrays[0][n]):
@@ -187,6 +207,8 @@ def batch_cache(decoder: Decoder, slots: int) -> BatchCache | SharedBatchCache:
 
 
 _ids = itertools.count(1)
+BATCHED_PREFILL_MAX_PROMPT = 512  # longer prompts are prefilled alone, in chunks
+BATCHED_PREFILL_TOKENS = 1024  # padded tokens per batched prefill call (its logits are [rows, width, vocab])
 
 
 @dataclass
@@ -249,6 +271,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.step_s = 0.05  # running mean of one decode step, for Retry-After
+        self.prefills_together = 0  # batched prefill calls (fused graphs), for tests and metrics
         self.error: str | None = None
 
     # -- client side -----------------------------------------------------------------------------
@@ -326,27 +349,77 @@ class Scheduler:
 
     def _admit(self) -> None:
         while len(self.rows) < self.max_batch and not self._stop.is_set():
+            batch = self._take(self.max_batch - len(self.rows))
+            if not batch:
+                return
+            together = [b for b in batch if len(b[0].prompt_ids) <= BATCHED_PREFILL_MAX_PROMPT] \
+                if isinstance(self.cache, SharedBatchCache) else []
+            together = together if len(together) > 1 else []
+            if together:
+                self._prefill_together(together)
+            joined = {id(req) for req, _ in together}
+            for req, row in batch:
+                if id(req) not in joined:
+                    self._prefill_alone(req, row)
+
+    def _take(self, free: int) -> list[tuple[Request, _Row]]:
+        """Up to `free` waiting requests (cancelled ones are closed here), oldest first."""
+        out = []
+        while len(out) < free:
             with self._cv:
                 if not self.pending:
-                    return
+                    break
                 req = self.pending.popleft()
             text = TextStream(self.gen.tokenizer, req.cfg, len(req.prompt_ids), self.gen.max_context)
             text.t0 = req.submitted  # TTFT counts the time spent waiting in the queue
             if req.cancelled.is_set():
                 self._emit_final(req, text, "cancelled")
                 continue
-            row = _Row(req, Sampler(req.cfg), text, list(req.prompt_ids))
-            cache = self.cache.new_row(len(req.prompt_ids))
+            out.append((req, _Row(req, Sampler(req.cfg), text, list(req.prompt_ids))))
+        return out
+
+    def _prefill_alone(self, req: Request, row: _Row) -> None:
+        cache = self.cache.new_row(len(req.prompt_ids))
+        try:
+            logits = self.gen.decoder.prefill(req.prompt_ids, cache)[0]
+        except EdgeChatError as e:
+            self._emit_final(req, row.text, "error", str(e))
+            return
+        if self._accept(row, logits, cache.length):
+            self.rows.append(row)
+            self.cache.add(cache)
+        if self.metrics is not None:
+            self.metrics.observe_prompt(len(req.prompt_ids))
+
+    def _prefill_together(self, batch: list[tuple[Request, _Row]]) -> None:
+        """Fused graphs: requests that arrived together are prefilled in one padded call (a prompt's
+        compute is then shared, not queued behind the others'); each then joins the batch."""
+        while batch:  # groups whose padded size keeps the all-position logits bounded
+            group, width = [], 0
+            for b in batch:
+                w = max(width, len(b[0].prompt_ids))
+                if group and w * (len(group) + 1) > BATCHED_PREFILL_TOKENS:
+                    break
+                group.append(b)
+                width = w
+            batch = batch[len(group):]
+            self.prefills_together += 1
             try:
-                logits = self.gen.decoder.prefill(req.prompt_ids, cache)[0]
+                logits = self.cache.prefill_rows([req.prompt_ids for req, _ in group])
             except EdgeChatError as e:
-                self._emit_final(req, text, "error", str(e))
+                for req, row in group:
+                    self._emit_final(req, row.text, "error", str(e))
                 continue
-            if self._accept(row, logits, cache.length):
-                self.rows.append(row)
-                self.cache.add(cache)
+            first = len(self.rows)
+            self.rows.extend(row for _, row in group)
+            done = [first + j for j, (req, row) in enumerate(group)
+                    if not self._accept(row, logits[j], len(req.prompt_ids))]
+            if done:
+                self.cache.remove(done)
+                self.rows = [r for i, r in enumerate(self.rows) if i not in set(done)]
             if self.metrics is not None:
-                self.metrics.observe_prompt(len(req.prompt_ids))
+                for req, _ in group:
+                    self.metrics.observe_prompt(len(req.prompt_ids))
 
     def _accept(self, row: _Row, logits: np.ndarray, length: int) -> bool:
         """Sample the row's next token and emit it; False when the answer is finished (and closed)."""

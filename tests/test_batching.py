@@ -173,3 +173,34 @@ def test_batched_step_logits_equal_single_row_logits(tiny_bundle, engine):
         dec.prefill(p, alone)
         for step in batched:
             np.testing.assert_allclose(step[i], dec.forward(np.array([[40 + i]]), alone)[0], atol=1e-5, rtol=0)
+
+
+def test_requests_that_arrive_together_are_prefilled_together(fused_generator):
+    """Fused graphs: waiting requests are prefilled in one right-padded call, and each answer still equals
+    its single-user answer (padding is never attended: every row has its own seqlens_k)."""
+    gen = fused_generator
+    cfgs = [gen.sampling(max_new_tokens=20 + 3 * i, ignore_eos=True) for i in range(4)]
+    alone = [gen.complete(_ids(gen, p), c)[1].token_ids for p, c in zip(PROMPTS, cfgs)]
+    s = Scheduler(gen, max_batch=4, max_queue=8).start()
+    try:
+        with s._cv:  # hold the loop off so all four are waiting when it looks
+            reqs = [s.submit(_ids(gen, p), c) for p, c in zip(PROMPTS, cfgs)]
+        got = [_answer(r)[1].token_ids for r in reqs]
+    finally:
+        s.stop()
+    assert s.prefills_together >= 1
+    assert got == alone
+
+
+def test_shared_cache_batched_prefill_equals_one_by_one(fused_generator):
+    dec = fused_generator.decoder
+    prompts = [list(range(10, 13)), list(range(20, 27)), list(range(30, 35))]
+    together = SharedBatchCache(dec, slots=4, capacity=16)
+    first = together.prefill_rows(prompts)
+    assert together.lengths == [3, 7, 5]
+    for i, p in enumerate(prompts):
+        alone = dec.new_cache(capacity=16)
+        np.testing.assert_allclose(first[i], dec.prefill(p, alone)[0], atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(together.buffers.arrays[0][i, :, :len(p)], alone.arrays[0][0, :, :len(p)])
+    with pytest.raises(Exception, match="do not fit"):
+        together.prefill_rows([[1], [2]])
