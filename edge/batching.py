@@ -133,7 +133,8 @@ class SharedBatchCache:
             self._views = None
 
     def new_row(self, prompt_len: int) -> KVCache:
-        """A batch-1 cache over the next free slot: the prefill writes its K/V in place, `add` admits it."""
+        """A batch-1 cache over the next free slot: the prefill writes its K/V in place, `add` admits it.
+        The buffer is grown for the prompt first, so the prefill never has to grow (and so re-home) the view."""
         n = len(self.lengths)
         if n >= self.slots:
             raise EdgeChatError(f"all {self.slots} batch slots are taken")

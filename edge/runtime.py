@@ -1,8 +1,10 @@
 """The ONNX Runtime decoder and the one generation loop everything consumes.
 
 `Decoder` owns an InferenceSession and runs prefill/decode steps with the KV
-cache kept as OrtValues bound through IO binding: the present outputs of one
-step are bound as the past inputs of the next, never copied through numpy.
+cache kept as OrtValues bound through IO binding, never copied through numpy:
+for a plain graph the present outputs of one step are bound as the past inputs
+of the next; for a fused graph (the engine's `io` says which) one buffer sized
+for prompt + answer is bound as both past and present and written in place.
 `Generator.stream` is the single token iterator with stop conditions; the CLI,
 the Gradio page and the HTTP API only consume it.
 """

@@ -69,7 +69,8 @@ class TensorRTDecoder(Decoder):
         dec.engine = entry
         return dec
 
-    def new_cache(self, batch: int = 1) -> KVCache:
+    def new_cache(self, batch: int = 1, capacity: int | None = None) -> KVCache:
+        """Engines are built from the plain graph: the past grows each step, `capacity` does not apply."""
         shape = (batch, self.dims.num_kv_heads, 0, self.dims.head_dim)
         return KVCache([DeviceArray(self.cuda, shape, self._kv_dtype) for _ in self.past_names])
 

@@ -368,3 +368,16 @@ def test_fp16_engine_matches_onnxruntime(tiny_bundle, tmp_path):
     cfg = SamplingConfig(max_new_tokens=16, ignore_eos=True)
     a, b_ = ort.complete(ids, cfg)[1].token_ids, trt.complete(ids, cfg)[1].token_ids
     assert a[:8] == b_[:8], (a, b_)
+
+
+def test_tensorrt_decoder_takes_every_call_the_generator_makes():
+    """The generation loop and the scheduler call the TensorRT decoder as they call the ONNX Runtime one
+    (checked here without a GPU: a missing parameter would only show up as a TypeError on the device)."""
+    import inspect
+
+    from edge.runtime import Decoder
+    from edge.trt_runtime import TensorRTDecoder
+
+    for name in ("new_cache", "forward", "prefill", "run"):
+        want = list(inspect.signature(getattr(Decoder, name)).parameters)
+        assert list(inspect.signature(getattr(TensorRTDecoder, name)).parameters) == want, name
