@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from edge.errors import ContextOverflowError, EdgeChatError
-from edge.runtime import Decoder, Generator, KVCache, StreamEvent, TextStream
+from edge.runtime import Decoder, Generator, KVCache, StreamEvent, TextStream, _ort
 from edge.sampling import Sampler, SamplingConfig
 
 log = logging.getLogger("edgechat")
@@ -139,7 +139,7 @@ class SharedBatchCache:
         if n >= self.slots:
             raise EdgeChatError(f"all {self.slots} batch slots are taken")
         self._reserve(prompt_len + 1)
-        ort = _ort_module()
+        ort = _ort()
         arrays = [a[n:n + 1] for a in self.buffers.arrays]
         return KVCache([ort.OrtValue.ortvalue_from_numpy(a) for a in arrays], capacity=self.buffers.capacity,
                        arrays=arrays)
@@ -157,7 +157,7 @@ class SharedBatchCache:
         ids = np.zeros((k, width), dtype=np.int64)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = p
-        ort = _ort_module()
+        ort = _ort()
         views = [ort.OrtValue.ortvalue_from_numpy(a[n:n + k]) for a in self.buffers.arrays]
         logits = self.decoder.run_fused(ids, np.asarray(lens, dtype=np.int32) - 1, width, views)
         self.lengths.extend(lens)
@@ -187,19 +187,13 @@ class SharedBatchCache:
         assert n and len(tokens) == n
         self._reserve(self.width + 1)
         if self._views is None or self._views[0] != n:
-            ort = _ort_module()
+            ort = _ort()
             self._views = (n, [ort.OrtValue.ortvalue_from_numpy(a[:n]) for a in self.buffers.arrays])
         seqlens_k = np.asarray(self.lengths, dtype=np.int32)  # after this step, minus one
         logits = self.decoder.run_fused(np.asarray(tokens, dtype=np.int64)[:, None], seqlens_k, self.width + 1,
                                         self._views[1])
         self.lengths = [x + 1 for x in self.lengths]
         return logits[:, -1, :]
-
-
-def _ort_module():
-    import onnxruntime as ort
-
-    return ort
 
 
 def batch_cache(decoder: Decoder, slots: int) -> BatchCache | SharedBatchCache:
