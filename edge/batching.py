@@ -132,6 +132,11 @@ class SharedBatchCache:
             self.decoder.reserve(self.buffers, columns)
             self._views = None
 
+    def _slots(self, lo: int, hi: int) -> tuple[list[np.ndarray], list]:
+        """Slots lo..hi-1 of every layer's buffer: numpy views and OrtValues over the same memory."""
+        arrays = [a[lo:hi] for a in self.buffers.arrays]
+        return arrays, [_ort().OrtValue.ortvalue_from_numpy(a) for a in arrays]
+
     def new_row(self, prompt_len: int) -> KVCache:
         """A batch-1 cache over the next free slot: the prefill writes its K/V in place, `add` admits it.
         The buffer is grown for the prompt first, so the prefill never has to grow (and so re-home) the view."""
@@ -139,10 +144,8 @@ class SharedBatchCache:
         if n >= self.slots:
             raise EdgeChatError(f"all {self.slots} batch slots are taken")
         self._reserve(prompt_len + 1)
-        ort = _ort()
-        arrays = [a[n:n + 1] for a in self.buffers.arrays]
-        return KVCache([ort.OrtValue.ortvalue_from_numpy(a) for a in arrays], capacity=self.buffers.capacity,
-                       arrays=arrays)
+        arrays, values = self._slots(n, n + 1)
+        return KVCache(values, capacity=self.buffers.capacity, arrays=arrays)
 
     def prefill_rows(self, prompts: list[list[int]]) -> np.ndarray:
         """Prefill several new requests in ONE call, right-padded into the next free slots (each row's
@@ -157,9 +160,7 @@ class SharedBatchCache:
         ids = np.zeros((k, width), dtype=np.int64)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = p
-        ort = _ort()
-        views = [ort.OrtValue.ortvalue_from_numpy(a[n:n + k]) for a in self.buffers.arrays]
-        logits = self.decoder.run_fused(ids, np.asarray(lens, dtype=np.int32) - 1, width, views)
+        logits = self.decoder.run_fused(ids, np.asarray(lens, dtype=np.int32) - 1, width, self._slots(n, n + k)[1])
         self.lengths.extend(lens)
         self._views = None
         return logits[np.arange(k), np.asarray(lens) - 1]
@@ -187,8 +188,7 @@ class SharedBatchCache:
         assert n and len(tokens) == n
         self._reserve(self.width + 1)
         if self._views is None or self._views[0] != n:
-            ort = _ort()
-            self._views = (n, [ort.OrtValue.ortvalue_from_numpy(a[:n]) for a in self.buffers.arrays])
+            self._views = (n, self._slots(0, n)[1])
         seqlens_k = np.asarray(self.lengths, dtype=np.int32)  # after this step, minus one
         logits = self.decoder.run_fused(np.asarray(tokens, dtype=np.int64)[:, None], seqlens_k, self.width + 1,
                                         self._views[1])
@@ -266,7 +266,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.step_s = 0.05  # running mean of one decode step, for Retry-After
-        self.prefills_together = 0  # batched prefill calls (fused graphs), for tests and metrics
+        self.prefills_together = 0  # batched prefill calls (fused graphs), read by the tests
         self.error: str | None = None
 
     # -- client side -----------------------------------------------------------------------------

@@ -147,7 +147,7 @@ class Decoder:
             empty = np.zeros((batch, self.dims.num_kv_heads, 0, self.dims.head_dim), dtype=self._kv_dtype)
             return KVCache([ort.OrtValue.ortvalue_from_numpy(empty, self.device, 0) for _ in self.past_names])
         cap = min(self.dims.max_context, capacity or self.dims.max_context)
-        cache = KVCache([], capacity=cap)
+        cache = KVCache([])  # _place sets the buffers and their capacity
         self._place(cache, [np.zeros(self._kv_shape(batch, cap), self._kv_dtype) for _ in self.past_names])
         return cache
 

@@ -87,6 +87,28 @@ def fused_generator(tiny_bundle):
     return gen
 
 
+def assert_batched_steps_equal_alone(dec, prompts: list[list[int]], tokens: list[int], capacity: int, atol: float,
+                                     steps: int = 3) -> None:
+    """Prefill each prompt into a SharedBatchCache row, decode `steps` batched steps (row i always fed
+    tokens[i]), and check every row's logits equal the same row decoded alone."""
+    import numpy as np
+
+    from edge.batching import SharedBatchCache
+
+    bc = SharedBatchCache(dec, slots=len(prompts) + 1, capacity=capacity)
+    for p in prompts:
+        row = bc.new_row(len(p))
+        dec.prefill(p, row)
+        bc.add(row)
+    batched = [bc.step(tokens) for _ in range(steps)]
+    for i, p in enumerate(prompts):
+        alone = dec.new_cache(capacity=capacity)
+        dec.prefill(p, alone)
+        for k, step in enumerate(batched):
+            np.testing.assert_allclose(step[i], dec.forward(np.array([[tokens[i]]]), alone)[0], atol=atol, rtol=0,
+                                       err_msg=f"{dec.name}: row {i}, step {k}")
+
+
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})}, cwd=ROOT)

@@ -12,6 +12,8 @@ from edge.batching import BatchCache, QueueFullError, Scheduler, SharedBatchCach
 from edge.errors import ContextOverflowError
 from edge.metrics import Metrics
 
+from conftest import assert_batched_steps_equal_alone
+
 PROMPTS = ["Hello!", "What is the capital of Japan?", "Tell me a fun fact about octopuses and the ocean.",
            "Naïve café 🙂", "I like to read books.", "How are you doing today? I am fine."]
 
@@ -162,17 +164,7 @@ def test_batched_step_logits_equal_single_row_logits(tiny_bundle, engine):
 
     dec = Generator.from_bundle(Bundle.open(tiny_bundle.root), engine=engine, threads=1).decoder
     prompts = [list(range(10, 13)), list(range(20, 27)), list(range(30, 35))]
-    bc = SharedBatchCache(dec, slots=4, capacity=16)
-    for p in prompts:
-        row = bc.new_row(len(p))
-        dec.prefill(p, row)
-        bc.add(row)
-    batched = [bc.step([40, 41, 42]) for _ in range(3)]
-    for i, p in enumerate(prompts):
-        alone = dec.new_cache(capacity=16)
-        dec.prefill(p, alone)
-        for step in batched:
-            np.testing.assert_allclose(step[i], dec.forward(np.array([[40 + i]]), alone)[0], atol=1e-5, rtol=0)
+    assert_batched_steps_equal_alone(dec, prompts, [40, 41, 42], capacity=16, atol=1e-5)
 
 
 def test_requests_that_arrive_together_are_prefilled_together(fused_generator):

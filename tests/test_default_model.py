@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import assert_batched_steps_equal_alone, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -114,21 +114,9 @@ def test_batched_decode_equals_single_user_decode(smol_bundle):
     MatMulNBits nodes broke this by up to 1 logit, which is why the int8 recipe no longer uses them)."""
     import numpy as np
 
-    from edge.batching import SharedBatchCache
     from edge.runtime import Generator
 
+    prompts = [list(np.random.RandomState(s).randint(100, 5000, n)) for s, n in ((0, 5), (1, 9), (2, 7))]
     for engine in ("int8-dynamic", "int4-weight"):
         dec = Generator.from_bundle(smol_bundle, engine=engine, threads=2).decoder
-        prompts = [list(np.random.RandomState(s).randint(100, 5000, n)) for s, n in ((0, 5), (1, 9), (2, 7))]
-        bc = SharedBatchCache(dec, slots=4, capacity=32)
-        for p in prompts:
-            row = bc.new_row(len(p))
-            dec.prefill(p, row)
-            bc.add(row)
-        steps = [bc.step([7, 8, 9]) for _ in range(3)]
-        for i, p in enumerate(prompts):
-            alone = dec.new_cache(capacity=32)
-            dec.prefill(p, alone)
-            for s in steps:
-                np.testing.assert_allclose(s[i], dec.forward(np.array([[7 + i]]), alone)[0], atol=1e-4, rtol=0,
-                                           err_msg=engine)
+        assert_batched_steps_equal_alone(dec, prompts, [7, 8, 9], capacity=32, atol=1e-4)
