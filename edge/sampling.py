@@ -51,27 +51,45 @@ class Sampler:
         self.rng = np.random.default_rng(cfg.seed)
 
     def __call__(self, logits: np.ndarray, seen: np.ndarray | None = None) -> int:
-        """Pick one token id from a 1-D logits row. `seen`: ids already in the sequence."""
+        """Pick one token id from a 1-D logits row. `seen`: ids already in the sequence.
+
+        Runs once per sequence per decode step, so it avoids sorting the vocabulary: top-k and top-p
+        look only at the highest logits (np.argpartition, widened until they hold the top-p mass), and
+        the draw is one uniform number against a cumulative sum."""
         cfg = self.cfg
-        x = logits.astype(np.float64, copy=True)
+        x = np.asarray(logits, dtype=np.float32)
         if cfg.repetition_penalty != 1.0 and seen is not None and len(seen):
+            x = x.copy()
             idx = np.unique(seen)
             v = x[idx]
             x[idx] = np.where(v > 0, v / cfg.repetition_penalty, v * cfg.repetition_penalty)
         if cfg.greedy:
             return int(np.argmax(x))
-        x /= cfg.temperature
-        if cfg.top_k and cfg.top_k < x.size:
-            kth = np.partition(x, -cfg.top_k)[-cfg.top_k]
-            x[x < kth] = -np.inf
-        x -= x.max()
-        p = np.exp(x)
-        p /= p.sum()
+        z = (x - x.max()) * np.float32(1.0 / cfg.temperature)
+        k = cfg.top_k if 0 < cfg.top_k < z.size else 0
+        if not k and cfg.top_p >= 1.0:
+            return _draw(np.cumsum(np.exp(z), dtype=np.float64), self.rng)
+        p = np.exp(z)
+        cand = _top(z, k) if k else None
+        total = float(p[cand].sum(dtype=np.float64)) if k else float(p.sum(dtype=np.float64))
+        n = k or min(z.size, 256)
+        while True:
+            cand = cand if k else _top(z, n)
+            order = cand[np.lexsort((cand, -z[cand]))]  # highest first, ties by id: same pick on any machine
+            cum = np.cumsum(p[order], dtype=np.float64)
+            if cfg.top_p >= 1.0 or cum[-1] >= cfg.top_p * total or n >= z.size:
+                break
+            n = min(z.size, n * 8)
         if cfg.top_p < 1.0:
-            order = np.argsort(-p, kind="stable")
-            cum = np.cumsum(p[order])
-            keep = order[: int(np.searchsorted(cum, cfg.top_p) + 1)]
-            q = np.zeros_like(p)
-            q[keep] = p[keep]
-            p = q / q.sum()
-        return int(self.rng.choice(p.size, p=p))
+            cum = cum[: int(np.searchsorted(cum, cfg.top_p * total)) + 1]
+        return int(order[min(_draw(cum, self.rng), len(order) - 1)])
+
+
+def _top(z: np.ndarray, n: int) -> np.ndarray:
+    """Ids of the n largest entries (unordered), without a full sort."""
+    return np.arange(z.size) if n >= z.size else np.argpartition(z, -n)[-n:]
+
+
+def _draw(cum: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF sample from unnormalised cumulative weights."""
+    return min(int(np.searchsorted(cum, rng.random() * cum[-1], side="right")), len(cum) - 1)

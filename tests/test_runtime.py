@@ -162,6 +162,74 @@ def test_sampler_filters():
     assert Sampler(SamplingConfig(repetition_penalty=2.0))(logits, np.array([1])) == 2
 
 
+@pytest.mark.parametrize("kw", [{}, {"top_p": 0.9}, {"top_k": 40}, {"top_k": 300, "top_p": 0.95}, {"top_p": 0.999}])
+def test_sampler_draws_from_the_filtered_softmax(kw):
+    """The sampler never sorts the vocabulary (it is called per sequence per step); its draws must still
+    follow softmax(logits / T) restricted to top-k then top-p. Flat logits over a 5,000-token vocabulary
+    put the top-p set beyond the first candidate window, so the widening path runs too."""
+    from edge.sampling import Sampler
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(5000).astype(np.float32) * 0.5
+    logits[:8] += np.array([6, 5.5, 5, 4, 3, 3, 2, 1])  # a few likely tokens on top of a long flat tail
+    cfg = SamplingConfig(temperature=0.8, seed=1, **kw)
+    p = np.exp((logits - logits.max()) / 0.8)
+    order = np.argsort(-p, kind="stable")
+    allowed = order[: cfg.top_k] if cfg.top_k else order
+    q = np.zeros_like(p)
+    q[allowed] = p[allowed]
+    q /= q.sum()
+    if cfg.top_p < 1:
+        cum = np.cumsum(q[order])
+        keep = order[: int(np.searchsorted(cum, cfg.top_p)) + 1]
+        q = np.where(np.isin(np.arange(q.size), keep), q, 0)
+        q /= q.sum()
+    s, n = Sampler(cfg), 20000
+    counts = np.bincount([s(logits) for _ in range(n)], minlength=q.size) / n
+    assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(q))  # nothing outside the filtered set
+    assert np.abs(counts - q).max() < 0.015  # and the frequencies follow it (binomial sd here <= 0.0035)
+    assert np.abs(counts[q > 0].sum() - 1) < 1e-9
+
+
+def test_fused_graph_without_logit_positions_still_runs(fused_generator, tmp_path):
+    """Bundles written before the fused graph took logit_positions return logits at every position;
+    the runtime picks the rows itself, so every caller sees the same shapes and values."""
+    import dataclasses
+
+    import onnx
+
+    from edge.runtime import Decoder
+
+    d = fused_generator.decoder
+    src = fused_generator.bundle.path(fused_generator.bundle.manifest.engine("int8-dynamic").file)
+    m = onnx.load(str(src))
+    g = m.graph
+    gather = next(n for n in g.node if n.op_type == "GatherND")
+    for n in g.node:  # the LM head reads the normed hidden states directly, as the older graph did
+        n.input[:] = [gather.input[0] if x == gather.output[0] else x for x in n.input]
+    drop = {gather.name, next(n.name for n in g.node if gather.input[1] in n.output)}
+    keep = [n for n in g.node if n.name not in drop]
+    del g.node[:]
+    g.node.extend(keep)
+    keep_in = [i for i in g.input if i.name != d.io.logit_positions]
+    del g.input[:]
+    g.input.extend(keep_in)
+    onnx.save(m, str(tmp_path / "old.onnx"))
+    old = Decoder(tmp_path / "old.onnx", d.dims, dataclasses.replace(d.io, logit_positions=""), threads=1)
+    ids = fused_generator.tokenizer.encode_chat(CHATS[2])
+    for last_only in (True, False):
+        want = d.forward(np.array([ids]), d.new_cache(capacity=len(ids)), last_only=last_only)
+        got = old.forward(np.array([ids]), old.new_cache(capacity=len(ids)), last_only=last_only)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    from edge.batching import SharedBatchCache
+
+    rows = [ids[:7], ids[:12]]
+    a, b = SharedBatchCache(d, 2, capacity=32), SharedBatchCache(old, 2, capacity=32)
+    np.testing.assert_allclose(b.prefill_rows(rows), a.prefill_rows(rows), atol=1e-5)
+    np.testing.assert_allclose(b.step([5, 6]), a.step([5, 6]), atol=1e-5)
+
+
 def test_streaming_reassembles_to_full_text(tiny_generator):
     ids = tiny_generator.tokenizer.encode_chat(CHATS[2])
     cfg = SamplingConfig(max_new_tokens=40, temperature=1.0, seed=1)
