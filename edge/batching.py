@@ -160,10 +160,11 @@ class SharedBatchCache:
         ids = np.zeros((k, width), dtype=np.int64)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = p
-        logits = self.decoder.run_fused(ids, np.asarray(lens, dtype=np.int32) - 1, width, self._slots(n, n + k)[1])
+        last = np.asarray(lens, dtype=np.int64) - 1
+        logits = self.decoder.run_fused(ids, last.astype(np.int32), width, self._slots(n, n + k)[1], last[:, None])
         self.lengths.extend(lens)
         self._views = None
-        return logits[np.arange(k), np.asarray(lens) - 1]
+        return logits[:, 0]
 
     def add(self, row: KVCache) -> None:
         n = len(self.lengths)
@@ -175,10 +176,11 @@ class SharedBatchCache:
     def remove(self, rows: list[int]) -> None:
         gone = set(rows)
         keep = [i for i in range(len(self.lengths)) if i not in gone]
-        if keep != list(range(len(keep))):
-            w = self.width
-            for a in self.buffers.arrays:
-                a[: len(keep), :, :w] = a[keep, :, :w]
+        for dst, src in enumerate(keep):  # close the gaps: only the rows after a leaver move, each up to its length
+            if dst != src:
+                w = self.lengths[src]
+                for a in self.buffers.arrays:
+                    a[dst, :, :w] = a[src, :, :w]
         self.lengths = [self.lengths[i] for i in keep]
         self._views = None
 
@@ -191,7 +193,7 @@ class SharedBatchCache:
             self._views = (n, self._slots(0, n)[1])
         seqlens_k = np.asarray(self.lengths, dtype=np.int32)  # after this step, minus one
         logits = self.decoder.run_fused(np.asarray(tokens, dtype=np.int64)[:, None], seqlens_k, self.width + 1,
-                                        self._views[1])
+                                        self._views[1], np.zeros((n, 1), np.int64))
         self.lengths = [x + 1 for x in self.lengths]
         return logits[:, -1, :]
 
@@ -203,7 +205,8 @@ def batch_cache(decoder: Decoder, slots: int) -> BatchCache | SharedBatchCache:
 
 _ids = itertools.count(1)
 BATCHED_PREFILL_MAX_PROMPT = 512  # longer prompts are prefilled alone, in chunks
-BATCHED_PREFILL_TOKENS = 1024  # padded tokens per batched prefill call (its logits are [rows, width, vocab])
+BATCHED_PREFILL_TOKENS = 1024  # padded tokens per batched prefill call (bounds its activations; and a graph
+# written before logit_positions returns [rows, width, vocab] logits)
 
 
 @dataclass

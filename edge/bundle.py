@@ -32,10 +32,12 @@ from edge.errors import (
     SchemaVersionError,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # 2: an engine may carry its own `io` contract (the fused graph's differs from the plain one's);
 # a version-1 manifest still reads, every engine using the manifest's `io`.
-READS_SCHEMA_VERSIONS = (1, 2)
+# 3: a fused engine's `io` may name `logit_positions` (the graph returns logits at those positions only);
+# an edgechat that reads only 1-2 refuses such a bundle by its version instead of failing on the key.
+READS_SCHEMA_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 PARTIAL_TAG = ".partial-"
 

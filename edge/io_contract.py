@@ -28,6 +28,10 @@ class DecoderIO:
     # writes each step's K/V in place into a max-length buffer that is bound as both past and present
     seqlens_k: str = ""  # int32 [batch]: tokens in the cache after this step, minus one
     total_sequence_length: str = ""  # int32 scalar: the longest row's length after this step
+    # int64 [batch, k]: the input positions whose logits the graph returns ([batch, k, vocab]); the LM head
+    # (a fifth of a prefill's compute, and [batch, seq, vocab] of memory) then runs on those rows only.
+    # Empty in graphs written before it existed: they return logits at every position.
+    logit_positions: str = ""
 
     @property
     def fused(self) -> bool:
@@ -42,7 +46,8 @@ class DecoderIO:
 
     def input_names(self, num_layers: int) -> list[str]:
         if self.fused:
-            return [self.input_ids, self.seqlens_k, self.total_sequence_length, *self.past_names(num_layers)]
+            extra = [self.logit_positions] if self.logit_positions else []
+            return [self.input_ids, self.seqlens_k, self.total_sequence_length, *extra, *self.past_names(num_layers)]
         return [self.input_ids, self.attention_mask, self.position_ids, *self.past_names(num_layers)]
 
     def output_names(self, num_layers: int) -> list[str]:
@@ -58,7 +63,7 @@ class DecoderIO:
 
 FUSED_IO = DecoderIO(attention_mask="", position_ids="", past_axis="max_sequence_length",
                      kv_layout="batch,kv_heads,max_sequence_length,head_dim", seqlens_k="seqlens_k",
-                     total_sequence_length="total_sequence_length")
+                     total_sequence_length="total_sequence_length", logit_positions="logit_positions")
 
 
 def io_for_variant(variant: str) -> DecoderIO:

@@ -191,7 +191,8 @@ class Decoder:
             raise ContextOverflowError(f"{past + seq} tokens exceed the model's context of {self.dims.max_context}")
         if self.io.fused:
             self.reserve(cache, past + seq)
-            logits = self.run_fused(ids, np.full(batch, past + seq - 1, np.int32), past + seq, cache.values)
+            at = np.full((batch, 1), seq - 1, np.int64) if last_only else None
+            logits = self.run_fused(ids, np.full(batch, past + seq - 1, np.int32), past + seq, cache.values, at)
         else:
             mask = np.ones((batch, past + seq), dtype=np.int64)
             positions = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq))
@@ -214,19 +215,30 @@ class Decoder:
         outs = b.get_outputs()
         return outs[0].numpy(), outs[1:]
 
-    def run_fused(self, ids: np.ndarray, seqlens_k: np.ndarray, total: int, buffers: list) -> np.ndarray:
+    def run_fused(self, ids: np.ndarray, seqlens_k: np.ndarray, total: int, buffers: list,
+                  at: np.ndarray | None = None) -> np.ndarray:
         """One fused-graph call: row i's new K/V go in place into `buffers` (bound as past AND present)
-        after its seqlens_k[i] + 1 - seq cached tokens; returns logits [batch, seq, vocab]."""
+        after its seqlens_k[i] + 1 - seq cached tokens. Returns logits [batch, k, vocab] at the input
+        positions `at` [batch, k] (None: every position, k = seq). A graph written before logit_positions
+        existed computes every position; the rows asked for are picked here, so callers see one shape."""
         b = self.session.io_binding()
+        everywhere = at is None
+        if everywhere:
+            at = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape)
         b.bind_output(self.io.logits, "cpu")  # first, so it is get_outputs()[0]
         b.bind_cpu_input(self.io.input_ids, np.ascontiguousarray(ids, dtype=np.int64))
         b.bind_cpu_input(self.io.seqlens_k, np.ascontiguousarray(seqlens_k, dtype=np.int32))
         b.bind_cpu_input(self.io.total_sequence_length, np.array(total, dtype=np.int32))
+        if self.io.logit_positions:
+            b.bind_cpu_input(self.io.logit_positions, np.ascontiguousarray(at, dtype=np.int64))
         for past, present, val in zip(self.past_names, self.present_names, buffers):
             b.bind_ortvalue_input(past, val)
             b.bind_ortvalue_output(present, val)
         self.session.run_with_iobinding(b)
-        return b.get_outputs()[0].numpy()
+        logits = b.get_outputs()[0].numpy()
+        if self.io.logit_positions or everywhere:
+            return logits
+        return np.take_along_axis(logits, np.asarray(at, np.int64)[:, :, None], axis=1)
 
     def to_ortvalue(self, array: np.ndarray):
         return _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=self._kv_dtype), self.device, 0)

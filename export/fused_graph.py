@@ -7,11 +7,14 @@ network in ONNX Runtime's contrib ops, the way its GenAI model builder writes it
     Gather -> per layer: SkipSimplifiedLayerNorm, one packed QKV MatMul,
     GroupQueryAttention (rotary inside, KV written in place into a buffer that
     past and present share), o_proj, SkipSimplifiedLayerNorm, one packed
-    gate+up MatMul, SiLU * up, down_proj -> final norm -> LM head.
+    gate+up MatMul, SiLU * up, down_proj -> final norm -> the rows at
+    logit_positions -> LM head.
 
 It is only for ONNX Runtime (TensorRT wants the plain graph). Its inputs differ
 from the plain graph's (seqlens_k and total_sequence_length instead of a mask
-and positions): `edge.io_contract.FUSED_IO` is its contract.
+and positions, and logit_positions: which positions' logits to return, so a
+prefill runs the LM head on its last position only): `edge.io_contract.FUSED_IO`
+is its contract.
 The quantize stage treats it like any fp32 graph (its MatMuls become
 MatMulNBits, the tied LM head shares the INT8 table with the embedding).
 """
@@ -144,6 +147,10 @@ def write(src: Path, dst: Path) -> None:
         pending = node("MatMul", [f"{p}/mlp/act", linear_weight(f"model.layers.{i}.mlp.down_proj.weight", mlp.down_proj)],
                        [f"{p}/mlp/down_proj/out"], f"{p}/mlp/down_proj/MatMul")
     x = skip_norm(pending, const("model.norm.weight", sd.norm.weight), "/model/norm")
+    # only the rows the caller asks for reach the LM head: hidden [B, S, H] -> [B, K, H] at logit_positions
+    idx = node("Unsqueeze", [io.logit_positions, const("/logits/axis2", np.array([2], np.int64))],
+               ["/logits/index"], "/logits/Unsqueeze")  # [B, K, 1]
+    x = node("GatherND", [x, idx], ["/logits/hidden_rows"], "/logits/GatherND", batch_dims=1)
     if dims.tie_word_embeddings:  # Transpose(embedding): the quantize stage unties it into one shared INT8 table
         head = node("Transpose", [embed], ["/lm_head/weight_T"], "/lm_head/Transpose", perm=[1, 0])
     else:
@@ -153,9 +160,10 @@ def write(src: Path, dst: Path) -> None:
     kv_shape = [io.batch_axis, KV, io.past_axis, D]
     inputs = [helper.make_tensor_value_info(io.input_ids, TensorProto.INT64, [io.batch_axis, io.sequence_axis]),
               helper.make_tensor_value_info(io.seqlens_k, TensorProto.INT32, [io.batch_axis]),
-              helper.make_tensor_value_info(io.total_sequence_length, TensorProto.INT32, [])]
+              helper.make_tensor_value_info(io.total_sequence_length, TensorProto.INT32, []),
+              helper.make_tensor_value_info(io.logit_positions, TensorProto.INT64, [io.batch_axis, "logit_positions"])]
     outputs = [helper.make_tensor_value_info(io.logits, TensorProto.FLOAT,
-                                             [io.batch_axis, io.sequence_axis, dims.vocab_size])]
+                                             [io.batch_axis, "logit_positions", dims.vocab_size])]
     for i in range(dims.num_layers):
         for past, present in ((io.past_key, io.present_key), (io.past_value, io.present_value)):
             inputs.append(helper.make_tensor_value_info(past.format(i=i), TensorProto.FLOAT, kv_shape))

@@ -8,14 +8,16 @@ import pytest
 from edge.io_contract import FUSED_IO
 
 
-def _step(session, ids: np.ndarray, past: int, bufs: list, layers: int) -> np.ndarray:
-    """One call: `ids` after `past` cached tokens; K/V written in place into `bufs` (bound as past and present)."""
+def _step(session, ids: np.ndarray, past: int, bufs: list, layers: int, at: np.ndarray | None = None) -> np.ndarray:
+    """One call: `ids` after `past` cached tokens; K/V written in place into `bufs` (bound as past and present).
+    Logits at input positions `at` [batch, k] (default: all)."""
     io = FUSED_IO
     b = session.io_binding()
     b.bind_output(io.logits)  # first, so it is get_outputs()[0]
     b.bind_cpu_input(io.input_ids, ids)
     b.bind_cpu_input(io.seqlens_k, np.array([past + ids.shape[1] - 1], np.int32))
     b.bind_cpu_input(io.total_sequence_length, np.array(past + ids.shape[1], np.int32))
+    b.bind_cpu_input(io.logit_positions, np.arange(ids.shape[1])[None, :] if at is None else at)
     for name, out, v in zip(io.past_names(layers), io.present_names(layers), bufs):
         b.bind_ortvalue_input(name, v)
         b.bind_ortvalue_output(out, v)
@@ -59,6 +61,12 @@ def test_fused_graph_matches_the_torch_model(tiny_model_dir, tmp_path):
     first = _step(session, ids[:, :10], 0, bufs, cfg.num_hidden_layers)
     second = _step(session, ids[:, 10:], 10, bufs, cfg.num_hidden_layers)
     np.testing.assert_allclose(np.concatenate([first, second], axis=1), want, atol=1e-4, rtol=1e-3)
+    # logit_positions picks rows before the LM head: the last position alone, or any subset in any order
+    last = _step(session, ids, 0, new_bufs(), cfg.num_hidden_layers, at=np.array([[22]]))
+    assert last.shape == (1, 1, cfg.vocab_size)
+    np.testing.assert_allclose(last[0, 0], want[0, 22], atol=1e-4, rtol=1e-3)
+    some = _step(session, ids, 0, new_bufs(), cfg.num_hidden_layers, at=np.array([[20, 3, 3]]))
+    np.testing.assert_allclose(some[0], want[0, [20, 3, 3]], atol=1e-4, rtol=1e-3)
 
 
 def test_fused_graph_refuses_what_it_cannot_express(tmp_path):
