@@ -3,7 +3,7 @@
 streaming clients against one `edge-chat serve` process (started here on a free loopback port).
 
 Each client sends --requests chat completions one after another (128 tokens each, EOS ignored so every
-answer has the same length, greedy); different clients ask different questions. TTFT is measured at the
+answer has the same length; greedy unless --temperature, then seeded per request); different clients ask different questions. TTFT is measured at the
 client (request sent -> first content chunk), so queueing and prefill are in it. Prints a table and
 writes JSON.
 
@@ -57,11 +57,11 @@ def start_server(bundle: str, engine: str | None, max_users: int, threads: int |
     sys.exit("server did not start in 120 s")
 
 
-def one_request(url: str, question: str, max_tokens: int) -> dict:
+def one_request(url: str, question: str, max_tokens: int, sampling: dict | None = None) -> dict:
     import httpx
 
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}} | (sampling or {})
     t0 = time.perf_counter()
     first = None
     tokens = 0
@@ -79,7 +79,7 @@ def one_request(url: str, question: str, max_tokens: int) -> dict:
     return {"ttft_s": (first or t1) - t0, "total_s": t1 - t0, "tokens": tokens}
 
 
-def run_level(url: str, users: int, requests: int, max_tokens: int) -> dict:
+def run_level(url: str, users: int, requests: int, max_tokens: int, sampling: dict | None = None) -> dict:
     results: list[dict] = []
     lock = threading.Lock()
     go = threading.Barrier(users)
@@ -87,7 +87,8 @@ def run_level(url: str, users: int, requests: int, max_tokens: int) -> dict:
     def client(i: int) -> None:
         go.wait()
         for k in range(requests):
-            r = one_request(url, QUESTIONS[(i + k) % len(QUESTIONS)] + f" (user {i})", max_tokens)
+            seeded = sampling and sampling | {"seed": 1000 * i + k}
+            r = one_request(url, QUESTIONS[(i + k) % len(QUESTIONS)] + f" (user {i})", max_tokens, seeded)
             with lock:
                 results.append(r)
 
@@ -115,9 +116,12 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=2, help="requests per client per level")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, help="server intra-op threads (default: all cores)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0 samples, seeded per request")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--json", default="bench-results/serve.json")
     args = ap.parse_args()
     levels = [int(x) for x in args.users.split(",")]
+    sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else None
     proc, url = start_server(args.bundle, args.engine, max(levels), args.threads)
     try:
         health = json.loads(urllib.request.urlopen(url + "/health").read())
@@ -125,13 +129,14 @@ def main() -> int:
         rows = []
         for n in levels:
             print(f"... {n} users", file=sys.stderr, flush=True)
-            rows.append(run_level(url, n, args.requests, args.max_tokens))
+            rows.append(run_level(url, n, args.requests, args.max_tokens, sampling))
     finally:
         proc.terminate()
         proc.wait(30)
     base = rows[0]["total_tok_s"] if rows and rows[0]["users"] == 1 else None
     print(f"\n{health['model']} [{health['precision']}, {health['backend']}], {args.max_tokens} tokens/answer, "
-          f"{args.requests} answers/user, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()})")
+          f"{args.requests} answers/user, " + (f"sampled T={args.temperature} top-p {args.top_p}, " if sampling else "greedy, ")
+          + f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()})")
     print(f"{'users':>5} {'total tok/s':>12} {'x 1 user':>9} {'per user':>9} {'TTFT p50':>9} {'TTFT p95':>9}")
     for r in rows:
         r["speedup_vs_1"] = r["total_tok_s"] / base if base else None
@@ -140,7 +145,7 @@ def main() -> int:
               f"{r['ttft_p50_ms']:>7.0f}ms {r['ttft_p95_ms']:>7.0f}ms")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"server": health, "max_tokens": args.max_tokens, "rows": rows,
+    out.write_text(json.dumps({"server": health, "max_tokens": args.max_tokens, "sampling": sampling or "greedy", "rows": rows,
                                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}, indent=2))
     print(f"wrote {out}")
     return 0
