@@ -3,7 +3,8 @@
 Loss: KL(teacher || student) on temperature-softened next-token distributions (x T^2, Hinton et al.),
 plus optionally a cosine loss between matched hidden states (student block i against the teacher block
 it came from; only when pruning kept the hidden size). Data: the distillation split of
-chitchat-dataset (or the user's JSONL), formatted with the model's own chat template and packed into
+chitchat-dataset (or the user's JSONL), or chats answered by the teacher itself (teacher_answers > 0:
+export/teacher_answers.py writes them), formatted with the model's own chat template and packed into
 fixed-length blocks. AdamW, linear warm-up then cosine decay, gradient clipping, optional gradient
 checkpointing, AMP on CUDA (bf16 where supported, else fp16 with loss scaling). A checkpoint is written
 every `checkpoint_every` steps outside the stage folder, so an interrupted run resumes where it stopped
@@ -51,9 +52,12 @@ class DistillOptions:
     max_minutes: float | None = None  # stop early (and say so) when the time budget is spent
     samples: int | None = None  # distillation chats used (None: all)
     data: str | None = None
+    teacher_answers: int = 0  # > 0: distill on that many chats answered by the teacher (export/teacher_answers.py)
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.teacher_answers < 0:
+            raise RecipeError(f"distill teacher_answers must be >= 0 (0: the chat text alone), got {self.teacher_answers}")
         for k in ("steps", "batch_size", "seq_len", "checkpoint_every"):
             if getattr(self, k) < 1:
                 raise RecipeError(f"distill {k} must be >= 1, got {getattr(self, k)}")
@@ -115,12 +119,15 @@ def _amp(opts: DistillOptions, device: str):
     return torch.float16, torch.amp.GradScaler("cuda")
 
 
-def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, ckpt_dir: Path | None = None) -> dict:
-    """Distill the student in student_dir toward the teacher in teacher_dir; write the result to dst."""
+def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, ckpt_dir: Path | None = None,
+        answers: Path | None = None) -> dict:
+    """Distill the student in student_dir toward the teacher in teacher_dir; write the result to dst.
+    `answers`: a JSONL of chats ending in the teacher's answers (teacher-answers stage), trained on
+    instead of the chat text."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from export.data import load_chats
+    from export.data import load_chats, load_jsonl
     from export.load import META, chat_tokenizer, copy_side_files
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if opts.device == "auto" else opts.device
@@ -146,7 +153,7 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
     student.train()
 
     tok = chat_tokenizer(student_dir)
-    chats = load_chats(opts.data, "distillation", opts.samples)
+    chats = load_jsonl(answers, limit=opts.samples) if answers else load_chats(opts.data, "distillation", opts.samples)
     blocks = pack([tok.encode_chat(c, add_generation_prompt=False) for c in chats], opts.seq_len)
 
     decay = [p for n, p in student.named_parameters() if p.ndim >= 2]
@@ -233,5 +240,5 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
         "amp": str(amp_dtype).replace("torch.", "") if amp_dtype else "off", "temperature": opts.temperature,
         "loss_first": float(np.mean(losses[:k])), "loss_last": float(np.mean(losses[-k:])),
         "losses": losses[:: max(1, len(losses) // 100)], "blocks": int(len(blocks)), "stopped_early": stopped,
-        "resumed_from_step": start or None,
+        "resumed_from_step": start or None, "text": "teacher answers" if answers else "chat text",
     }

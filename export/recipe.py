@@ -161,9 +161,21 @@ def build(opts: BuildOptions, log=print) -> Bundle:
                                  lambda d: onnx_export.run(pruned_dir, d, lineage_eopts), opts.fresh, log)
             lineage.append(package.EngineArtifact("pruned-only", p_dir, "fp32", report_only=True, dims_dir=pruned_dir,
                                                   lineage=True))
-            hf_dir, rec = run_stage(work, "distill", dataclasses.asdict(dopts) | {"prune": rec.finished},
+            answers, inputs = None, {"prune": rec.finished}
+            if dopts.teacher_answers:
+                from export import teacher_answers
+
+                aopts = teacher_answers.AnswerOptions(count=dopts.teacher_answers, seed=dopts.seed, data=dopts.data)
+                a_dir, arec = run_stage(work, "teacher-answers", dataclasses.asdict(aopts) | {"load": records[0].finished},
+                                        lambda d: teacher_answers.run(teacher_dir, d, aopts, opts.threads), opts.fresh, log)
+                records.append(arec)
+                log(f"[teacher-answers] {arec.metrics['kept']} of {arec.metrics['asked']} answers kept "
+                    f"({arec.metrics['answer_tokens']} tokens)")
+                answers, inputs = a_dir / teacher_answers.ANSWERS, inputs | {"answers": arec.finished}
+            hf_dir, rec = run_stage(work, "distill", dataclasses.asdict(dopts) | inputs,
                                     lambda d: distill.run(teacher_dir, pruned_dir, d, dopts,
-                                                          ckpt_dir=work / ".distill-checkpoint"), opts.fresh, log)
+                                                          ckpt_dir=work / ".distill-checkpoint", answers=answers),
+                                    opts.fresh, log)
             records.append(rec)
             log(f"[distill] {rec.metrics['steps']} steps, {rec.metrics['tokens_seen']} tokens, loss "
                 f"{rec.metrics['loss_first']:.3f} -> {rec.metrics['loss_last']:.3f}")
@@ -206,7 +218,7 @@ def build(opts: BuildOptions, log=print) -> Bundle:
         evopts = evaluate.EvalOptions(samples=opts.eval_samples, data=opts.calibration, threads=opts.threads,
                                       max_context=opts.max_context)
         measured = lineage + engines + report_only
-        stage_info = {r.name: r.metrics for r in records if r.name in ("prune", "distill")}
+        stage_info = {r.name: r.metrics for r in records if r.name in ("prune", "teacher-answers", "distill")}
         params = dataclasses.asdict(evopts) | {"engines": [e.name for e in measured],
                                                "inputs": [r.finished for r in records]}
         edir, rec = run_stage(work, "evaluate", params,

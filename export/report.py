@@ -35,9 +35,14 @@ def _stage_lines(results: dict) -> list[str]:
         p = st["prune"]
         out.append(f"Prune ({p['method']} importance on {p['calibration_tokens']} calibration tokens): {describe(p)}; "
                    f"dropped layers {p['dropped_layers'] or 'none'}.")
+    if "teacher-answers" in st:
+        a = st["teacher-answers"]
+        out.append(f"Teacher answers (sequence-level distillation text): the teacher answered {a['asked']} distillation "
+                   f"chats ({a['answer_tokens']} tokens, sampled at T={a['sampling']['temperature']}, "
+                   f"top-p {a['sampling']['top_p']}); {a['kept']} ended at EOS and were kept.")
     if "distill" in st:
         d = st["distill"]
-        out.append(f"Distill: {d['steps']} steps, {d['tokens_seen']} tokens in {d['seconds']:.0f} s on {d['device']} "
+        out.append(f"Distill on {d.get('text', 'chat text')}: {d['steps']} steps, {d['tokens_seen']} tokens in {d['seconds']:.0f} s on {d['device']} "
                    f"({d['tokens_per_s']} tok/s, AMP {d['amp']}), KD loss {d['loss_first']:.3f} -> {d['loss_last']:.3f}"
                    + (f"; {d['stopped_early']}" if d.get("stopped_early") else "") + ".")
     if results.get("recovered") is not None:

@@ -217,6 +217,43 @@ def test_distill_checks(loaded, pruned, tmp_path):
         distill.pack([[1, 2, 3]], 32)
 
 
+def test_teacher_answers_are_the_teachers_own_and_feed_the_distillation(loaded, pruned, tmp_path):
+    """Sequence-level KD text: chitchat chats cut at a user turn, answered by the teacher with the shipped
+    runtime (batched); only answers that ended at EOS are kept; each equals the teacher's single-user
+    answer with the recorded seed; the distill stage then trains on exactly those chats."""
+    from edge.io_contract import FUSED_IO
+    from edge.runtime import Decoder, Generator
+    from edge.sampling import SamplingConfig
+    from export import distill, fused_graph, teacher_answers
+    from export.architectures import dims_from_hf_config
+    from export.load import chat_tokenizer
+
+    opts = teacher_answers.AnswerOptions(count=40, max_tokens=24, temperature=1.0, batch=8)
+    m = teacher_answers.run(loaded, tmp_path / "a", opts, threads=1)
+    assert m["asked"] == 40 and m["kept"] == m["ended_at_eos"] > 0 and m["cut_at_max_tokens"] > 0
+    assert m["kept"] + m["cut_at_max_tokens"] + m["empty"] == m["asked"]
+    assert not (tmp_path / "a" / "teacher-graph").exists()  # the fp32 graph was only needed to answer
+    rows = [json.loads(line) for line in (tmp_path / "a" / teacher_answers.ANSWERS).read_text().splitlines()]
+    assert len(rows) == m["kept"]
+    fused_graph.write(loaded, tmp_path / "g")
+    cfg = json.loads((loaded / "config.json").read_text())
+    gen = Generator(chat_tokenizer(loaded), Decoder(tmp_path / "g" / "model.onnx", dims_from_hf_config(cfg), FUSED_IO,
+                                                    threads=1))
+    for r in rows:
+        *context, answer = r["messages"]
+        assert context[-1]["role"] == "user" and answer["role"] == "assistant" and answer["content"]
+        ids = gen.tokenizer.encode_chat(context)
+        alone, last = gen.complete(ids, SamplingConfig(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=r["seed"]))
+        assert (alone.strip(), last.finish_reason) == (answer["content"], "stop")
+    out = distill.run(loaded, pruned, tmp_path / "d", _dopts(steps=2, samples=None, seq_len=16),
+                      answers=tmp_path / "a" / teacher_answers.ANSWERS)
+    tok = chat_tokenizer(pruned)
+    want = len(distill.pack([tok.encode_chat(r["messages"], add_generation_prompt=False) for r in rows], 16))
+    assert out["text"] == "teacher answers" and out["blocks"] == want
+    with pytest.raises(RecipeError, match="teacher_answers must be >= 0"):
+        _dopts(teacher_answers=-1)
+
+
 def test_recipe_sections_and_flags(tmp_path):
     import argparse
 
@@ -273,7 +310,7 @@ def test_build_with_prune_and_distill_reports_the_lineage(loaded, tmp_path):
     assert [e.name for e in m.engines] == ["fp32", "int8-dynamic"]  # the lineage is reported, not shipped
     assert m.model.num_parameters <= 0.6 * next(s for s in m.stages if s.name == "prune").metrics["params_before"]
     report = (b.root / "report/report.md").read_text()
-    assert "| teacher |" in report and "| pruned-only |" in report and "Distill: 6 steps" in report
+    assert "| teacher |" in report and "| pruned-only |" in report and "Distill on chat text: 6 steps" in report
     assert (b.root / "report/distill_loss.png").is_file()
     gen = Generator.from_bundle(Bundle.open(b.root), engine="int8-dynamic", threads=1)
     text, _ = gen.complete(gen.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), SamplingConfig(max_new_tokens=4))

@@ -1,0 +1,114 @@
+"""Teacher answers: the text for sequence-level distillation (Kim & Rush, 2016).
+
+The assistant turns of chitchat are people chatting. KL on them teaches the student what the teacher
+guesses about human small talk, not how the teacher answers; a student distilled on them alone kept the
+fluency and lost the answers (fluent loops on the golden prompts). So each distillation chat is cut at
+a user turn and the teacher answers it (sampled, seeded), and the distill stage trains on those chats:
+the student reads the teacher's own answers, with the teacher's full distributions as the targets.
+
+The answers come from the runtime that ships (edge.batching.Scheduler over the fused fp32 graph of the
+teacher), batched, so a thousand answers take minutes on a CPU, not the better part of an hour that
+transformers' `generate` needs there.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from edge.errors import RecipeError
+
+ANSWERS = "answers.jsonl"
+MAX_CONTEXT_TOKENS = 512  # a chat cut longer than this is skipped (prefill cost, and the distill blocks are 256)
+
+
+@dataclass(frozen=True)
+class AnswerOptions:
+    count: int  # chats the teacher answers
+    max_tokens: int = 160
+    temperature: float = 0.7
+    top_p: float = 0.9
+    seed: int = 0
+    batch: int = 16
+    data: str | None = None  # the user's JSONL instead of chitchat-dataset's distillation split
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.max_tokens < 1 or self.batch < 1:
+            raise RecipeError("teacher_answers, its max_tokens and batch must be >= 1")
+
+
+def prompts(chats: list[list[dict]], count: int, seed: int) -> list[list[dict]]:
+    """Each chat cut after a user turn picked at random (seeded): the context the teacher answers."""
+    rng = random.Random(seed)
+    out = []
+    for chat in chats:
+        users = [i for i, m in enumerate(chat) if m["role"] == "user"]
+        if users:
+            out.append(chat[: rng.choice(users) + 1])
+        if len(out) >= count:
+            break
+    return out
+
+
+def run(teacher_dir: Path, dst: Path, opts: AnswerOptions, threads: int | None = None) -> dict:
+    """Write dst/answers.jsonl: chats whose last turn is the teacher's answer (only answers that ended
+    at EOS: one cut off by max_tokens is often a loop, the very thing distillation should not teach)."""
+    from edge.batching import Scheduler
+    from edge.io_contract import FUSED_IO
+    from edge.runtime import Decoder, Generator
+    from edge.sampling import SamplingConfig
+    from export import fused_graph
+    from export.architectures import dims_from_hf_config
+    from export.data import load_chats
+    from export.load import chat_tokenizer
+
+    cfg = json.loads((teacher_dir / "config.json").read_text())
+    why = fused_graph.supported(cfg)
+    if why:
+        raise RecipeError(f"teacher_answers needs the fused graph of the teacher, which this model has not ({why}): "
+                          "set teacher_answers = 0 to distill on the chat text alone")
+    graph = dst / "teacher-graph"
+    fused_graph.write(teacher_dir, graph)
+    tok = chat_tokenizer(teacher_dir)
+    gen = Generator(tok, Decoder(graph / "model.onnx", dims_from_hf_config(cfg), FUSED_IO, threads=threads,
+                                 name="teacher (fused fp32)"))
+    asked = [c for c in prompts(load_chats(opts.data, "distillation"), 10 * opts.count, opts.seed)
+             if len(tok.encode_chat(c)) <= MAX_CONTEXT_TOKENS][: opts.count]
+    if not asked:
+        raise RecipeError("no distillation chat fits the teacher-answer context: give shorter chats")
+    sched = Scheduler(gen, max_batch=opts.batch, max_queue=len(asked)).start()
+    kept, tokens, ends = [], 0, {"stop": 0, "length": 0, "empty": 0}
+    try:
+        reqs = [sched.submit(tok.encode_chat(c), SamplingConfig(max_new_tokens=opts.max_tokens,
+                                                                temperature=opts.temperature, top_p=opts.top_p,
+                                                                seed=opts.seed + i))
+                for i, c in enumerate(asked)]
+        bar = tqdm(zip(asked, reqs), total=len(reqs), desc="teacher answers", unit="answer")
+        for i, (chat, req) in enumerate(bar):
+            text, last = "", None
+            for ev in req.events():
+                text, last = text + ev.text, ev
+            if last is not None and last.finish_reason == "error":
+                raise RecipeError(f"the teacher failed while answering: {last.stats.get('error')}")
+            tokens += (last.stats or {}).get("completion_tokens", 0) if last else 0
+            text = text.strip()
+            end = "empty" if not text else (last.finish_reason if last and last.finish_reason == "stop" else "length")
+            ends[end] += 1
+            if end == "stop":
+                kept.append({"messages": chat + [{"role": "assistant", "content": text}], "seed": opts.seed + i})
+            bar.set_postfix(kept=len(kept), tokens=tokens)
+    finally:
+        sched.stop()
+        shutil.rmtree(graph, ignore_errors=True)  # the teacher's fp32 graph was only needed to answer
+    if not kept:
+        raise RecipeError(f"the teacher answered none of {len(asked)} chats before max_tokens={opts.max_tokens}: "
+                          "raise max_tokens")
+    (dst / ANSWERS).write_text("".join(json.dumps(k) + "\n" for k in kept), encoding="utf-8")
+    return {"asked": len(asked), "kept": len(kept), "ended_at_eos": ends["stop"], "cut_at_max_tokens": ends["length"],
+            "empty": ends["empty"], "answer_tokens": tokens, "sampling": {"temperature": opts.temperature,
+                                                                         "top_p": opts.top_p, "seed": opts.seed}}
