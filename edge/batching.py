@@ -195,7 +195,7 @@ class SharedBatchCache:
         logits = self.decoder.run_fused(np.asarray(tokens, dtype=np.int64)[:, None], seqlens_k, self.width + 1,
                                         self._views[1], np.zeros((n, 1), np.int64))
         self.lengths = [x + 1 for x in self.lengths]
-        return logits[:, -1, :]
+        return logits[:, 0]
 
 
 def batch_cache(decoder: Decoder, slots: int) -> BatchCache | SharedBatchCache:
@@ -237,6 +237,15 @@ class Request:
             yield ev
             if ev.finish_reason:
                 return
+
+    def answer(self, timeout: float | None = None) -> tuple[str, StreamEvent]:
+        """Wait for the whole answer: its text and the last event (finish_reason, stats)."""
+        parts, last = [], None
+        for ev in self.events(timeout):
+            parts.append(ev.text)
+            last = ev
+        assert last is not None
+        return "".join(parts), last
 
 
 @dataclass

@@ -77,27 +77,24 @@ def run(teacher_dir: Path, dst: Path, opts: AnswerOptions, threads: int | None =
     tok = chat_tokenizer(teacher_dir)
     gen = Generator(tok, Decoder(graph / "model.onnx", dims_from_hf_config(cfg), FUSED_IO, threads=threads,
                                  name="teacher (fused fp32)"))
-    asked = [c for c in prompts(load_chats(opts.data, "distillation"), 10 * opts.count, opts.seed)
-             if len(tok.encode_chat(c)) <= MAX_CONTEXT_TOKENS][: opts.count]
+    encoded = ((c, tok.encode_chat(c)) for c in prompts(load_chats(opts.data, "distillation"), 10 * opts.count, opts.seed))
+    asked = [(c, ids) for c, ids in encoded if len(ids) <= MAX_CONTEXT_TOKENS][: opts.count]
     if not asked:
         raise RecipeError("no distillation chat fits the teacher-answer context: give shorter chats")
     sched = Scheduler(gen, max_batch=opts.batch, max_queue=len(asked)).start()
     kept, tokens, ends = [], 0, {"stop": 0, "length": 0, "empty": 0}
     try:
-        reqs = [sched.submit(tok.encode_chat(c), SamplingConfig(max_new_tokens=opts.max_tokens,
-                                                                temperature=opts.temperature, top_p=opts.top_p,
-                                                                seed=opts.seed + i))
-                for i, c in enumerate(asked)]
+        reqs = [sched.submit(ids, SamplingConfig(max_new_tokens=opts.max_tokens, temperature=opts.temperature,
+                                                 top_p=opts.top_p, seed=opts.seed + i))
+                for i, (_, ids) in enumerate(asked)]
         bar = tqdm(zip(asked, reqs), total=len(reqs), desc="teacher answers", unit="answer")
-        for i, (chat, req) in enumerate(bar):
-            text, last = "", None
-            for ev in req.events():
-                text, last = text + ev.text, ev
-            if last is not None and last.finish_reason == "error":
+        for i, ((chat, _), req) in enumerate(bar):
+            text, last = req.answer()
+            if last.finish_reason == "error":
                 raise RecipeError(f"the teacher failed while answering: {last.stats.get('error')}")
-            tokens += (last.stats or {}).get("completion_tokens", 0) if last else 0
+            tokens += (last.stats or {}).get("completion_tokens", 0)
             text = text.strip()
-            end = "empty" if not text else (last.finish_reason if last and last.finish_reason == "stop" else "length")
+            end = "empty" if not text else "stop" if last.finish_reason == "stop" else "length"
             ends[end] += 1
             if end == "stop":
                 kept.append({"messages": chat + [{"role": "assistant", "content": text}], "seed": opts.seed + i})

@@ -18,14 +18,6 @@ PROMPTS = ["Hello!", "What is the capital of Japan?", "Tell me a fun fact about 
            "Naïve café 🙂", "I like to read books.", "How are you doing today? I am fine."]
 
 
-def _answer(req) -> tuple[str, object]:
-    parts, last = [], None
-    for ev in req.events(timeout=60):
-        parts.append(ev.text)
-        last = ev
-    return "".join(parts), last
-
-
 @pytest.fixture(params=["plain", "fused"])
 def any_generator(request, tiny_generator, fused_generator):
     """Both batch caches: the plain graph's right-aligned rows and the fused graph's shared in-place buffer."""
@@ -50,7 +42,7 @@ def test_batched_answers_equal_single_user_answers(any_generator, sched, tempera
     alone = [gen.complete(_ids(gen, p), c) for p, c in zip(PROMPTS, cfgs)]
     # more requests than slots: the later ones join while others decode (each prefill runs alone)
     reqs = [sched.submit(_ids(gen, p), c) for p, c in zip(PROMPTS, cfgs)]
-    got = [_answer(r) for r in reqs]
+    got = [r.answer(timeout=60) for r in reqs]
     assert sched.metrics.peak_batch == 4  # rows really shared steps
     for (want_text, want_last), (text, last) in zip(alone, got):
         assert last.token_ids == want_last.token_ids
@@ -67,7 +59,7 @@ def test_cancel_frees_the_slot_at_once(tiny_generator):
         first = next(long.events(timeout=30))
         assert first.finish_reason is None
         long.cancel()
-        text, last = _answer(nxt)
+        text, last = nxt.answer(timeout=60)
         assert last.finish_reason in ("length", "stop") and last.stats["completion_tokens"] >= 1
         rest = list(long.events(timeout=30))
         assert rest[-1].finish_reason == "cancelled"
@@ -103,7 +95,7 @@ def test_prompt_longer_than_context_is_refused(any_generator, sched):
 def test_answer_stops_at_the_end_of_the_context(any_generator, sched):
     gen = any_generator
     ids = (_ids(gen, "Hello! " * 40))[:240]
-    text, last = _answer(sched.submit(ids, gen.sampling(max_new_tokens=100)))
+    text, last = sched.submit(ids, gen.sampling(max_new_tokens=100)).answer(timeout=60)
     want_text, want_last = gen.complete(ids, gen.sampling(max_new_tokens=100))
     assert last.token_ids == want_last.token_ids and last.finish_reason == want_last.finish_reason == "length"
     assert len(ids) + len(last.token_ids) <= 256
@@ -177,7 +169,7 @@ def test_requests_that_arrive_together_are_prefilled_together(fused_generator):
     try:
         with s._cv:  # hold the loop off so all four are waiting when it looks
             reqs = [s.submit(_ids(gen, p), c) for p, c in zip(PROMPTS, cfgs)]
-        got = [_answer(r)[1].token_ids for r in reqs]
+        got = [r.answer(timeout=60)[1].token_ids for r in reqs]
     finally:
         s.stop()
     assert s.prefills_together >= 1
