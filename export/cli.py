@@ -129,6 +129,9 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--eval-samples", type=int, help="held-out chats for the quality evaluation (default 64)")
     b.add_argument("--skip-eval", action="store_true", help="skip the quality evaluation stage")
     b.add_argument("--fresh", action="store_true", help="ignore finished stages in OUT.work/ and start over")
+    b.add_argument("--reuse-stale", action="store_true",
+                   help="reuse finished stages even if the edgechat code that ran them has changed since "
+                        "(by default such a stage runs again)")
     b.add_argument("--no-fused", action="store_true",
                    help="quantize the ONNX Runtime engines from the plain graph (skip the fused GroupQueryAttention graph)")
     b.add_argument("--online", action="store_true", help="allow hub downloads (default: offline, HF_HUB_OFFLINE=1)")

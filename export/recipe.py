@@ -27,6 +27,14 @@ BUILD_PRECISIONS = ("fp32", "int8-dynamic", "int8-qdq", "int4-weight")
 FROM_FUSED = ("int8-dynamic", "int4-weight")  # ONNX Runtime engines: quantized from the fused graph when there is one
 
 
+# The module each stage runs: a finished stage is reused only while the edgechat source it imports
+# (this module and, transitively, the edge/export modules it imports) is unchanged.
+STAGE_CODE = {"load": "export.load", "prune": "export.prune", "export-teacher": "export.onnx_export",
+              "export-pruned": "export.onnx_export", "teacher-answers": "export.teacher_answers",
+              "distill": "export.distill", "export": "export.onnx_export", "quantize": "export.quantize",
+              "evaluate": "export.evaluate"}
+
+
 @dataclass(frozen=True)
 class BuildOptions:
     output: Path
@@ -41,6 +49,7 @@ class BuildOptions:
     eval_samples: int = 64
     skip_eval: bool = False
     fresh: bool = False
+    reuse_stale: bool = False  # reuse finished stages even when the edgechat code that ran them has changed
     online: bool = False
     threads: int | None = None
     fused: bool = True  # write the fused ONNX Runtime graph and quantize the CPU/CUDA engines from it
@@ -106,7 +115,7 @@ class BuildOptions:
         over = dict(output=a.output, model=a.model if a.model != "default" or not a.recipe else None,
                     precisions=tuple(a.precision) if a.precision else None, max_context=a.max_context,
                     calibration=a.calibration, eval_samples=a.eval_samples, skip_eval=a.skip_eval or None,
-                    fresh=a.fresh or None, online=a.online or None,
+                    fresh=a.fresh or None, reuse_stale=getattr(a, "reuse_stale", False) or None, online=a.online or None,
                     fused=False if getattr(a, "no_fused", False) else None)
         base = cls.from_toml(a.recipe, **over) if a.recipe else \
             cls(**{k: (Path(v) if k == "output" else v) for k, v in over.items() if v is not None})
@@ -133,10 +142,15 @@ def build(opts: BuildOptions, log=print) -> Bundle:
     ref = resolve(opts.model)
     work = opts.work
     work.mkdir(parents=True, exist_ok=True)
+
+    def stage(name: str, params: dict, fn):
+        code = STAGE_CODE[name.split("-")[0] if name.startswith("quantize-") else name]
+        return run_stage(work, name, params, fn, opts.fresh, log, code=code, reuse_stale=opts.reuse_stale)
+
     records: list[StageRecord] = []
 
-    hf_dir, rec = run_stage(work, "load", {"model": f"{ref.kind}:{ref.location}:{ref.gguf_file}"},
-                            lambda d: load.run(ref, d, online=opts.online), opts.fresh, log)
+    hf_dir, rec = stage("load", {"model": f"{ref.kind}:{ref.location}:{ref.gguf_file}"},
+                            lambda d: load.run(ref, d, online=opts.online))
     records.append(rec)
     eopts = onnx_export.ExportOptions(opset=opts.opset, parity_atol=opts.parity_atol, fused=opts.fused)
     lineage_eopts = dataclasses.replace(eopts, fused=False)  # teacher / pruned-only: measured in fp32 only
@@ -146,19 +160,19 @@ def build(opts: BuildOptions, log=print) -> Bundle:
         from export import distill, prune
 
         popts = opts.prune
-        pruned_dir, rec = run_stage(work, "prune", dataclasses.asdict(popts) | {"load": rec.finished},
-                                    lambda d: prune.run(teacher_dir, d, popts), opts.fresh, log)
+        pruned_dir, rec = stage("prune", dataclasses.asdict(popts) | {"load": rec.finished},
+                                    lambda d: prune.run(teacher_dir, d, popts))
         records.append(rec)
         log(f"[prune] {prune.describe(rec.metrics)}")
         hf_dir = pruned_dir
-        t_dir, _ = run_stage(work, "export-teacher", dataclasses.asdict(lineage_eopts) | {"load": records[0].finished},
-                             lambda d: onnx_export.run(teacher_dir, d, lineage_eopts), opts.fresh, log)
+        t_dir, _ = stage("export-teacher", dataclasses.asdict(lineage_eopts) | {"load": records[0].finished},
+                             lambda d: onnx_export.run(teacher_dir, d, lineage_eopts))
         lineage.append(package.EngineArtifact("teacher", t_dir, "fp32", report_only=True, dims_dir=teacher_dir,
                                               lineage=True))
         if opts.distill is not None:
             dopts = opts.distill
-            p_dir, _ = run_stage(work, "export-pruned", dataclasses.asdict(lineage_eopts) | {"prune": rec.finished},
-                                 lambda d: onnx_export.run(pruned_dir, d, lineage_eopts), opts.fresh, log)
+            p_dir, _ = stage("export-pruned", dataclasses.asdict(lineage_eopts) | {"prune": rec.finished},
+                                 lambda d: onnx_export.run(pruned_dir, d, lineage_eopts))
             lineage.append(package.EngineArtifact("pruned-only", p_dir, "fp32", report_only=True, dims_dir=pruned_dir,
                                                   lineage=True))
             answers, inputs = None, {"prune": rec.finished}
@@ -166,22 +180,21 @@ def build(opts: BuildOptions, log=print) -> Bundle:
                 from export import teacher_answers
 
                 aopts = teacher_answers.AnswerOptions(count=dopts.teacher_answers, seed=dopts.seed, data=dopts.data)
-                a_dir, arec = run_stage(work, "teacher-answers", dataclasses.asdict(aopts) | {"load": records[0].finished},
-                                        lambda d: teacher_answers.run(teacher_dir, d, aopts, opts.threads), opts.fresh, log)
+                a_dir, arec = stage("teacher-answers", dataclasses.asdict(aopts) | {"load": records[0].finished},
+                                        lambda d: teacher_answers.run(teacher_dir, d, aopts, opts.threads))
                 records.append(arec)
                 log(f"[teacher-answers] {arec.metrics['kept']} of {arec.metrics['asked']} answers kept "
                     f"({arec.metrics['answer_tokens']} tokens)")
                 answers, inputs = a_dir / teacher_answers.ANSWERS, inputs | {"answers": arec.finished}
-            hf_dir, rec = run_stage(work, "distill", dataclasses.asdict(dopts) | inputs,
+            hf_dir, rec = stage("distill", dataclasses.asdict(dopts) | inputs,
                                     lambda d: distill.run(teacher_dir, pruned_dir, d, dopts,
-                                                          ckpt_dir=work / ".distill-checkpoint", answers=answers),
-                                    opts.fresh, log)
+                                                          ckpt_dir=work / ".distill-checkpoint", answers=answers))
             records.append(rec)
             log(f"[distill] {rec.metrics['steps']} steps, {rec.metrics['tokens_seen']} tokens, loss "
                 f"{rec.metrics['loss_first']:.3f} -> {rec.metrics['loss_last']:.3f}")
     shipped_from = rec.finished
-    fp32_dir, rec = run_stage(work, "export", dataclasses.asdict(eopts) | ({"model": shipped_from} if opts.prune else {}),
-                              lambda d: onnx_export.run(hf_dir, d, eopts), opts.fresh, log)
+    fp32_dir, rec = stage("export", dataclasses.asdict(eopts) | ({"model": shipped_from} if opts.prune else {}),
+                              lambda d: onnx_export.run(hf_dir, d, eopts))
     records.append(rec)
     engines = [package.EngineArtifact("fp32", fp32_dir, "fp32", quality={"parity": rec.metrics})]
     report_only: list = []  # measured and shown in the report, not shipped
@@ -201,9 +214,9 @@ def build(opts: BuildOptions, log=print) -> Bundle:
                                          samples=opts.calibration_samples, smoothquant_alpha=opts.smoothquant_alpha)
         variant = "fused" if has_fused and precision in FROM_FUSED else "plain"
         src_dir = fused_dir if variant == "fused" else fp32_dir
-        qdir, rec = run_stage(work, f"quantize-{precision}",
+        qdir, rec = stage(f"quantize-{precision}",
                               dataclasses.asdict(qopts) | {"export": exported, "variant": variant},
-                              lambda d, q=qopts, s=src_dir: quantize.run(s, hf_dir, d, q), opts.fresh, log)
+                              lambda d, q=qopts, s=src_dir: quantize.run(s, hf_dir, d, q))
         records.append(rec)
         engines.append(package.EngineArtifact(precision, qdir, precision, variant=variant))
         if (qdir / quantize.ABLATION).is_dir():
@@ -221,8 +234,8 @@ def build(opts: BuildOptions, log=print) -> Bundle:
         stage_info = {r.name: r.metrics for r in records if r.name in ("prune", "teacher-answers", "distill")}
         params = dataclasses.asdict(evopts) | {"engines": [e.name for e in measured],
                                                "inputs": [r.finished for r in records]}
-        edir, rec = run_stage(work, "evaluate", params,
-                              lambda d: evaluate.run(hf_dir, measured, d, evopts, stages=stage_info), opts.fresh, log)
+        edir, rec = stage("evaluate", params,
+                              lambda d: evaluate.run(hf_dir, measured, d, evopts, stages=stage_info))
         records.append(rec)
         results = rec.metrics
         for e in engines:

@@ -1,13 +1,17 @@
 """Stage bookkeeping: every stage is `fn(dst: Path) -> metrics` run into its own folder.
 
 A finished stage leaves `WORK/<name>/stage.json` (params, seconds, tool versions,
-metrics). Re-running with the same params reuses it, so an interrupted build
-resumes; a stage is written into a hidden partial folder and renamed when done,
+metrics, and a fingerprint of the edgechat source it ran). Re-running with the same
+params and unchanged source reuses it, so an interrupted build resumes; a stage is written into a hidden partial folder and renamed when done,
 so a half-run stage is never mistaken for a finished one.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import hashlib
+import importlib.util
 import json
 import shutil
 import time
@@ -17,6 +21,7 @@ from typing import Callable
 
 from edge.bundle import StageRecord
 
+OWN_PACKAGES = ("edge", "export")
 TOOLS = ("edgechat", "torch", "transformers", "optimum-onnx", "onnx", "onnxruntime", "onnxruntime-gpu", "tensorrt")
 
 
@@ -30,15 +35,79 @@ def tool_versions(names: tuple[str, ...] = TOOLS) -> dict[str, str]:
     return out
 
 
+CODE_KEY = "edgechat-code"  # in a stage's tool_versions: the fingerprint of the source that ran it
+
+
+def _module_file(name: str) -> Path | None:
+    """The source file of an edge/export module, found on disk (nothing is imported)."""
+    spec = importlib.util.find_spec(name.split(".")[0])
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    base = Path(list(spec.submodule_search_locations)[0]).joinpath(*name.split(".")[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imports(tree: ast.AST, package: str, packages: tuple[str, ...]) -> set[str]:
+    """edge.* / export.* modules a module imports (function-level imports too: stages import lazily)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: `from . import x`, `from .x import y`
+                base = ".".join(package.split(".")[: max(0, package.count(".") + 2 - node.level)])
+                mod = ".".join(p for p in (base, node.module) if p)
+            else:
+                mod = node.module or ""
+            found.add(mod)
+            found |= {f"{mod}.{a.name}" for a in node.names}  # `from export import load`: maybe a module
+    return {m for m in found if m.split(".")[0] in packages}
+
+
+@functools.lru_cache(maxsize=None)
+def code_fingerprint(module: str, packages: tuple[str, ...] = OWN_PACKAGES) -> str:
+    """SHA-256 (16 hex) over the source of `module` and every edge/export module it imports, transitively.
+
+    Why: stage reuse keyed on params alone kept outputs an older edgechat wrote (a graph without an
+    input the new runtime binds) after an upgrade; this key changes exactly when code the stage runs does."""
+    seen: dict[str, Path] = {}
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        path = _module_file(name)
+        if path is None:
+            continue  # `from export import X` where X is not a module
+        seen[name] = path
+        todo.extend(_imports(ast.parse(path.read_bytes()), name.rpartition(".")[0], packages) - set(seen))
+    h = hashlib.sha256()
+    for name in sorted(seen):
+        h.update(name.encode() + b"\0" + seen[name].read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def run_stage(work: Path, name: str, params: dict, fn: Callable[[Path], dict], fresh: bool = False,
-              log: Callable[[str], None] = print) -> tuple[Path, StageRecord]:
+              log: Callable[[str], None] = print, code: str | None = None,
+              reuse_stale: bool = False) -> tuple[Path, StageRecord]:
+    """Run `fn` into WORK/name, or reuse a finished run with the same params and (when `code` names the
+    stage's module) the same source fingerprint; `reuse_stale` accepts a different fingerprint."""
     out = work / name
     rec_path = out / "stage.json"
+    now = code_fingerprint(code) if code else None
     if not fresh and rec_path.is_file():
         rec = json.loads(rec_path.read_text())
         if rec.get("params") == _jsonable(params):
-            log(f"[{name}] done earlier ({rec['seconds']:.0f}s), reusing {out}")
-            return out, StageRecord(**rec)
+            then = rec.get("tool_versions", {}).get(CODE_KEY)
+            if now is None or then == now or reuse_stale:
+                stale = " (other edgechat code ran it: --reuse-stale)" if now is not None and then != now else ""
+                log(f"[{name}] done earlier ({rec['seconds']:.0f}s), reusing {out}{stale}")
+                return out, StageRecord(**rec)
+            log(f"[{name}] finished earlier, but the edgechat code it runs has changed since "
+                f"({then or 'not recorded'} -> {now}): running it again (--reuse-stale keeps it)")
     tmp = work / f".{name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -46,7 +115,7 @@ def run_stage(work: Path, name: str, params: dict, fn: Callable[[Path], dict], f
     t0 = time.perf_counter()
     metrics = fn(tmp) or {}
     rec = StageRecord(name=name, params=_jsonable(params), seconds=round(time.perf_counter() - t0, 2),
-                      tool_versions=tool_versions(), metrics=_jsonable(metrics),
+                      tool_versions=tool_versions() | ({CODE_KEY: now} if now else {}), metrics=_jsonable(metrics),
                       finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     (tmp / "stage.json").write_text(json.dumps(rec.__dict__, indent=2))
     shutil.rmtree(out, ignore_errors=True)

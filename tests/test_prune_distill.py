@@ -304,6 +304,10 @@ def test_build_with_prune_and_distill_reports_the_lineage(loaded, tmp_path):
     m = Bundle.open(b.root).manifest
     names = [s.name for s in m.stages]
     assert names[:4] == ["load", "prune", "distill", "export"] and "evaluate" in names
+    from export.stages import CODE_KEY, code_fingerprint
+    # each stage record says which source ran it (what stage reuse compares after an upgrade)
+    assert next(s for s in m.stages if s.name == "distill").tool_versions[CODE_KEY] == code_fingerprint("export.distill")
+    assert all(CODE_KEY in s.tool_versions for s in m.stages)
     ev = next(s for s in m.stages if s.name == "evaluate").metrics
     assert list(ev["engines"])[:3] == ["teacher", "pruned-only", "fp32"] and ev["reference"] == "teacher"
     assert ev["engines"]["teacher"]["kl_to_fp32"] == 0 and "perplexity_vs_teacher_pct" in ev["engines"]["fp32"]
