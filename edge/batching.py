@@ -8,8 +8,11 @@ Each active request owns a row of one batched KV cache. Rows have different leng
   layer, each row left-aligned with its own length (`seqlens_k`); GroupQueryAttention writes
   the new token's K/V in place, so a step copies nothing, and a new request is prefilled
   straight into its row.
-A new request is prefilled alone (batch 1, chunked) and its cache joins the batch between
-steps; a finished or cancelled request leaves at once and its slot is free for the next step. The scheduler thread is
+New requests that arrive together are prefilled together (fused graphs) or alone (batch 1), and
+join the batch between steps. On a fused graph a long prompt is prefilled a chunk at a time into
+the last slot, one chunk between decode steps, so the answers already streaming keep streaming
+instead of freezing for the whole prefill; it then joins the batch. A finished or cancelled
+request leaves at once and its slot is free for the next step. The scheduler thread is
 the only caller of the ONNX Runtime session. Consumers get `StreamEvent`s
 through a callback, so a slow reader never holds up the others.
 """
@@ -78,6 +81,42 @@ class BatchCache:
         self.values = merged
         self.lengths.append(row.length)
 
+    def side_row(self, prompt_len: int) -> KVCache:
+        """A batch-1 cache over the LAST slot for a long prompt that is prefilled a chunk at a time between
+        decode steps. Rows 0..n-1 never reach that slot while it is held (`free` counts it), so closing up
+        after a leaver does not move it; `side_view` re-points it if the buffers grow; `add_side` admits it."""
+        if self.side is not None:
+            raise EdgeChatError("a long prompt is already being prefilled into the last slot")
+        if self.free < 1:
+            raise EdgeChatError(f"all {self.slots} batch slots are taken")
+        self._reserve(prompt_len + 1)
+        arrays, values = self._slots(self.slots - 1, self.slots)
+        self.side = KVCache(values, capacity=self.buffers.capacity, arrays=arrays)
+        return self.side
+
+    def side_view(self) -> KVCache:
+        """The side row over the current buffers (a decode step may have grown, i.e. re-homed, them)."""
+        row = self.side
+        assert row is not None
+        if not np.may_share_memory(row.arrays[0], self.buffers.arrays[0]):
+            row.arrays, row.values = self._slots(self.slots - 1, self.slots)
+            row.capacity = self.buffers.capacity
+        return row
+
+    def add_side(self) -> None:
+        """The side row's prompt is in: move it next to the active rows (one copy of its K/V unless it is
+        there already) and make it a row of the batch."""
+        row, n = self.side_view(), len(self.lengths)
+        if n != self.slots - 1:
+            for a in self.buffers.arrays:
+                a[n, :, : row.length] = a[self.slots - 1, :, : row.length]
+        self.side = None
+        self.lengths.append(row.length)
+        self._views = None
+
+    def drop_side(self) -> None:
+        self.side = None
+
     def remove(self, rows: list[int]) -> None:
         keep = [i for i in range(len(self.lengths)) if i not in set(rows)]
         if not keep:
@@ -119,6 +158,7 @@ class SharedBatchCache:
         self.buffers = decoder.new_cache(batch=slots, capacity=min(capacity, decoder.dims.max_context))
         self.lengths: list[int] = []
         self._views: tuple[int, list] | None = None  # (n, OrtValues over buffer[:n]) for the current n
+        self.side: KVCache | None = None  # a long prompt being prefilled into the last slot (side_row)
 
     @property
     def width(self) -> int:
@@ -137,11 +177,16 @@ class SharedBatchCache:
         arrays = [a[lo:hi] for a in self.buffers.arrays]
         return arrays, [_ort().OrtValue.ortvalue_from_numpy(a) for a in arrays]
 
+    @property
+    def free(self) -> int:
+        """Slots a new row may take now (the last one is held while a side row is prefilled there)."""
+        return self.slots - len(self.lengths) - (self.side is not None)
+
     def new_row(self, prompt_len: int) -> KVCache:
         """A batch-1 cache over the next free slot: the prefill writes its K/V in place, `add` admits it.
         The buffer is grown for the prompt first, so the prefill never has to grow (and so re-home) the view."""
         n = len(self.lengths)
-        if n >= self.slots:
+        if self.free < 1:
             raise EdgeChatError(f"all {self.slots} batch slots are taken")
         self._reserve(prompt_len + 1)
         arrays, values = self._slots(n, n + 1)
@@ -152,8 +197,8 @@ class SharedBatchCache:
         seqlens_k is its own length, so padding is never attended); they join the batch at once.
         Returns each row's next-token logits [len(prompts), vocab]."""
         n, k = len(self.lengths), len(prompts)
-        if n + k > self.slots:
-            raise EdgeChatError(f"{k} new rows do not fit: {self.slots - n} of {self.slots} batch slots are free")
+        if k > self.free:
+            raise EdgeChatError(f"{k} new rows do not fit: {self.free} of {self.slots} batch slots are free")
         lens = [len(p) for p in prompts]
         width = max(lens)
         self._reserve(width + 1)
@@ -172,6 +217,42 @@ class SharedBatchCache:
             raise EdgeChatError("SharedBatchCache.add takes the cache its new_row() returned")
         self.lengths.append(row.length)
         self._views = None
+
+    def side_row(self, prompt_len: int) -> KVCache:
+        """A batch-1 cache over the LAST slot for a long prompt that is prefilled a chunk at a time between
+        decode steps. Rows 0..n-1 never reach that slot while it is held (`free` counts it), so closing up
+        after a leaver does not move it; `side_view` re-points it if the buffers grow; `add_side` admits it."""
+        if self.side is not None:
+            raise EdgeChatError("a long prompt is already being prefilled into the last slot")
+        if self.free < 1:
+            raise EdgeChatError(f"all {self.slots} batch slots are taken")
+        self._reserve(prompt_len + 1)
+        arrays, values = self._slots(self.slots - 1, self.slots)
+        self.side = KVCache(values, capacity=self.buffers.capacity, arrays=arrays)
+        return self.side
+
+    def side_view(self) -> KVCache:
+        """The side row over the current buffers (a decode step may have grown, i.e. re-homed, them)."""
+        row = self.side
+        assert row is not None
+        if not np.may_share_memory(row.arrays[0], self.buffers.arrays[0]):
+            row.arrays, row.values = self._slots(self.slots - 1, self.slots)
+            row.capacity = self.buffers.capacity
+        return row
+
+    def add_side(self) -> None:
+        """The side row's prompt is in: move it next to the active rows (one copy of its K/V unless it is
+        there already) and make it a row of the batch."""
+        row, n = self.side_view(), len(self.lengths)
+        if n != self.slots - 1:
+            for a in self.buffers.arrays:
+                a[n, :, : row.length] = a[self.slots - 1, :, : row.length]
+        self.side = None
+        self.lengths.append(row.length)
+        self._views = None
+
+    def drop_side(self) -> None:
+        self.side = None
 
     def remove(self, rows: list[int]) -> None:
         gone = set(rows)
@@ -204,7 +285,11 @@ def batch_cache(decoder: Decoder, slots: int) -> BatchCache | SharedBatchCache:
 
 
 _ids = itertools.count(1)
-BATCHED_PREFILL_MAX_PROMPT = 512  # longer prompts are prefilled alone, in chunks
+BATCHED_PREFILL_MAX_PROMPT = 512  # longer prompts are prefilled alone, in chunks (between decode steps: fused graphs)
+# Tokens of a long prompt prefilled between two decode steps. SmolLM2-135M int8, 2-core EPYC: a 128-token
+# chunk takes 73-126 ms (past 0-1400), 1536 tokens 1.20 s in chunks of 128 vs 1.22 s in 512s, so the others
+# stream a token every ~0.1-0.14 s instead of freezing for the whole prefill.
+INTERLEAVED_PREFILL_CHUNK = 128
 BATCHED_PREFILL_TOKENS = 1024  # padded tokens per batched prefill call (bounds its activations; and a graph
 # written before logit_positions returns [rows, width, vocab] logits)
 
@@ -261,6 +346,14 @@ class _Row:
         return len(self.text.ids)
 
 
+@dataclass
+class _Prefilling:
+    """A long prompt going into the side slot, `done` tokens so far."""
+    req: Request
+    row: _Row
+    done: int = 0
+
+
 class Scheduler:
     """Admits requests into up to `max_batch` rows and runs batched decode steps on one thread."""
 
@@ -279,6 +372,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.step_s = 0.05  # running mean of one decode step, for Retry-After
         self.prefills_together = 0  # batched prefill calls (fused graphs), read by the tests
+        self.prefilling: _Prefilling | None = None  # a long prompt prefilled between decode steps (fused graphs)
+        self.prefill_chunk = INTERLEAVED_PREFILL_CHUNK
         self.error: str | None = None
 
     # -- client side -----------------------------------------------------------------------------
@@ -333,7 +428,7 @@ class Scheduler:
         try:
             while not self._stop.is_set():
                 self._admit()
-                if not self.rows:
+                if not self.rows and self.prefilling is None:
                     with self._cv:
                         if not self.pending and not self._stop.is_set():
                             self._cv.wait(0.5)
@@ -341,6 +436,8 @@ class Scheduler:
                 self._drop_cancelled()
                 if self.rows:
                     self._step()
+                if self.prefilling is not None:
+                    self._prefill_next_chunk()
         except Exception as e:  # a broken graph: fail everything in flight, loudly, and stop taking work
             self.error = f"{type(e).__name__}: {e}"
             log.exception("scheduler stopped")
@@ -352,29 +449,47 @@ class Scheduler:
             for r in waiting:
                 self._emit_final(r, TextStream(self.gen.tokenizer, r.cfg, len(r.prompt_ids), self.gen.max_context),
                                  "cancelled" if self.error is None else "error")
+            if self.prefilling is not None:
+                self._emit_final(self.prefilling.req, self.prefilling.row.text,
+                                 "cancelled" if self.error is None else "error")
+                self.prefilling = None
             self._finish(list(range(len(self.rows))), "cancelled" if self.error is None else "error")
 
+    def _free(self) -> int:
+        return self.max_batch - len(self.rows) - (self.prefilling is not None)
+
+    def _long(self, req: Request) -> bool:
+        """Prefilled between decode steps: a long prompt on a fused graph."""
+        return isinstance(self.cache, SharedBatchCache) and len(req.prompt_ids) > BATCHED_PREFILL_MAX_PROMPT
+
     def _admit(self) -> None:
-        while len(self.rows) < self.max_batch and not self._stop.is_set():
-            batch = self._take(self.max_batch - len(self.rows))
+        while self._free() > 0 and not self._stop.is_set():
+            batch = self._take(self._free())
             if not batch:
                 return
+            longs = [b for b in batch if self._long(b[0])]
             together = [b for b in batch if len(b[0].prompt_ids) <= BATCHED_PREFILL_MAX_PROMPT] \
                 if isinstance(self.cache, SharedBatchCache) else []
             together = together if len(together) > 1 else []
             if together:
                 self._prefill_together(together)
-            joined = {id(req) for req, _ in together}
+            joined = {id(req) for req, _ in together + longs}
             for req, row in batch:
                 if id(req) not in joined:
                     self._prefill_alone(req, row)
+            for req, row in longs:  # _take hands out at most one, and only while none is in progress
+                self._start_prefill(req, row)
 
     def _take(self, free: int) -> list[tuple[Request, _Row]]:
-        """Up to `free` waiting requests (cancelled ones are closed here), oldest first."""
+        """Up to `free` waiting requests (cancelled ones are closed here), oldest first. A long prompt
+        waits at the head of the queue while another is being prefilled (one side slot)."""
         out = []
         while len(out) < free:
             with self._cv:
                 if not self.pending:
+                    break
+                if self._long(self.pending[0]) and (self.prefilling is not None or
+                                                    any(self._long(r) for r, _ in out)):
                     break
                 req = self.pending.popleft()
             text = TextStream(self.gen.tokenizer, req.cfg, len(req.prompt_ids), self.gen.max_context)
@@ -397,6 +512,44 @@ class Scheduler:
             self.cache.add(cache)
         if self.metrics is not None:
             self.metrics.observe_prompt(len(req.prompt_ids))
+
+    def _start_prefill(self, req: Request, row: _Row) -> None:
+        try:
+            self.cache.side_row(len(req.prompt_ids))
+        except EdgeChatError as e:
+            self._emit_final(req, row.text, "error", str(e))
+            return
+        self.prefilling = _Prefilling(req, row)
+
+    def _prefill_next_chunk(self) -> None:
+        """One chunk of the long prompt into the side slot; on the last one it joins the batch."""
+        p = self.prefilling
+        assert p is not None and isinstance(self.cache, SharedBatchCache)
+        if p.req.cancelled.is_set():
+            self.cache.drop_side()
+            self.prefilling = None
+            self._emit_final(p.req, p.row.text, "cancelled")
+            return
+        ids = p.req.prompt_ids
+        chunk = np.asarray(ids[p.done: p.done + self.prefill_chunk], dtype=np.int64)
+        try:
+            logits = self.gen.decoder.forward(chunk, self.cache.side_view())[0]
+        except EdgeChatError as e:
+            self.cache.drop_side()
+            self.prefilling = None
+            self._emit_final(p.req, p.row.text, "error", str(e))
+            return
+        p.done += len(chunk)
+        if p.done < len(ids):
+            return
+        self.prefilling = None
+        if self._accept(p.row, logits, len(ids)):
+            self.cache.add_side()
+            self.rows.append(p.row)
+        else:
+            self.cache.drop_side()
+        if self.metrics is not None:
+            self.metrics.observe_prompt(len(ids))
 
     def _prefill_together(self, batch: list[tuple[Request, _Row]]) -> None:
         """Fused graphs: requests that arrived together are prefilled in one padded call (a prompt's

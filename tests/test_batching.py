@@ -188,3 +188,87 @@ def test_shared_cache_batched_prefill_equals_one_by_one(fused_generator):
         np.testing.assert_array_equal(together.buffers.arrays[0][i, :, :len(p)], alone.arrays[0][0, :, :len(p)])
     with pytest.raises(Exception, match="do not fit"):
         together.prefill_rows([[1], [2]])
+
+
+def test_side_row_follows_growth_and_closing_up_then_joins(fused_generator):
+    """A long prompt prefilled a chunk at a time into the last slot, while the active rows decode, grow
+    the buffer (re-homing it) and close up after a leaver: it joins with the K/V and logits it would
+    have had alone."""
+    dec = fused_generator.decoder
+    bc = SharedBatchCache(dec, slots=4, capacity=8)
+    bc.prefill_rows([list(range(10, 13)), list(range(20, 25))])
+    long = list(range(30, 50))
+    side = bc.side_row(len(long))
+    assert bc.free == 1  # 4 slots: 2 rows + the held side slot
+    with pytest.raises(Exception, match="already"):
+        bc.side_row(4)
+    logits = None
+    for i, start in enumerate(range(0, len(long), 6)):
+        logits = dec.forward(np.asarray(long[start:start + 6]), bc.side_view())[0]
+        bc.step([7] * len(bc))  # the active rows decode between chunks
+        if i == 0:
+            bc._reserve(64)  # the buffers grow (a new allocation) mid-prefill
+        if i == 1:
+            bc.remove([0])  # a row leaves: rows close up; the side slot is not theirs to move
+    alone = dec.new_cache(capacity=64)
+    want = dec.prefill(long, alone)[0]
+    np.testing.assert_allclose(logits, want, atol=1e-5, rtol=0)
+    bc.add_side()
+    assert bc.side is None and bc.lengths[-1] == len(long) and len(bc) == 2
+    np.testing.assert_array_equal(bc.buffers.arrays[0][1, :, :len(long)], alone.arrays[0][0, :, :len(long)])
+    step = bc.step([40, 41])  # and it decodes in the batch as it would alone
+    np.testing.assert_allclose(step[1], dec.forward(np.array([[41]]), alone)[0], atol=1e-5, rtol=0)
+
+
+def test_long_prompt_is_prefilled_between_decode_steps(fused_generator, monkeypatch):
+    """Fused graphs: while a long prompt is prefilled (a chunk per step), the answer already streaming
+    keeps getting tokens; both answers equal their single-user answers."""
+    import edge.batching as batching
+
+    gen = fused_generator
+    monkeypatch.setattr(batching, "BATCHED_PREFILL_MAX_PROMPT", 32)
+    long_ids = _ids(gen, " ".join(["Tell me about the ocean and the fish that live in it."] * 6))
+    assert len(long_ids) > 64
+    short_cfg = gen.sampling(max_new_tokens=60, ignore_eos=True)
+    long_cfg = gen.sampling(max_new_tokens=12, ignore_eos=True)
+    want_short = gen.complete(_ids(gen, "Hello!"), short_cfg)[1].token_ids
+    want_long = gen.complete(long_ids, long_cfg)[1].token_ids
+    s = Scheduler(gen, max_batch=3, max_queue=4)
+    s.prefill_chunk = 8
+    s.start()
+    log: list[tuple[str, bool]] = []
+    try:
+        short = s.submit(_ids(gen, "Hello!"), short_cfg, on_event=lambda ev: log.append(("short", ev.finish_reason)))
+        while not log:
+            time.sleep(0.001)
+        long = s.submit(long_ids, long_cfg, on_event=lambda ev: log.append(("long", ev.finish_reason)))
+        assert long.done.wait(60) and short.done.wait(60)
+    finally:
+        s.stop()
+    first_long = next(i for i, (who, _) in enumerate(log) if who == "long")
+    during = sum(1 for who, _ in log[1:first_long] if who == "short")
+    assert during >= len(long_ids) // 8 - 2  # about one token per chunk, not a freeze
+    assert s.prefilling is None and s.cache.side is None
+
+
+def test_long_prompt_answers_equal_single_user_answers(fused_generator, monkeypatch):
+    """Two long prompts (one waits for the side slot) and short ones, cancelled mid-prefill too."""
+    import edge.batching as batching
+
+    gen = fused_generator
+    monkeypatch.setattr(batching, "BATCHED_PREFILL_MAX_PROMPT", 16)
+    prompts = [" ".join([p] * 4) for p in PROMPTS[1:4]] + PROMPTS[:2]
+    cfgs = [gen.sampling(max_new_tokens=10 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
+    alone = [gen.complete(_ids(gen, p), c)[1].token_ids for p, c in zip(prompts, cfgs)]
+    s = Scheduler(gen, max_batch=3, max_queue=8)
+    s.prefill_chunk = 5
+    s.start()
+    try:
+        reqs = [s.submit(_ids(gen, p), c) for p, c in zip(prompts, cfgs)]
+        gone = s.submit(_ids(gen, prompts[0]), cfgs[0])
+        gone.cancel()
+        got = [r.answer(timeout=60)[1].token_ids for r in reqs]
+        assert gone.answer(timeout=60)[1].finish_reason == "cancelled"
+    finally:
+        s.stop()
+    assert got == alone
