@@ -6,7 +6,8 @@ it came from; only when pruning kept the hidden size). Data: the distillation sp
 chitchat-dataset (or the user's JSONL), or chats answered by the teacher itself (teacher_answers > 0:
 export/teacher_answers.py writes them), formatted with the model's own chat template and packed into
 fixed-length blocks. AdamW, linear warm-up then cosine decay, gradient clipping, optional gradient
-checkpointing, AMP on CUDA (bf16 where supported, else fp16 with loss scaling). A checkpoint is written
+checkpointing, AMP: bf16 on a CUDA GPU that has it, else fp16 with loss scaling, and bf16 on a CPU with
+native bf16 dot products (AVX512-BF16/AMX, Arm BF16: ~3x the fp32 step on a 2-core EPYC). A checkpoint is written
 every `checkpoint_every` steps outside the stage folder, so an interrupted run resumes where it stopped
 and ends where the uninterrupted one would (the batch order is a function of the seed and the step).
 """
@@ -45,7 +46,7 @@ class DistillOptions:
     hidden_loss: float = 0.0  # weight of the cosine loss on matched hidden states (0: logits only)
     grad_clip: float = 1.0
     grad_checkpointing: bool = False
-    amp: str = "auto"  # auto | bf16 | fp16 | off (AMP only on CUDA)
+    amp: str = "auto"  # auto | bf16 | fp16 | off; auto: bf16 where the GPU or CPU has it natively, fp16 on older GPUs
     device: str = "auto"  # auto | cpu | cuda
     threads: int | None = None
     checkpoint_every: int = 50
@@ -92,13 +93,36 @@ def lr_at(step: int, opts: DistillOptions) -> float:
     return opts.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def kd_loss(student_logits, teacher_logits, temperature: float):
+def kd_loss(student_logits, teacher_logits, temperature: float, rows: int = 128):
+    """KL(teacher || student) per position at temperature t, x t^2; in fp32, `rows` positions at a time.
+
+    Why chunks: [batch x seq, vocab] fp32 temporaries are ~200 MB each at 4 x 256 x 49k; made whole, the
+    loss took 1.1-2.2 s of a 3.5 s CPU step (fresh pages every time), in 128-row chunks 0.1-0.35 s."""
+    import torch
     import torch.nn.functional as F
 
     t = temperature
-    s = F.log_softmax(student_logits.float() / t, dim=-1)
-    p = F.log_softmax(teacher_logits.float() / t, dim=-1)
-    return F.kl_div(s.flatten(0, -2), p.flatten(0, -2), log_target=True, reduction="batchmean") * t * t
+    s2, t2 = student_logits.flatten(0, -2), teacher_logits.flatten(0, -2)
+    total = s2.new_zeros((), dtype=torch.float32)
+    for i in range(0, s2.shape[0], rows):
+        s = F.log_softmax(s2[i:i + rows].float() / t, dim=-1)
+        with torch.no_grad():
+            p = F.log_softmax(t2[i:i + rows].float() / t, dim=-1)
+        total = total + F.kl_div(s, p, log_target=True, reduction="sum")
+    return total / s2.shape[0] * t * t
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 dot products (else torch emulates bf16 on the CPU, slower than fp32)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags |= set(line.split(":", 1)[1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def _layer_map(student_dir: Path, teacher_layers: int, student_layers: int) -> list[int]:
@@ -110,7 +134,16 @@ def _layer_map(student_dir: Path, teacher_layers: int, student_layers: int) -> l
 def _amp(opts: DistillOptions, device: str):
     import torch
 
-    if device != "cuda" or opts.amp == "off":
+    if opts.amp == "off":
+        return None, None
+    if device == "cpu":
+        if opts.amp == "fp16":
+            raise RecipeError("distill amp=fp16 is for CUDA GPUs: on a CPU use amp=bf16 (or auto, or off)")
+        if cpu_has_bf16():
+            return torch.bfloat16, None
+        if opts.amp == "bf16":
+            raise RecipeError("distill amp=bf16 but this CPU has no native bf16 (no avx512_bf16/amx_bf16/bf16 "
+                              "flag in /proc/cpuinfo; emulated bf16 is slower than fp32): use amp=auto or off")
         return None, None
     if opts.amp in ("auto", "bf16") and torch.cuda.is_bf16_supported():
         return torch.bfloat16, None
@@ -195,12 +228,13 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
             with torch.no_grad():
                 t_out = teacher(x, output_hidden_states=use_hidden)
             s_out = student(x, output_hidden_states=use_hidden, use_cache=False)
-            loss = kd_loss(s_out.logits, t_out.logits, opts.temperature)
-            if use_hidden:
-                cos = [1 - torch.nn.functional.cosine_similarity(s_out.hidden_states[i + 1].float(),
-                                                                 t_out.hidden_states[layer_map[i] + 1].float(), dim=-1).mean()
-                       for i in range(student.config.num_hidden_layers)]
-                loss = loss + opts.hidden_loss * torch.stack(cos).mean()
+        # the losses in fp32, outside autocast (under CPU autocast the same KL took 1.8 s instead of 0.1-0.35)
+        loss = kd_loss(s_out.logits, t_out.logits, opts.temperature)
+        if use_hidden:
+            cos = [1 - torch.nn.functional.cosine_similarity(s_out.hidden_states[i + 1].float(),
+                                                             t_out.hidden_states[layer_map[i] + 1].float(), dim=-1).mean()
+                   for i in range(student.config.num_hidden_layers)]
+            loss = loss + opts.hidden_loss * torch.stack(cos).mean()
         optim.zero_grad(set_to_none=True)
         if scaler:
             scaler.scale(loss).backward()

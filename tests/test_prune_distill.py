@@ -186,6 +186,44 @@ def test_distill_loss_falls(loaded, pruned, tmp_path):
     assert after < before  # closer to the teacher on calibration chats it was not trained on
 
 
+def test_kd_loss_in_chunks_equals_the_whole(loaded):
+    import torch
+
+    from export.distill import kd_loss
+
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(3, 7, 50, generator=g, requires_grad=True)
+    t = torch.randn(3, 7, 50, generator=g)
+    ref_s = s.detach().clone().requires_grad_(True)
+    whole = torch.nn.functional.kl_div(torch.log_softmax(ref_s / 2, -1).flatten(0, 1), torch.log_softmax(t / 2, -1).flatten(0, 1),
+                                       log_target=True, reduction="batchmean") * 4
+    chunked = kd_loss(s, t, 2.0, rows=4)  # 21 positions: 5 full chunks and a short one
+    torch.testing.assert_close(chunked, whole)
+    whole.backward(), chunked.backward()
+    torch.testing.assert_close(s.grad, ref_s.grad)
+
+
+def test_distill_amp_on_cpu(loaded, pruned, tmp_path, monkeypatch):
+    """bf16 autocast on a CPU with native bf16, none without (emulated bf16 is slower than fp32), and clear
+    errors for what cannot run."""
+    import torch
+
+    from export import distill
+
+    monkeypatch.setattr(distill, "cpu_has_bf16", lambda: True)
+    assert distill._amp(_dopts(), "cpu") == (torch.bfloat16, None)
+    assert distill._amp(_dopts(amp="off"), "cpu") == (None, None)
+    with pytest.raises(RecipeError, match="amp=fp16 is for CUDA"):
+        distill._amp(_dopts(amp="fp16"), "cpu")
+    monkeypatch.setattr(distill, "cpu_has_bf16", lambda: False)
+    assert distill._amp(_dopts(), "cpu") == (None, None)
+    with pytest.raises(RecipeError, match="no native bf16"):
+        distill._amp(_dopts(amp="bf16"), "cpu")
+    monkeypatch.undo()
+    m = distill.run(loaded, pruned, tmp_path / "o", _dopts(steps=2))
+    assert m["amp"] == ("bfloat16" if distill.cpu_has_bf16() else "off")
+
+
 def test_distill_resume_ends_where_the_uninterrupted_run_does(loaded, pruned, tmp_path):
     import torch
 
