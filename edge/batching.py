@@ -81,42 +81,6 @@ class BatchCache:
         self.values = merged
         self.lengths.append(row.length)
 
-    def side_row(self, prompt_len: int) -> KVCache:
-        """A batch-1 cache over the LAST slot for a long prompt that is prefilled a chunk at a time between
-        decode steps. Rows 0..n-1 never reach that slot while it is held (`free` counts it), so closing up
-        after a leaver does not move it; `side_view` re-points it if the buffers grow; `add_side` admits it."""
-        if self.side is not None:
-            raise EdgeChatError("a long prompt is already being prefilled into the last slot")
-        if self.free < 1:
-            raise EdgeChatError(f"all {self.slots} batch slots are taken")
-        self._reserve(prompt_len + 1)
-        arrays, values = self._slots(self.slots - 1, self.slots)
-        self.side = KVCache(values, capacity=self.buffers.capacity, arrays=arrays)
-        return self.side
-
-    def side_view(self) -> KVCache:
-        """The side row over the current buffers (a decode step may have grown, i.e. re-homed, them)."""
-        row = self.side
-        assert row is not None
-        if not np.may_share_memory(row.arrays[0], self.buffers.arrays[0]):
-            row.arrays, row.values = self._slots(self.slots - 1, self.slots)
-            row.capacity = self.buffers.capacity
-        return row
-
-    def add_side(self) -> None:
-        """The side row's prompt is in: move it next to the active rows (one copy of its K/V unless it is
-        there already) and make it a row of the batch."""
-        row, n = self.side_view(), len(self.lengths)
-        if n != self.slots - 1:
-            for a in self.buffers.arrays:
-                a[n, :, : row.length] = a[self.slots - 1, :, : row.length]
-        self.side = None
-        self.lengths.append(row.length)
-        self._views = None
-
-    def drop_side(self) -> None:
-        self.side = None
-
     def remove(self, rows: list[int]) -> None:
         keep = [i for i in range(len(self.lengths)) if i not in set(rows)]
         if not keep:
