@@ -54,9 +54,12 @@ class DistillOptions:
     samples: int | None = None  # distillation chats used (None: all)
     data: str | None = None
     teacher_answers: int = 0  # > 0: distill on that many chats answered by the teacher (export/teacher_answers.py)
+    teacher_prompts: str = "data"  # what the teacher answers: "data" (distillation chats) or "teacher" (its own questions)
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.teacher_prompts not in ("data", "teacher"):
+            raise RecipeError(f"distill teacher_prompts must be \"data\" or \"teacher\", got {self.teacher_prompts!r}")
         if self.teacher_answers < 0:
             raise RecipeError(f"distill teacher_answers must be >= 0 (0: the chat text alone), got {self.teacher_answers}")
         for k in ("steps", "batch_size", "seq_len", "checkpoint_every"):

@@ -179,7 +179,8 @@ def build(opts: BuildOptions, log=print) -> Bundle:
             if dopts.teacher_answers:
                 from export import teacher_answers
 
-                aopts = teacher_answers.AnswerOptions(count=dopts.teacher_answers, seed=dopts.seed, data=dopts.data)
+                aopts = teacher_answers.AnswerOptions(count=dopts.teacher_answers, seed=dopts.seed, data=dopts.data,
+                                                      prompts=dopts.teacher_prompts)
                 a_dir, arec = stage("teacher-answers", dataclasses.asdict(aopts) | {"load": records[0].finished},
                                         lambda d: teacher_answers.run(teacher_dir, d, aopts, opts.threads))
                 records.append(arec)

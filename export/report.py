@@ -37,8 +37,10 @@ def _stage_lines(results: dict) -> list[str]:
                    f"dropped layers {p['dropped_layers'] or 'none'}.")
     if "teacher-answers" in st:
         a = st["teacher-answers"]
-        out.append(f"Teacher answers (sequence-level distillation text): the teacher answered {a['asked']} distillation "
-                   f"chats ({a['answer_tokens']} tokens, sampled at T={a['sampling']['temperature']}, "
+        asked = (f"{a['asked']} questions it wrote itself ({a['questions_kept']} of {a['questions_written']} sampled "
+                 "ended within the limit)" if a.get("prompts") == "teacher" else f"{a['asked']} distillation chats")
+        out.append(f"Teacher answers (sequence-level distillation text): the teacher answered {asked} "
+                   f"({a['answer_tokens']} tokens, sampled at T={a['sampling']['temperature']}, "
                    f"top-p {a['sampling']['top_p']}); {a['kept']} ended at EOS and were kept.")
     if "distill" in st:
         d = st["distill"]

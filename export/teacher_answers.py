@@ -6,6 +6,11 @@ fluency and lost the answers (fluent loops on the golden prompts). So each disti
 a user turn and the teacher answers it (sampled, seeded), and the distill stage trains on those chats:
 the student reads the teacher's own answers, with the teacher's full distributions as the targets.
 
+With `prompts = "teacher"` the teacher writes the user turns too: it is sampled from the chat template's
+user prefix (system prompt, then `<|im_start|>user`), so the questions come from its own instruction
+data (how-tos, facts, code, advice) rather than from people's small talk; it then answers them. This is
+the teacher's own chat distribution, the data a student would need to keep what the golden prompts ask.
+
 The answers come from the runtime that ships (edge.batching.Scheduler over the fused fp32 graph of the
 teacher), batched, so a thousand answers take minutes on a CPU, not the better part of an hour that
 transformers' `generate` needs there.
@@ -36,10 +41,20 @@ class AnswerOptions:
     seed: int = 0
     batch: int = 16
     data: str | None = None  # the user's JSONL instead of chitchat-dataset's distillation split
+    prompts: str = "data"  # data: distillation chats cut at a user turn; teacher: the teacher writes the question
+    question_tokens: int = 96
+    question_temperature: float = 1.0  # diverse questions; the answers use `temperature`
+    question_top_p: float = 0.95
 
     def __post_init__(self) -> None:
-        if self.count < 1 or self.max_tokens < 1 or self.batch < 1:
-            raise RecipeError("teacher_answers, its max_tokens and batch must be >= 1")
+        if self.count < 1 or self.max_tokens < 1 or self.batch < 1 or self.question_tokens < 1:
+            raise RecipeError("teacher_answers, its max_tokens, question_tokens and batch must be >= 1")
+        if self.prompts not in PROMPT_SOURCES:
+            raise RecipeError(f"teacher_prompts must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompts!r}")
+
+
+PROMPT_SOURCES = ("data", "teacher")
+QUESTION_SEED = 1_000_000  # question i is sampled with seed + QUESTION_SEED + i (answers: seed + i)
 
 
 def prompts(chats: list[list[dict]], count: int, seed: int) -> list[list[dict]]:
@@ -53,6 +68,39 @@ def prompts(chats: list[list[dict]], count: int, seed: int) -> list[list[dict]]:
         if len(out) >= count:
             break
     return out
+
+
+def user_prefix(tok) -> list[int]:
+    """The token ids a user turn starts with, as the chat template renders it (system prompt included)."""
+    marker = "\x00QUESTION\x00"
+    text = tok.render([{"role": "user", "content": marker}], add_generation_prompt=False)
+    if marker not in text:
+        raise RecipeError("the chat template does not render the user's text verbatim: use teacher_prompts = \"data\"")
+    return tok.encode(text[: text.index(marker)])
+
+
+def _teacher_questions(sched, tok, opts: AnswerOptions) -> tuple[list[list[dict]], dict]:
+    """Sample user turns from the teacher (1.5x what is asked: questions cut at question_tokens are dropped)."""
+    from edge.sampling import SamplingConfig
+
+    prefix = user_prefix(tok)
+    n = (3 * opts.count + 1) // 2
+    reqs = [sched.submit(prefix, SamplingConfig(max_new_tokens=opts.question_tokens, temperature=opts.question_temperature,
+                                                top_p=opts.question_top_p, seed=opts.seed + QUESTION_SEED + i))
+            for i in range(n)]
+    chats, seen = [], set()
+    for req in tqdm(reqs, desc="teacher questions", unit="question"):
+        text, last = req.answer()
+        if last.finish_reason == "error":
+            raise RecipeError(f"the teacher failed while writing questions: {last.stats.get('error')}")
+        q = text.strip()
+        if last.finish_reason == "stop" and q and q not in seen:
+            seen.add(q)
+            chats.append([{"role": "user", "content": q}])
+    if not chats:
+        raise RecipeError(f"the teacher ended none of {n} questions within question_tokens={opts.question_tokens}: "
+                          "raise it")
+    return chats, {"questions_written": n, "questions_kept": len(chats)}
 
 
 def run(teacher_dir: Path, dst: Path, opts: AnswerOptions, threads: int | None = None) -> dict:
@@ -77,13 +125,18 @@ def run(teacher_dir: Path, dst: Path, opts: AnswerOptions, threads: int | None =
     tok = chat_tokenizer(teacher_dir)
     gen = Generator(tok, Decoder(graph / "model.onnx", dims_from_hf_config(cfg), FUSED_IO, threads=threads,
                                  name="teacher (fused fp32)"))
-    encoded = ((c, tok.encode_chat(c)) for c in prompts(load_chats(opts.data, "distillation"), 10 * opts.count, opts.seed))
-    asked = [(c, ids) for c, ids in encoded if len(ids) <= MAX_CONTEXT_TOKENS][: opts.count]
-    if not asked:
-        raise RecipeError("no distillation chat fits the teacher-answer context: give shorter chats")
-    sched = Scheduler(gen, max_batch=opts.batch, max_queue=len(asked)).start()
+    sched = Scheduler(gen, max_batch=opts.batch, max_queue=max(2 * opts.count, 1)).start()
+    questions: dict = {}
     kept, tokens, ends = [], 0, {"stop": 0, "length": 0, "empty": 0}
     try:
+        if opts.prompts == "teacher":
+            chats, questions = _teacher_questions(sched, tok, opts)
+        else:
+            chats = prompts(load_chats(opts.data, "distillation"), 10 * opts.count, opts.seed)
+        encoded = ((c, tok.encode_chat(c)) for c in chats)
+        asked = [(c, ids) for c, ids in encoded if len(ids) <= MAX_CONTEXT_TOKENS][: opts.count]
+        if not asked:
+            raise RecipeError("no distillation chat fits the teacher-answer context: give shorter chats")
         reqs = [sched.submit(ids, SamplingConfig(max_new_tokens=opts.max_tokens, temperature=opts.temperature,
                                                  top_p=opts.top_p, seed=opts.seed + i))
                 for i, (_, ids) in enumerate(asked)]
@@ -106,6 +159,7 @@ def run(teacher_dir: Path, dst: Path, opts: AnswerOptions, threads: int | None =
         raise RecipeError(f"the teacher answered none of {len(asked)} chats before max_tokens={opts.max_tokens}: "
                           "raise max_tokens")
     (dst / ANSWERS).write_text("".join(json.dumps(k) + "\n" for k in kept), encoding="utf-8")
-    return {"asked": len(asked), "kept": len(kept), "ended_at_eos": ends["stop"], "cut_at_max_tokens": ends["length"],
-            "empty": ends["empty"], "answer_tokens": tokens, "sampling": {"temperature": opts.temperature,
-                                                                         "top_p": opts.top_p, "seed": opts.seed}}
+    return questions | {
+        "prompts": opts.prompts, "asked": len(asked), "kept": len(kept), "ended_at_eos": ends["stop"],
+        "cut_at_max_tokens": ends["length"], "empty": ends["empty"], "answer_tokens": tokens,
+        "sampling": {"temperature": opts.temperature, "top_p": opts.top_p, "seed": opts.seed}}

@@ -358,3 +358,40 @@ def test_build_with_prune_and_distill_reports_the_lineage(loaded, tmp_path):
     text, _ = gen.complete(gen.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), SamplingConfig(max_new_tokens=4))
     assert isinstance(text, str)
     shutil.rmtree(b.root.with_name(b.root.name + ".work"), ignore_errors=True)
+
+
+def test_teacher_written_questions_are_its_own_samples(loaded, tmp_path):
+    """teacher_prompts = "teacher": the user turns are sampled from the teacher at the chat template's user
+    prefix (each equals a single-user sample with its recorded seed), then answered as before."""
+    from edge.io_contract import FUSED_IO
+    from edge.runtime import Decoder, Generator
+    from edge.sampling import SamplingConfig
+    from export import fused_graph, teacher_answers
+    from export.architectures import dims_from_hf_config
+    from export.load import chat_tokenizer
+
+    opts = teacher_answers.AnswerOptions(count=40, max_tokens=150, question_tokens=150, temperature=1.0, batch=8,
+                                         prompts="teacher")
+    m = teacher_answers.run(loaded, tmp_path / "a", opts, threads=1)
+    assert m["prompts"] == "teacher" and m["questions_written"] == 60 and 0 < m["questions_kept"] <= 60
+    assert m["asked"] == min(40, m["questions_kept"]) and m["kept"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "a" / teacher_answers.ANSWERS).read_text().splitlines()]
+    fused_graph.write(loaded, tmp_path / "g")
+    cfg = json.loads((loaded / "config.json").read_text())
+    tok = chat_tokenizer(loaded)
+    gen = Generator(tok, Decoder(tmp_path / "g" / "model.onnx", dims_from_hf_config(cfg), FUSED_IO, threads=1))
+    prefix = teacher_answers.user_prefix(tok)
+    assert tok.decode(prefix, skip_special_tokens=False).endswith("user\n")
+    written = set()
+    for i in range(m["questions_written"]):
+        q, last = gen.complete(prefix, SamplingConfig(max_new_tokens=150, temperature=1.0, top_p=0.95,
+                                                      seed=opts.seed + teacher_answers.QUESTION_SEED + i))
+        if last.finish_reason == "stop" and q.strip():
+            written.add(q.strip())
+    for r in rows:
+        (user, answer) = r["messages"]
+        assert user["role"] == "user" and user["content"] in written and answer["role"] == "assistant"
+    with pytest.raises(RecipeError, match="teacher_prompts must be"):
+        teacher_answers.AnswerOptions(count=1, prompts="web")
+    with pytest.raises(RecipeError, match="teacher_prompts must be"):
+        _dopts(teacher_prompts="web")
