@@ -5,7 +5,9 @@ plus optionally a cosine loss between matched hidden states (student block i aga
 it came from; only when pruning kept the hidden size). Data: the distillation split of
 chitchat-dataset (or the user's JSONL), or chats answered by the teacher itself (teacher_answers > 0:
 export/teacher_answers.py writes them), formatted with the model's own chat template and packed into
-fixed-length blocks. AdamW, linear warm-up then cosine decay, gradient clipping, optional gradient
+fixed-length blocks. With teacher_topk = k > 0 the loss is the KL over the teacher's k likeliest tokens
+plus one bucket for the rest of the vocabulary, and those k log-probabilities are cached per block: a block
+seen again (teacher answers are small and run for epochs) skips the teacher's forward pass. AdamW, linear warm-up then cosine decay, gradient clipping, optional gradient
 checkpointing, AMP: bf16 on a CUDA GPU that has it, else fp16 with loss scaling, and bf16 on a CPU with
 native bf16 dot products (AVX512-BF16/AMX, Arm BF16: ~3x the fp32 step on a 2-core EPYC). A checkpoint is written
 every `checkpoint_every` steps outside the stage folder, so an interrupted run resumes where it stopped
@@ -27,6 +29,7 @@ from tqdm import tqdm
 from edge.errors import RecipeError
 
 CKPT = "checkpoint.pt"
+TOPK_CACHE = "teacher_topk.npz"  # beside the checkpoint: resumed runs read the cached blocks back
 NOT_RESULT = ("max_minutes", "threads", "checkpoint_every", "grad_checkpointing")  # change speed, not the result
 
 
@@ -55,6 +58,7 @@ class DistillOptions:
     data: str | None = None
     teacher_answers: int = 0  # > 0: distill on that many chats answered by the teacher (export/teacher_answers.py)
     teacher_prompts: str = "data"  # what the teacher answers: "data" (distillation chats) or "teacher" (its own questions)
+    teacher_topk: int = 0  # > 0: KD on the teacher's top-k tokens + a rest bucket, cached per block (repeats skip the teacher)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -67,6 +71,11 @@ class DistillOptions:
                 raise RecipeError(f"distill {k} must be >= 1, got {getattr(self, k)}")
         if self.lr <= 0 or self.temperature <= 0:
             raise RecipeError("distill lr and temperature must be > 0")
+        if self.teacher_topk < 0:
+            raise RecipeError(f"distill teacher_topk must be >= 0 (0: the whole vocabulary, no cache), got {self.teacher_topk}")
+        if self.teacher_topk and self.hidden_loss > 0:
+            raise RecipeError("distill teacher_topk caches the teacher's logits only, but hidden_loss needs its hidden "
+                              "states every step: set teacher_topk = 0 or hidden_loss = 0")
         if self.amp not in ("auto", "bf16", "fp16", "off") or self.device not in ("auto", "cpu", "cuda"):
             raise RecipeError("distill amp is one of auto|bf16|fp16|off and device one of auto|cpu|cuda")
 
@@ -113,6 +122,82 @@ def kd_loss(student_logits, teacher_logits, temperature: float, rows: int = 128)
             p = F.log_softmax(t2[i:i + rows].float() / t, dim=-1)
         total = total + F.kl_div(s, p, log_target=True, reduction="sum")
     return total / s2.shape[0] * t * t
+
+
+def teacher_topk(teacher_logits, temperature: float, k: int, rows: int = 128):
+    """The teacher's k likeliest tokens per position and their log-probabilities at temperature t
+    (softmax over the whole vocabulary), [positions, k] each; what the cache keeps."""
+    import torch
+
+    t2 = teacher_logits.flatten(0, -2)
+    vals, idx = [], []
+    with torch.no_grad():
+        for i in range(0, t2.shape[0], rows):
+            v, j = torch.log_softmax(t2[i:i + rows].float() / temperature, dim=-1).topk(k, dim=-1)
+            vals.append(v), idx.append(j.to(torch.int32))
+    return torch.cat(vals), torch.cat(idx)
+
+
+def topk_kd_loss(student_logits, top_logp, top_idx, temperature: float, rows: int = 128):
+    """KL(teacher || student) over k + 1 outcomes: the teacher's top-k tokens and one bucket for the rest of
+    the vocabulary (mass 1 - sum of the top k for each), x t^2. It is the full KL when the top k hold all
+    of the teacher's mass, never more than it, and it still pushes the student's mass off other tokens."""
+    import torch
+    import torch.nn.functional as F
+
+    t = temperature
+    s2 = student_logits.flatten(0, -2)
+    total = s2.new_zeros((), dtype=torch.float32)
+    for i in range(0, s2.shape[0], rows):
+        s = F.log_softmax(s2[i:i + rows].float() / t, dim=-1).gather(-1, top_idx[i:i + rows].long())
+        p_log = top_logp[i:i + rows].float()
+        p = p_log.exp()
+        p_rest = (1 - p.sum(-1)).clamp_min(1e-12)
+        s_rest = torch.log((1 - s.exp().sum(-1)).clamp_min(1e-12))
+        total = total + (p * (p_log - s)).sum() + (p_rest * (p_rest.log() - s_rest)).sum()
+    return total / s2.shape[0] * t * t
+
+
+class TopkCache:
+    """Top-k teacher log-probs of every block seen so far (numpy, [blocks, seq_len, k]), saved with the
+    checkpoint so a resumed run reads the same numbers it would have computed."""
+
+    def __init__(self, n_blocks: int, seq_len: int, k: int):
+        self.logp = np.zeros((n_blocks, seq_len, k), dtype=np.float32)
+        self.idx = np.zeros((n_blocks, seq_len, k), dtype=np.int32)
+        self.have = np.zeros(n_blocks, dtype=bool)
+
+    def has(self, blocks: np.ndarray) -> bool:
+        return bool(self.have[blocks].all())
+
+    def put(self, blocks: np.ndarray, logp, idx) -> None:
+        shape = (len(blocks),) + self.logp.shape[1:]
+        self.logp[blocks] = logp.reshape(shape).cpu().numpy()
+        self.idx[blocks] = idx.reshape(shape).cpu().numpy()
+        self.have[blocks] = True
+
+    def get(self, blocks: np.ndarray, device: str):
+        import torch
+
+        k = self.logp.shape[-1]
+        return (torch.from_numpy(self.logp[blocks].reshape(-1, k)).to(device),
+                torch.from_numpy(self.idx[blocks].reshape(-1, k)).to(device))
+
+    def mass(self) -> float | None:
+        """Mean share of the teacher's probability (at the distillation temperature) its top k hold."""
+        if not self.have.any():
+            return None
+        return float(np.exp(self.logp[self.have].astype(np.float64)).sum(-1).mean())
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, logp=self.logp, idx=self.idx, have=self.have)
+        os.replace(tmp, path)
+
+    def load(self, path: Path) -> None:
+        with np.load(path) as z:
+            if z["logp"].shape == self.logp.shape:
+                self.logp, self.idx, self.have = z["logp"], z["idx"], z["have"].copy()
 
 
 def cpu_has_bf16() -> bool:
@@ -197,7 +282,8 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}], lr=opts.lr, betas=(0.9, 0.95))
     amp_dtype, scaler = _amp(opts, device)
-    start, losses, tokens_seen, seconds = 0, [], 0, 0.0
+    cache = TopkCache(len(blocks), opts.seq_len, min(opts.teacher_topk, student.config.vocab_size)) if opts.teacher_topk else None
+    start, losses, tokens_seen, seconds, teacher_steps = 0, [], 0, 0.0, 0
     ckpt = (ckpt_dir / CKPT) if ckpt_dir else None
     if ckpt and ckpt.is_file():
         state = torch.load(ckpt, map_location=device, weights_only=False)
@@ -207,6 +293,9 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
             if scaler and state.get("scaler"):
                 scaler.load_state_dict(state["scaler"])
             start, losses, tokens_seen, seconds = state["step"], state["losses"], state["tokens_seen"], state["seconds"]
+            teacher_steps = state.get("teacher_steps", start)
+            if cache and (ckpt_dir / TOPK_CACHE).is_file():
+                cache.load(ckpt_dir / TOPK_CACHE)
 
     def save(step: int) -> None:
         if not ckpt:
@@ -215,7 +304,9 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
         tmp = ckpt.with_suffix(".tmp")
         torch.save({"options": _resume_key(opts), "student": student.state_dict(), "optim": optim.state_dict(),
                     "scaler": scaler.state_dict() if scaler else None, "step": step, "losses": losses,
-                    "tokens_seen": tokens_seen, "seconds": seconds}, tmp)
+                    "tokens_seen": tokens_seen, "seconds": seconds, "teacher_steps": teacher_steps}, tmp)
+        if cache:
+            cache.save(ckpt.parent / TOPK_CACHE)
         os.replace(tmp, ckpt)
 
     stopped = None
@@ -227,12 +318,20 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
         x = xb[:, :-1]
         for g in optim.param_groups:
             g["lr"] = lr_at(step, opts)
+        need_teacher = not (cache and cache.has(idx))
         with torch.autocast(device_type=device, dtype=amp_dtype, enabled=amp_dtype is not None):
-            with torch.no_grad():
-                t_out = teacher(x, output_hidden_states=use_hidden)
+            if need_teacher:
+                with torch.no_grad():
+                    t_out = teacher(x, output_hidden_states=use_hidden)
+                teacher_steps += 1
             s_out = student(x, output_hidden_states=use_hidden, use_cache=False)
         # the losses in fp32, outside autocast (under CPU autocast the same KL took 1.8 s instead of 0.1-0.35)
-        loss = kd_loss(s_out.logits, t_out.logits, opts.temperature)
+        if cache:
+            if need_teacher:
+                cache.put(idx, *teacher_topk(t_out.logits, opts.temperature, cache.logp.shape[-1]))
+            loss = topk_kd_loss(s_out.logits, *cache.get(idx, device), opts.temperature)
+        else:
+            loss = kd_loss(s_out.logits, t_out.logits, opts.temperature)
         if use_hidden:
             cos = [1 - torch.nn.functional.cosine_similarity(s_out.hidden_states[i + 1].float(),
                                                              t_out.hidden_states[layer_map[i] + 1].float(), dim=-1).mean()
@@ -278,4 +377,6 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
         "loss_first": float(np.mean(losses[:k])), "loss_last": float(np.mean(losses[-k:])),
         "losses": losses[:: max(1, len(losses) // 100)], "blocks": int(len(blocks)), "stopped_early": stopped,
         "resumed_from_step": start or None, "text": "teacher answers" if answers else "chat text",
+        "teacher_steps": teacher_steps, "teacher_topk": opts.teacher_topk or None,
+        "teacher_topk_mass": round(cache.mass(), 4) if cache and cache.mass() is not None else None,
     }

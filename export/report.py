@@ -46,6 +46,9 @@ def _stage_lines(results: dict) -> list[str]:
         d = st["distill"]
         out.append(f"Distill on {d.get('text', 'chat text')}: {d['steps']} steps, {d['tokens_seen']} tokens in {d['seconds']:.0f} s on {d['device']} "
                    f"({d['tokens_per_s']} tok/s, AMP {d['amp']}), KD loss {d['loss_first']:.3f} -> {d['loss_last']:.3f}"
+                   + (f"; KL over the teacher's top {d['teacher_topk']} tokens (holding {100 * d['teacher_topk_mass']:.1f}% "
+                      f"of its mass at T={d['temperature']}) + the rest, cached: the teacher ran in {d['teacher_steps']} "
+                      f"of the {d['steps']} steps" if d.get("teacher_topk") and d.get("teacher_topk_mass") is not None else "")
                    + (f"; {d['stopped_early']}" if d.get("stopped_early") else "") + ".")
     if results.get("recovered") is not None:
         out.append(f"Distillation recovered {100 * results['recovered']:.0f}% of the perplexity increase pruning caused "

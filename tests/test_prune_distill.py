@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -201,6 +202,53 @@ def test_kd_loss_in_chunks_equals_the_whole(loaded):
     torch.testing.assert_close(chunked, whole)
     whole.backward(), chunked.backward()
     torch.testing.assert_close(s.grad, ref_s.grad)
+
+
+def test_topk_kd_loss_is_the_full_kl_at_full_k_and_below_it_otherwise():
+    import torch
+
+    from export.distill import kd_loss, teacher_topk, topk_kd_loss
+
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(3, 7, 50, generator=g, requires_grad=True)
+    t = torch.randn(3, 7, 50, generator=g) * 3
+    full = kd_loss(s, t, 2.0)
+    lp, ix = teacher_topk(t, 2.0, 50, rows=4)
+    assert lp.shape == ix.shape == (21, 50)
+    every = topk_kd_loss(s, lp, ix, 2.0, rows=4)  # all 50 tokens kept: the rest bucket is empty
+    torch.testing.assert_close(every, full)
+    (g_full,) = torch.autograd.grad(full, s)
+    (g_every,) = torch.autograd.grad(every, s)
+    torch.testing.assert_close(g_every, g_full)
+    few = topk_kd_loss(s, *teacher_topk(t, 2.0, 5), 2.0)
+    assert 0 < float(few) < float(full)  # merging tokens into one bucket can only lower a KL
+    assert abs(float(topk_kd_loss(t, *teacher_topk(t, 2.0, 5), 2.0))) < 1e-5  # the teacher against itself
+
+
+def test_distill_caches_the_teachers_topk_and_resumes_with_it(loaded, pruned, tmp_path):
+    """Few chats, so blocks come round again: after the first epoch the teacher no longer runs, the loss
+    still falls, and a run cut short and resumed (cache read back from disk) ends where the straight one does."""
+    import torch
+
+    from export import distill
+
+    o = _dopts(steps=16, samples=1, teacher_topk=8)
+    m = distill.run(loaded, pruned, tmp_path / "straight", o)
+    epoch = -(-m["blocks"] // o.batch_size)
+    assert m["blocks"] < o.steps * o.batch_size / 2, m["blocks"]  # the test needs repeats
+    assert m["teacher_steps"] == epoch and m["teacher_topk"] == 8 and 0 < m["teacher_topk_mass"] < 1
+    assert m["loss_last"] < 0.7 * m["loss_first"], (m["loss_first"], m["loss_last"])
+    ck = tmp_path / "ckpt"
+    cut = distill.run(loaded, pruned, tmp_path / "cut", dataclasses.replace(o, max_minutes=1e-9), ckpt_dir=ck)
+    assert cut["steps"] == 1 and (ck / distill.TOPK_CACHE).is_file()
+    resumed = distill.run(loaded, pruned, tmp_path / "resumed", o, ckpt_dir=ck)
+    assert resumed["resumed_from_step"] == 1 and resumed["teacher_steps"] == epoch
+    a, b = _model(tmp_path / "straight").state_dict(), _model(tmp_path / "resumed").state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    with pytest.raises(RecipeError, match="hidden_loss needs its hidden states"):
+        _dopts(teacher_topk=8, hidden_loss=1.0)
+    with pytest.raises(RecipeError, match="teacher_topk must be >= 0"):
+        _dopts(teacher_topk=-1)
 
 
 def test_distill_amp_on_cpu(loaded, pruned, tmp_path, monkeypatch):
