@@ -238,6 +238,10 @@ def test_distill_caches_the_teachers_topk_and_resumes_with_it(loaded, pruned, tm
     assert m["blocks"] < o.steps * o.batch_size / 2, m["blocks"]  # the test needs repeats
     assert m["teacher_steps"] == epoch and m["teacher_topk"] == 8 and 0 < m["teacher_topk_mass"] < 1
     assert m["loss_last"] < 0.7 * m["loss_first"], (m["loss_first"], m["loss_last"])
+    from export.report import _stage_lines
+
+    line = _stage_lines({"stages": {"distill": m}})[0]
+    assert f"top 8 tokens (holding {100 * m['teacher_topk_mass']:.1f}%" in line and f"ran in {epoch} of the 16 steps" in line
     ck = tmp_path / "ckpt"
     cut = distill.run(loaded, pruned, tmp_path / "cut", dataclasses.replace(o, max_minutes=1e-9), ckpt_dir=ck)
     assert cut["steps"] == 1 and (ck / distill.TOPK_CACHE).is_file()
