@@ -193,6 +193,11 @@ def build(opts: BuildOptions, log=print) -> Bundle:
             records.append(rec)
             log(f"[distill] {rec.metrics['steps']} steps, {rec.metrics['tokens_seen']} tokens, loss "
                 f"{rec.metrics['loss_first']:.3f} -> {rec.metrics['loss_last']:.3f}")
+            mass = rec.metrics.get("teacher_topk_mass")
+            if mass is not None and mass < 0.8:
+                log(f"[distill] warning: the teacher's top {dopts.teacher_topk} tokens held only {100 * mass:.0f}% of its "
+                    f"mass at temperature {dopts.temperature}; the rest went into one bucket. Raise teacher_topk or "
+                    "lower temperature (at T=1 SmolLM2's top 64 hold ~94%)")
     shipped_from = rec.finished
     fp32_dir, rec = stage("export", dataclasses.asdict(eopts) | ({"model": shipped_from} if opts.prune else {}),
                               lambda d: onnx_export.run(hf_dir, d, eopts))
