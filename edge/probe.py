@@ -29,6 +29,17 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def cpu_flags(root: Path = Path("/")) -> set[str]:
+    """The CPU's feature flags (x86 `flags`, Arm `Features` in /proc/cpuinfo); empty where unreadable.
+    ONNX Runtime picks its kernels by them, and some kernels' results depend on the batch size."""
+    text = _read(root / "proc/cpuinfo") or ""
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags |= set(line.split(":", 1)[1].split())
+    return flags
+
+
 def _meminfo(root: Path) -> dict[str, int]:
     out = {}
     for line in (_read(root / "proc/meminfo") or _read(Path("/proc/meminfo")) or "").splitlines():

@@ -202,14 +202,9 @@ class TopkCache:
 
 def cpu_has_bf16() -> bool:
     """Native bf16 dot products (else torch emulates bf16 on the CPU, slower than fp32)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags |= set(line.split(":", 1)[1].split())
+    from edge.probe import cpu_flags
+
+    flags = cpu_flags()
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 

@@ -55,15 +55,17 @@ def test_kv_cache_decode_equals_full_recompute(tiny_bundle, engine):
 
 
 def test_fused_cache_grows_in_place_and_keeps_what_it_holds(fused_generator):
-    """A fused cache sized too small is grown (doubling, capped at the context) without changing any logit."""
+    """A fused cache sized too small is grown (doubling, capped at the context) without changing any logit:
+    each step equals the same step on a cache that was large enough from the start (both one-token steps,
+    so the same kernels; a whole-prompt pass may take other MatMulNBits kernels, on AVX2 ~3e-3 apart)."""
     d = fused_generator.decoder
     ids = fused_generator.tokenizer.encode_chat(CHATS[2])
-    full = d.forward(np.array([ids]), d.new_cache(capacity=len(ids)), last_only=False)[0]
-    cache = d.new_cache(capacity=4)
+    roomy, cache = d.new_cache(capacity=len(ids)), d.new_cache(capacity=4)
     assert cache.capacity == 4 and cache.values[0].shape()[2] == 4
-    d.forward(np.array([ids[:3]]), cache)
+    d.forward(np.array([ids[:3]]), roomy), d.forward(np.array([ids[:3]]), cache)
     for k in range(3, len(ids)):
-        np.testing.assert_allclose(d.forward(np.array([[ids[k]]]), cache)[0], full[k], atol=1e-4)
+        want = d.forward(np.array([[ids[k]]]), roomy)[0]
+        np.testing.assert_allclose(d.forward(np.array([[ids[k]]]), cache)[0], want, atol=1e-5)
     assert 4 < cache.capacity <= d.dims.max_context and cache.capacity >= len(ids)
     with pytest.raises(ContextOverflowError, match="context of 256"):
         d.forward(np.zeros((1, 300), np.int64), d.new_cache(capacity=8))

@@ -381,3 +381,15 @@ def test_tensorrt_decoder_takes_every_call_the_generator_makes():
     for name in ("new_cache", "forward", "prefill", "run"):
         want = list(inspect.signature(getattr(Decoder, name)).parameters)
         assert list(inspect.signature(getattr(TensorRTDecoder, name)).parameters) == want, name
+
+
+def test_cpu_flags_read_x86_and_arm_cpuinfo(tmp_path):
+    from edge.probe import cpu_flags
+
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_vnni\n\n"
+                                           "processor\t: 1\nflags\t\t: fpu avx2 avx512_vnni\n")
+    assert cpu_flags(tmp_path) == {"fpu", "avx2", "avx512_vnni"}
+    (tmp_path / "proc/cpuinfo").write_text("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")
+    assert cpu_flags(tmp_path) == {"fp", "asimd", "bf16", "i8mm"}
+    assert cpu_flags(tmp_path / "nowhere") == set()
