@@ -204,8 +204,7 @@ def cpu_has_bf16() -> bool:
     """Native bf16 dot products (else torch emulates bf16 on the CPU, slower than fp32)."""
     from edge.probe import cpu_flags
 
-    flags = cpu_flags()
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def _layer_map(student_dir: Path, teacher_layers: int, student_layers: int) -> list[int]:
@@ -365,6 +364,7 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
     meta = json.loads((student_dir / META).read_text())
     (dst / META).write_text(json.dumps(meta | {"distilled": True}, indent=2))
     k = max(1, len(losses) // 10)
+    mass = cache.mass() if cache else None
     return {
         "steps": len(losses), "tokens_seen": tokens_seen, "seconds": round(seconds, 1),
         "tokens_per_s": round(tokens_seen / seconds, 1) if seconds else None, "device": device,
@@ -373,5 +373,5 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
         "losses": losses[:: max(1, len(losses) // 100)], "blocks": int(len(blocks)), "stopped_early": stopped,
         "resumed_from_step": start or None, "text": "teacher answers" if answers else "chat text",
         "teacher_steps": teacher_steps, "teacher_topk": opts.teacher_topk or None,
-        "teacher_topk_mass": round(cache.mass(), 4) if cache and cache.mass() is not None else None,
+        "teacher_topk_mass": round(mass, 4) if mass is not None else None,
     }
