@@ -27,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from edge.errors import RecipeError
+from export import vocab
 
 CKPT = "checkpoint.pt"
 TOPK_CACHE = "teacher_topk.npz"  # beside the checkpoint: resumed runs read the cached blocks back
@@ -255,8 +256,14 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
     student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).to(device)
     for p in teacher.parameters():
         p.requires_grad_(False)
-    if teacher.config.vocab_size != student.config.vocab_size:
-        raise RecipeError("teacher and student have different vocabularies: distillation needs the same tokenizer")
+    t_ids = vocab.teacher_ids(student_dir)  # a vocabulary-pruned student: its tokens, in the teacher's ids
+    if t_ids is None and teacher.config.vocab_size != student.config.vocab_size:
+        raise RecipeError("teacher and student have different vocabularies and the student has no vocab_map.json "
+                          "(written by the prune stage's vocab_size): distillation needs the teacher's tokens")
+    if t_ids is not None and (len(t_ids) != student.config.vocab_size or t_ids.max() >= teacher.config.vocab_size):
+        raise RecipeError(f"{student_dir / vocab.VOCAB_MAP} does not fit this teacher and student "
+                          f"({len(t_ids)} ids for a {student.config.vocab_size}-token student): prune again")
+    vmap = torch.from_numpy(t_ids).to(device) if t_ids is not None else None
     use_hidden = opts.hidden_loss > 0
     if use_hidden and teacher.config.hidden_size != student.config.hidden_size:
         raise RecipeError("hidden_loss needs the same hidden size in teacher and student (pruning changed it): "
@@ -316,16 +323,17 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
         with torch.autocast(device_type=device, dtype=amp_dtype, enabled=amp_dtype is not None):
             if need_teacher:
                 with torch.no_grad():
-                    t_out = teacher(x, output_hidden_states=use_hidden)
+                    t_out = teacher(vmap[x] if vmap is not None else x, output_hidden_states=use_hidden)
+                    t_logits = t_out.logits if vmap is None else t_out.logits.index_select(-1, vmap)
                 teacher_steps += 1
             s_out = student(x, output_hidden_states=use_hidden, use_cache=False)
         # the losses in fp32, outside autocast (under CPU autocast the same KL took 1.8 s instead of 0.1-0.35)
         if cache:
             if need_teacher:
-                cache.put(idx, *teacher_topk(t_out.logits, opts.temperature, cache.logp.shape[-1]))
+                cache.put(idx, *teacher_topk(t_logits, opts.temperature, cache.logp.shape[-1]))
             loss = topk_kd_loss(s_out.logits, *cache.get(idx, device), opts.temperature)
         else:
-            loss = kd_loss(s_out.logits, t_out.logits, opts.temperature)
+            loss = kd_loss(s_out.logits, t_logits, opts.temperature)
         if use_hidden:
             cos = [1 - torch.nn.functional.cosine_similarity(s_out.hidden_states[i + 1].float(),
                                                              t_out.hidden_states[layer_map[i] + 1].float(), dim=-1).mean()

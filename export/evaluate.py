@@ -19,6 +19,7 @@ from tqdm import tqdm
 from edge.io_contract import io_for_variant
 from edge.runtime import Decoder, Generator
 from edge.sampling import SamplingConfig
+from export import vocab
 
 GOLDEN = [
     {"prompt": "What is the capital of Japan?", "expect": ["Tokyo"]},
@@ -62,9 +63,13 @@ def token_metrics(student: np.ndarray, teacher: np.ndarray, targets: np.ndarray)
 
 
 def summarize(parts: list[dict]) -> dict:
+    """Perplexity per reference token (`n_ref`: the teacher's token count for the same text, which a
+    vocabulary-pruned student splits into more tokens), so models with different vocabularies compare on the
+    same text; KL and agreement per position the model predicts."""
     n = sum(p["n"] for p in parts)
-    return {"perplexity": float(np.exp(sum(p["nll"] for p in parts) / n)), "kl_to_fp32": sum(p["kl"] for p in parts) / n,
-            "top1_agreement": sum(p["agree"] for p in parts) / n, "eval_tokens": n}
+    n_ref = sum(p.get("n_ref", p["n"]) for p in parts)
+    return {"perplexity": float(np.exp(sum(p["nll"] for p in parts) / n_ref)), "kl_to_fp32": sum(p["kl"] for p in parts) / n,
+            "top1_agreement": sum(p["agree"] for p in parts) / n, "eval_tokens": n_ref}
 
 
 def speed(dec: Decoder, prompt_ids: list[int], new_tokens: int, runs: int) -> dict:
@@ -98,16 +103,31 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
     ref = "teacher" if "teacher" in decs else "fp32"
     chats = load_chats(opts.data, "evaluation", opts.samples)
     parts: dict[str, list[dict]] = {n: [] for n in decs}
+    t_ids = vocab.teacher_ids(hf_dir) if ref == "teacher" else None  # the shipped model's tokens in the teacher's ids
+    own_vocab = {e.name for e in engines if t_ids is not None and vocab.teacher_ids(getattr(e, "dims_dir", None) or hf_dir) is None}
+    ref_tok = chat_tokenizer(next(e.dims_dir for e in engines if e.name == ref)) if t_ids is not None else tok
+
+    def logits(name: str, ids: list[int]) -> np.ndarray:
+        d, x = decs[name], np.array([ids[:-1]])
+        return d.forward(x, d.new_cache(capacity=x.shape[1]), last_only=False)[0]
+
     for chat in tqdm(chats, desc="evaluate (held-out chats)", unit="chat"):
-        ids = tok.encode_chat(chat, add_generation_prompt=False)[: opts.max_tokens]
-        if len(ids) < 2:
+        ref_ids = ref_tok.encode_chat(chat, add_generation_prompt=False)[: opts.max_tokens]
+        if len(ref_ids) < 2:
             continue
-        x, y = np.array([ids[:-1]]), np.array(ids[1:])
-        n = x.shape[1]
-        teacher = decs[ref].forward(x, decs[ref].new_cache(capacity=n), last_only=False)[0]
-        for name, d in decs.items():
-            student = teacher if name == ref else d.forward(x, d.new_cache(capacity=n), last_only=False)[0]
-            parts[name].append(token_metrics(student, teacher, y))
+        ids = ref_ids
+        if t_ids is not None:  # vocabulary-pruned: the same text in the student's tokens (cut until it fits too)
+            while len(ids := tok.encode(ref_tok.decode(ref_ids, skip_special_tokens=False))) > opts.max_tokens:
+                ref_ids = ref_ids[: len(ref_ids) - (len(ids) - opts.max_tokens)]
+            on_student = logits(ref, t_ids[ids].tolist())[:, t_ids]  # the teacher on them, over the kept tokens
+        teacher, y = logits(ref, ref_ids), np.array(ids[1:])
+        for name in decs:
+            if name in own_vocab:  # the teacher on its own tokens
+                parts[name].append(token_metrics(teacher, teacher, np.array(ref_ids[1:])))
+                continue
+            ref_logits = on_student if t_ids is not None else teacher
+            student = ref_logits if name == ref else logits(name, ids)
+            parts[name].append(token_metrics(student, ref_logits, y) | {"n_ref": len(ref_ids) - 1})
     results: dict = {"engines": {}, "golden": [], "eval_chats": len(chats), "reference": ref,
                      "data": opts.data or "chitchat-dataset:evaluation", "stages": stages or {}}
     bench_ids = tok.encode_chat(BENCH_PROMPT)

@@ -8,9 +8,9 @@ a KV head is scored with the query heads that share it, and kept or dropped with
 checkpoint (same config.json keys, smaller numbers) that plain transformers, optimum and our export
 load without special code.
 
-Axes: depth (`drop_layers`), attention (`kv_groups` kept), hidden (`hidden_ratio`), and the MLP width,
-which is solved last so the whole model lands on `target_ratio` of the parameters (or on what fits a
-device, `fit`).
+Axes: depth (`drop_layers`), attention (`kv_groups` kept), hidden (`hidden_ratio`), vocabulary
+(`vocab_size`: the tokens chat text uses, export/vocab.py), and the MLP width, which is solved last
+so the whole model lands on `target_ratio` of the parameters (or on what fits a device, `fit`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from edge.errors import RecipeError
+from export import vocab
 
 METHODS = ("activation", "random")
 
@@ -35,6 +36,7 @@ class PruneOptions:
     drop_layers: int = 0  # whole blocks removed, least important first
     kv_groups: int | None = None  # KV heads kept per layer (each with its query heads); None: all
     hidden_ratio: float = 1.0  # hidden/embedding channels kept
+    vocab_size: int | None = None  # tokens kept (embedding + LM head rows); None: the whole vocabulary
     method: str = "activation"  # or "random" (the baseline importance is compared against)
     samples: int = 64  # calibration chats used to measure importance
     max_tokens: int = 256
@@ -56,6 +58,8 @@ class PruneOptions:
             raise RecipeError(f"prune kv_groups must be >= 1 (KV heads kept per layer), got {self.kv_groups}")
         if self.method not in METHODS:
             raise RecipeError(f"prune method {self.method!r} unknown: choose from {', '.join(METHODS)}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise RecipeError(f"prune vocab_size must be >= 1 (tokens kept), got {self.vocab_size}")
         if self.samples < 1 or self.multiple < 1:
             raise RecipeError("prune samples and multiple must be >= 1")
 
@@ -146,6 +150,7 @@ class Shape:
     kv_groups: int
     hidden: int
     intermediate: int
+    vocab: int | None = None  # tokens kept; None: all
 
 
 def _config_for(cfg, shape: Shape):
@@ -157,6 +162,8 @@ def _config_for(cfg, shape: Shape):
     new.num_attention_heads = shape.kv_groups * rep
     new.hidden_size = shape.hidden
     new.intermediate_size = shape.intermediate
+    if shape.vocab is not None:
+        new.vocab_size = shape.vocab
     if getattr(cfg, "layer_types", None):
         new.layer_types = [cfg.layer_types[i] for i in shape.layers]
     return new
@@ -195,7 +202,7 @@ def fit_ratio(hf_dir: Path, profile: str, context: int, precision: str = "int8-d
     return lo
 
 
-def solve_shape(cfg, imp: Importance, opts: PruneOptions, target_ratio: float) -> Shape:
+def solve_shape(cfg, imp: Importance, opts: PruneOptions, target_ratio: float, vocab: int | None = None) -> Shape:
     """Depth, heads and hidden as asked; then the widest MLP that keeps the model within target_ratio."""
     L, kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     if opts.drop_layers >= L:
@@ -209,14 +216,15 @@ def solve_shape(cfg, imp: Importance, opts: PruneOptions, target_ratio: float) -
     hidden = cfg.hidden_size if opts.hidden_ratio >= 1 else max(m, int(cfg.hidden_size * opts.hidden_ratio) // m * m)
     full = count_params(cfg)
     budget = int(full * target_ratio)
-    shape = lambda inter: Shape(keep_layers, groups, hidden, inter)  # noqa: E731
+    shape = lambda inter: Shape(keep_layers, groups, hidden, inter, vocab)  # noqa: E731
     top = cfg.intermediate_size
     if count_params(cfg, shape(top)) <= budget:
         return shape(top)
     if count_params(cfg, shape(m)) > budget:
         raise RecipeError(f"cannot reach {target_ratio:.0%} of the parameters by narrowing the MLP alone "
                           f"(at its narrowest the model keeps {count_params(cfg, shape(m)) / full:.0%}): also drop "
-                          "layers (drop_layers), attention groups (kv_groups) or hidden channels (hidden_ratio)")
+                          "layers (drop_layers), attention groups (kv_groups), hidden channels (hidden_ratio) or "
+                          "tokens (vocab_size)")
     lo, hi = 1, top // m  # in units of `multiple`
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -228,8 +236,9 @@ def _top(scores: np.ndarray, k: int) -> np.ndarray:
     return np.sort(np.argsort(-scores, kind="stable")[:k])
 
 
-def prune_state(model, imp: Importance, shape: Shape):
-    """The pruned model: a fresh model of the smaller config, loaded with the kept rows and columns."""
+def prune_state(model, imp: Importance, shape: Shape, vocab_ids: list[int] | None = None):
+    """The pruned model: a fresh model of the smaller config, loaded with the kept rows and columns
+    (`vocab_ids`: the token rows of the embedding and LM head kept, with shape.vocab)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -241,10 +250,13 @@ def prune_state(model, imp: Importance, shape: Shape):
     sd = model.state_dict()
     out: dict[str, torch.Tensor] = {}
     ix = lambda t, dim, idx: t.index_select(dim, idx)  # noqa: E731
-    out["model.embed_tokens.weight"] = ix(sd["model.embed_tokens.weight"], 1, hid)
+    tok_rows = lambda t: ix(t, 0, torch.as_tensor(vocab_ids)) if vocab_ids is not None else t  # noqa: E731
+    out["model.embed_tokens.weight"] = ix(tok_rows(sd["model.embed_tokens.weight"]), 1, hid)
     out["model.norm.weight"] = ix(sd["model.norm.weight"], 0, hid)
     if "lm_head.weight" in sd and not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = ix(sd["lm_head.weight"], 1, hid)
+        out["lm_head.weight"] = ix(tok_rows(sd["lm_head.weight"]), 1, hid)
+        if "lm_head.bias" in sd:
+            out["lm_head.bias"] = tok_rows(sd["lm_head.bias"])
     for new_i, old_i in enumerate(shape.layers):
         p, q = f"model.layers.{old_i}.", f"model.layers.{new_i}."
         group_score = imp.heads[old_i].reshape(cfg.num_key_value_heads, rep).sum(1)
@@ -304,10 +316,19 @@ def run(hf_dir: Path, dst: Path, opts: PruneOptions) -> dict:
         target = min(target, opts.target_ratio)
     seqs = calibration_sequences(hf_dir, opts.calibration, opts.samples, opts.max_tokens)
     imp = measure(model, seqs, opts.method, opts.seed)
-    shape = solve_shape(model.config, imp, opts, target)
-    small = prune_state(model, imp, shape)
+    kept, coverage = None, None
+    if opts.vocab_size is not None and opts.vocab_size != model.config.vocab_size:
+        counts = vocab.token_counts(hf_dir, opts.calibration)
+        kept = vocab.choose(json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8")), counts, opts.vocab_size)
+        kept_set = set(kept)
+        coverage = sum(c for i, c in counts.items() if i in kept_set) / max(1, sum(counts.values()))
+    shape = solve_shape(model.config, imp, opts, target, len(kept) if kept else None)
+    small = prune_state(model, imp, shape, kept)
     small.save_pretrained(dst)
     copy_side_files(hf_dir, dst)
+    if kept:
+        t_map = vocab.teacher_ids(hf_dir)
+        vocab.write_trimmed(dst, kept, t_map.tolist() if t_map is not None else None)
     before = sum(p.numel() for p in model.parameters())
     after = sum(p.numel() for p in small.parameters())
     meta = json.loads((hf_dir / META).read_text())
@@ -326,6 +347,8 @@ def run(hf_dir: Path, dst: Path, opts: PruneOptions) -> dict:
                  f"{small.config.num_attention_heads}/{small.config.num_key_value_heads} (query/KV)",
         "hidden": f"{cfg.hidden_size} -> {shape.hidden}",
         "intermediate": f"{cfg.intermediate_size} -> {shape.intermediate}",
+        "vocab": f"{cfg.vocab_size} -> {small.config.vocab_size}",
+        "vocab_coverage": round(coverage, 5) if coverage is not None else None,
         "block_importance": [round(float(x), 5) for x in imp.blocks],
     }
 
@@ -333,5 +356,7 @@ def run(hf_dir: Path, dst: Path, opts: PruneOptions) -> dict:
 def describe(metrics: dict) -> str:
     return (f"{metrics['params_before'] / 1e6:.1f}M -> {metrics['params_after'] / 1e6:.1f}M parameters "
             f"({metrics['ratio']:.0%}); layers {metrics['layers']}, heads {metrics['heads']}, hidden {metrics['hidden']}, "
-            f"MLP {metrics['intermediate']}")
+            f"MLP {metrics['intermediate']}"
+            + (f", vocabulary {metrics['vocab']} ({metrics['vocab_coverage']:.1%} of the chat tokens kept)"
+               if metrics.get("vocab_coverage") is not None else ""))
 

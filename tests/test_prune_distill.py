@@ -447,3 +447,129 @@ def test_teacher_written_questions_are_its_own_samples(loaded, tmp_path):
         teacher_answers.AnswerOptions(count=1, prompts="web")
     with pytest.raises(RecipeError, match="teacher_prompts must be"):
         _dopts(teacher_prompts="web")
+
+
+# --- vocabulary pruning ---------------------------------------------------------------------------------
+
+def test_vocab_pruning_keeps_the_chat_tokens_and_the_models_answers_on_them(loaded, tmp_path):
+    """Only the vocabulary cut: logits on the kept tokens are the teacher's exactly, chat text the kept
+    tokens covered tokenizes as before, any other text falls back to kept pieces and decodes the same."""
+    import torch
+
+    from export import prune, vocab
+    from export.load import chat_tokenizer
+
+    m = prune.run(loaded, tmp_path, prune.PruneOptions(target_ratio=1.0, vocab_size=300, samples=4))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    t_ids = vocab.teacher_ids(tmp_path)
+    assert cfg["vocab_size"] == 300 == len(t_ids) and m["vocab"] == "400 -> 300" and 0 < m["vocab_coverage"] < 1
+    assert list(t_ids) == sorted(t_ids) and list(t_ids[:3]) == [0, 1, 2]  # specials kept, order kept
+    assert m["params_after"] == m["params_before"] - 100 * 64  # 100 rows of the tied embedding
+    teacher, small = _model(loaded), _model(tmp_path)
+    assert vocab.teacher_ids(loaded) is None
+    t_tok, s_tok = chat_tokenizer(loaded), chat_tokenizer(tmp_path)
+    assert s_tok.tok.get_vocab_size() == 300
+    counts = vocab.token_counts(loaded, None)
+    top = [i for i, _ in counts.most_common(20)]
+    assert set(top) <= set(t_ids.tolist())  # the most used chat tokens are all kept
+    same = diff = 0
+    for chat in _chats(12):
+        text = t_tok.render(chat, add_generation_prompt=False)
+        t_seq, s_seq = t_tok.encode(text), s_tok.encode(text)
+        assert s_tok.decode(s_seq, skip_special_tokens=False) == text
+        if set(t_seq) <= set(t_ids.tolist()):
+            assert t_ids[s_seq].tolist() == t_seq
+            same += 1
+        else:
+            assert len(s_seq) > len(t_seq)
+            diff += 1
+        with torch.no_grad():
+            want = teacher(torch.tensor([t_ids[s_seq].tolist()])).logits[0][:, torch.from_numpy(t_ids)]
+            got = small(torch.tensor([s_seq])).logits[0]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert diff > 0  # the cut did drop tokens these chats use
+    meta = json.loads((tmp_path / "edgechat_source.json").read_text())
+    assert meta["eos_token_ids"] == json.loads((loaded / "edgechat_source.json").read_text())["eos_token_ids"]
+    assert s_tok.encode("<|im_end|>") == [2]
+
+
+def _chats(n):
+    from export.data import load_chats
+
+    return load_chats(None, "evaluation", n)
+
+
+def test_trimmed_tokenizer_renumbers_special_tokens_past_the_cut():
+    """Special tokens added after the BPE vocabulary (as Llama 3 and Qwen do) move down with the cut, and
+    every file that names them by id follows: tokenizer.json, its post-processor, the map to the teacher."""
+    from collections import Counter
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from conftest import CORPUS
+    from export import vocab
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=350, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_special_tokens(["<|start|>", "<|end|>"])
+    start, end = tok.token_to_id("<|start|>"), tok.token_to_id("<|end|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|start|> $A", special_tokens=[("<|start|>", start)])
+    j = json.loads(tok.to_str())
+    kept = vocab.choose(j, Counter(tok.encode("Tokyo octopuses").ids), 280)
+    assert len(kept) == 280 and start in kept and end in kept
+    small = Tokenizer.from_str(json.dumps(vocab.trim_tokenizer(j, kept)))
+    assert small.get_vocab_size() == 280 and small.token_to_id("<|end|>") == 279 and small.token_to_id("<|start|>") == 278
+    enc = small.encode("Tokyo octopuses")
+    assert enc.ids[0] == 278 and small.decode(enc.ids) == "Tokyo octopuses"
+    assert [kept[i] for i in enc.ids] == tok.encode("Tokyo octopuses").ids  # the words counted keep their tokens
+    rare = small.encode("crème brûlée").ids  # not counted: its words may lose tokens, never their text
+    assert max(rare) < 280 and small.decode(rare) == "crème brûlée"
+    with pytest.raises(RecipeError, match="between 258 .* and 352"):
+        vocab.choose(j, Counter(), 100)
+    with pytest.raises(RecipeError, match="supports BPE tokenizers"):
+        vocab.choose({"model": {"type": "Unigram"}}, Counter(), 100)
+
+
+def test_build_with_a_pruned_vocabulary_compares_with_the_teacher_on_the_same_text(loaded, tmp_path):
+    """Vocabulary cut only, no distillation: against the teacher (on the same text, in the student's
+    tokens) KL is ~0 and agreement 100%; perplexity is per teacher token; the bundle ships the cut tokenizer."""
+    from edge.bundle import Bundle
+    from edge.runtime import Generator
+    from edge.sampling import SamplingConfig
+    from export.prune import PruneOptions
+    from export.recipe import BuildOptions, build
+
+    b = build(BuildOptions(output=tmp_path / "v.bundle", model=str(loaded.parent / "src"), precisions=("fp32",),
+                           max_context=256, eval_samples=4, calibration_samples=4,
+                           prune=PruneOptions(target_ratio=1.0, vocab_size=300, samples=4)), log=lambda s: None)
+    m = Bundle.open(b.root).manifest
+    assert m.model.vocab_size == 300
+    ev = next(s for s in m.stages if s.name == "evaluate").metrics["engines"]
+    assert ev["fp32"]["kl_to_fp32"] < 1e-4 and ev["fp32"]["top1_agreement"] == 1.0
+    assert ev["fp32"]["eval_tokens"] == ev["teacher"]["eval_tokens"]  # perplexity over the same text
+    assert ev["fp32"]["perplexity"] != ev["teacher"]["perplexity"]
+    gen = Generator.from_bundle(Bundle.open(b.root), engine="fp32", threads=1)
+    assert gen.tokenizer.tok.get_vocab_size() == 300
+    text, _ = gen.complete(gen.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), SamplingConfig(max_new_tokens=4))
+    assert isinstance(text, str)
+    shutil.rmtree(b.root.with_name(b.root.name + ".work"), ignore_errors=True)
+
+
+def test_distill_a_vocabulary_pruned_student(loaded, tmp_path):
+    """The teacher reads the student's tokens in its own ids; the loss falls; a bad map is refused."""
+    from export import distill, prune, vocab
+
+    stu = tmp_path / "stu"
+    prune.run(loaded, stu, prune.PruneOptions(target_ratio=0.6, vocab_size=320, kv_groups=1, multiple=16, samples=8))
+    m = distill.run(loaded, stu, tmp_path / "out", _dopts(steps=20))
+    assert m["loss_last"] < 0.8 * m["loss_first"], (m["loss_first"], m["loss_last"])
+    assert (tmp_path / "out" / vocab.VOCAB_MAP).is_file()  # travels with the model to the next stages
+    (stu / vocab.VOCAB_MAP).write_text(json.dumps({"teacher_ids": list(range(10))}))
+    with pytest.raises(RecipeError, match="does not fit this teacher and student"):
+        distill.run(loaded, stu, tmp_path / "out2", _dopts(steps=1))
+    (stu / vocab.VOCAB_MAP).unlink()
+    with pytest.raises(RecipeError, match="no vocab_map.json"):
+        distill.run(loaded, stu, tmp_path / "out3", _dopts(steps=1))
