@@ -162,10 +162,18 @@ def test_full_server_answers_429_with_retry_after_and_checks_auth(tiny_bundle):
                       "--auth", "admin:s3cret")
     try:
         url = s.url + "/v1/chat/completions"
-        assert httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 401
+        r = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"]["type"] == "authentication_error" and "--auth" in r.json()["error"]["message"]
         assert httpx.get(s.url + "/health").status_code == 200  # health checks need no credentials
+        assert httpx.get(s.url + "/metrics").status_code == 401
+        assert httpx.get(s.url + "/metrics", auth=("admin", "s3cret")).status_code == 200  # HTTP Basic works too
+        assert httpx.get(s.url + "/metrics", auth=("admin", "wrong")).status_code == 401
         client = _client(s, api_key="s3cret")
         assert client.models.list().data[0].id == "tiny-llama"
+        chunks = list(client.chat.completions.create(model="x", stream=True, max_tokens=4,
+                                                     messages=[{"role": "user", "content": "hi"}]))
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")  # streams through the auth check
         with pytest.raises(openai.AuthenticationError):
             _client(s, api_key="wrong").models.list()
         go = threading.Barrier(6)
