@@ -139,6 +139,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="prune to this fraction of the parameters (e.g. 0.6), then distill (see [prune] in a recipe)")
     b.add_argument("--fit", metavar="PROFILE", help="prune until the INT8 model fits this device profile")
     b.add_argument("--fit-context", type=int, help="context the --fit plan must hold (default 4096)")
+    b.add_argument("--vocab-size", type=int, metavar="N",
+                   help="with --prune/--fit: keep N tokens (those the chat data uses first; frees embedding rows for the blocks)")
     b.add_argument("--distill-steps", type=int, help="distillation steps after pruning (default 300)")
     b.add_argument("--distill-minutes", type=float, help="stop distilling after this many minutes")
     b.add_argument("--no-distill", action="store_true", help="prune only (the report then has no recovery row)")

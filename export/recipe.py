@@ -125,6 +125,11 @@ class BuildOptions:
             prune = dataclasses.replace(p, target_ratio=a.prune, fit=a.fit or p.fit,
                                         fit_context=a.fit_context or p.fit_context)
             distill = distill or DistillOptions()
+        if getattr(a, "vocab_size", None):
+            if prune is None:
+                raise RecipeError("--vocab-size prunes the vocabulary: give it with --prune RATIO, --fit PROFILE or a "
+                                  "recipe with a [prune] section")
+            prune = dataclasses.replace(prune, vocab_size=a.vocab_size)
         if getattr(a, "distill_steps", None) or getattr(a, "distill_minutes", None):
             distill = dataclasses.replace(distill or DistillOptions(), **{k: v for k, v in
                                           (("steps", a.distill_steps), ("max_minutes", a.distill_minutes)) if v})

@@ -368,6 +368,10 @@ def test_recipe_sections_and_flags(tmp_path):
     assert o.prune is not None and o.distill is None
     o = BuildOptions.from_cli(argparse.Namespace(**(ns | {"prune": None, "fit": "orin-nano-8gb", "fit_context": 1024})))
     assert o.prune.fit == "orin-nano-8gb" and o.prune.target_ratio is None and o.prune.fit_context == 1024
+    o = BuildOptions.from_cli(argparse.Namespace(**(ns | {"prune": 0.6, "vocab_size": 24576})))
+    assert o.prune.vocab_size == 24576 and o.prune.target_ratio == 0.6
+    with pytest.raises(RecipeError, match="--vocab-size prunes the vocabulary: give it with --prune"):
+        BuildOptions.from_cli(argparse.Namespace(**(ns | {"prune": None, "vocab_size": 24576})))
 
 
 def test_fit_a_device_budget(loaded):
