@@ -105,6 +105,50 @@ class BatchCache:
         return logits[:, -1, :]
 
 
+class PromptCache:
+    """K/V of recent conversations, so a prompt that starts the way an earlier one did prefills only what
+    is new: the chat template's system prompt (SmolLM2's is 24 of a short question's ~43 tokens), or the
+    conversation so far when a chat sends its next turn (prompt caching, as llama.cpp's server and vLLM
+    do). Entries are whole sequences (prompt + answer) copied out of a slot when their request ends; the
+    least recently used go first once `max_bytes` is reached."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.entries: list[tuple[np.ndarray, list[np.ndarray]]] = []  # (token ids, K/V per buffer), oldest first
+        self.hits = 0  # prompts that reused an entry
+        self.tokens_reused = 0  # and the prompt tokens they did not prefill
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for _, kv in self.entries for a in kv)
+
+    def match(self, ids: list[int]) -> tuple[list[np.ndarray] | None, int]:
+        """(K/V of the entry sharing the most leading tokens with `ids`, how many); (None, 0) if none.
+        The entry becomes the most recently used."""
+        best, best_n = -1, 0
+        q = np.asarray(ids, dtype=np.int64)
+        for i, (toks, _) in enumerate(self.entries):
+            m = min(len(toks), len(q))
+            same = toks[:m] == q[:m]
+            n = m if same.all() else int(np.argmin(same))
+            if n > best_n:
+                best, best_n = i, n
+        if best < 0:
+            return None, 0
+        self.entries.append(self.entries.pop(best))
+        return self.entries[-1][1], best_n
+
+    def put(self, ids: list[int], kv: list[np.ndarray]) -> None:
+        toks = np.asarray(ids, dtype=np.int64)
+        # an entry this one extends (the same conversation a turn later) or repeats is no longer needed
+        self.entries = [(t, a) for t, a in self.entries if not (len(t) <= len(toks) and (toks[:len(t)] == t).all())]
+        if sum(a.nbytes for a in kv) > self.max_bytes:
+            return
+        self.entries.append((toks, kv))
+        while self.nbytes > self.max_bytes:
+            self.entries.pop(0)
+
+
 class SharedBatchCache:
     """Fused graphs: rows left-aligned in one in-place buffer per layer (see the module docstring).
 
@@ -113,7 +157,7 @@ class SharedBatchCache:
     that leaves is closed up by moving the rows after it (one copy of their K/V, once).
     """
 
-    def __init__(self, decoder: Decoder, slots: int, capacity: int = 256) -> None:
+    def __init__(self, decoder: Decoder, slots: int, capacity: int = 256, prompt_cache_bytes: int = 0) -> None:
         if decoder.device != "cpu":
             raise EdgeChatError(f"batched serving of a fused graph runs on CPU only (this decoder runs on "
                                 f"{decoder.device}): serve a plain engine there (--engine fp32)")
@@ -123,6 +167,8 @@ class SharedBatchCache:
         self.lengths: list[int] = []
         self._views: tuple[int, list] | None = None  # (n, OrtValues over buffer[:n]) for the current n
         self.side: KVCache | None = None  # a long prompt being prefilled into the last slot (side_row)
+        self.prompts = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+        self.reused: list[int] = []  # per row of the last prefill_rows call: prompt tokens taken from the cache
 
     @property
     def width(self) -> int:
@@ -157,12 +203,20 @@ class SharedBatchCache:
         return KVCache(values, capacity=self.buffers.capacity, arrays=arrays)
 
     def prefill_rows(self, prompts: list[list[int]]) -> np.ndarray:
-        """Prefill several new requests in ONE call, right-padded into the next free slots (each row's
-        seqlens_k is its own length, so padding is never attended); they join the batch at once.
-        Returns each row's next-token logits [len(prompts), vocab]."""
+        """Prefill new requests into the next free slots, in order; they join the batch at once. Returns
+        each row's next-token logits [len(prompts), vocab].
+
+        Without cached prefixes: ONE right-padded call (each row's seqlens_k is its own length, so padding
+        is never attended). When the prompt cache holds the start of some prompt, its K/V are copied into
+        the slot and only the rest runs; ONNX Runtime's CPU GroupQueryAttention takes a past only at batch
+        1 for more than one new token, so such a group is prefilled one row at a time."""
         n, k = len(self.lengths), len(prompts)
         if k > self.free:
             raise EdgeChatError(f"{k} new rows do not fit: {self.free} of {self.slots} batch slots are free")
+        found = [self.prompts.match(p) for p in prompts] if self.prompts is not None else []
+        self.reused = [min(c, len(p) - 1) for p, (_, c) in zip(prompts, found)] or [0] * k
+        if any(self.reused):
+            return np.stack([self._prefill_one(n + j, p, kv, c) for j, (p, (kv, c)) in enumerate(zip(prompts, found))])
         lens = [len(p) for p in prompts]
         width = max(lens)
         self._reserve(width + 1)
@@ -174,6 +228,28 @@ class SharedBatchCache:
         self.lengths.extend(lens)
         self._views = None
         return logits[:, 0]
+
+    def _prefill_one(self, slot: int, prompt: list[int], kv: list[np.ndarray] | None, cached: int) -> np.ndarray:
+        """One prompt into `slot` (the next free one), its first `cached` tokens' K/V copied from `kv`."""
+        c = min(cached, len(prompt) - 1)  # at least one token runs: it gives the next-token logits
+        self._reserve(len(prompt) + 1)
+        if c > 0:
+            for a, src in zip(self.buffers.arrays, kv):
+                a[slot, :, :c] = src[:, :c]
+            self.prompts.hits += 1
+            self.prompts.tokens_reused += c
+        ids = np.asarray([prompt[c:]], dtype=np.int64)
+        logits = self.decoder.run_fused(ids, np.asarray([len(prompt) - 1], np.int32), len(prompt),
+                                        self._slots(slot, slot + 1)[1], np.asarray([[ids.shape[1] - 1]], np.int64))
+        self.lengths.append(len(prompt))
+        self._views = None
+        return logits[0, 0]
+
+    def remember(self, row: int, ids: list[int]) -> None:
+        """Keep row's K/V for the tokens `ids` it holds in the prompt cache (call before it leaves)."""
+        m = min(len(ids), self.lengths[row])
+        if self.prompts is not None and m > 1:
+            self.prompts.put(ids[:m], [a[row, :, :m].copy() for a in self.buffers.arrays])
 
     def add(self, row: KVCache) -> None:
         n = len(self.lengths)
@@ -243,9 +319,10 @@ class SharedBatchCache:
         return logits[:, 0]
 
 
-def batch_cache(decoder: Decoder, slots: int) -> BatchCache | SharedBatchCache:
-    """The batch cache the decoder's graph calls for."""
-    return SharedBatchCache(decoder, slots) if decoder.io.fused else BatchCache(decoder)
+def batch_cache(decoder: Decoder, slots: int, prompt_cache_bytes: int = 0) -> BatchCache | SharedBatchCache:
+    """The batch cache the decoder's graph calls for (a prompt cache on fused graphs only)."""
+    return SharedBatchCache(decoder, slots, prompt_cache_bytes=prompt_cache_bytes) if decoder.io.fused \
+        else BatchCache(decoder)
 
 
 _ids = itertools.count(1)
@@ -254,6 +331,7 @@ BATCHED_PREFILL_MAX_PROMPT = 512  # longer prompts are prefilled alone, in chunk
 # chunk takes 73-126 ms (past 0-1400), 1536 tokens 1.20 s in chunks of 128 vs 1.22 s in 512s, so the others
 # stream a token every ~0.1-0.14 s instead of freezing for the whole prefill.
 INTERLEAVED_PREFILL_CHUNK = 128
+PROMPT_CACHE_MB = 64  # K/V kept of recent conversations (fused graphs): SmolLM2-135M takes 45 KB a token, ~1,450 tokens
 BATCHED_PREFILL_TOKENS = 1024  # padded tokens per batched prefill call (bounds its activations; and a graph
 # written before logit_positions returns [rows, width, vocab] logits)
 
@@ -321,7 +399,8 @@ class _Prefilling:
 class Scheduler:
     """Admits requests into up to `max_batch` rows and runs batched decode steps on one thread."""
 
-    def __init__(self, gen: Generator, max_batch: int = 8, max_queue: int = 32, metrics=None) -> None:
+    def __init__(self, gen: Generator, max_batch: int = 8, max_queue: int = 32, metrics=None,
+                 prompt_cache_mb: float = PROMPT_CACHE_MB) -> None:
         if max_batch < 1 or max_queue < 0:
             raise EdgeChatError(f"max_batch must be >= 1 and max_queue >= 0 (got {max_batch}, {max_queue})")
         self.gen = gen
@@ -330,7 +409,9 @@ class Scheduler:
         self.metrics = metrics
         self.pending: deque[Request] = deque()
         self.rows: list[_Row] = []
-        self.cache = batch_cache(gen.decoder, max_batch)
+        if prompt_cache_mb < 0:
+            raise EdgeChatError(f"the prompt cache size must be >= 0 MB (0 turns it off), got {prompt_cache_mb}")
+        self.cache = batch_cache(gen.decoder, max_batch, int(prompt_cache_mb * 2**20))
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -434,7 +515,6 @@ class Scheduler:
             longs = [b for b in batch if self._long(b[0])]
             together = [b for b in batch if len(b[0].prompt_ids) <= BATCHED_PREFILL_MAX_PROMPT] \
                 if isinstance(self.cache, SharedBatchCache) else []
-            together = together if len(together) > 1 else []
             if together:
                 self._prefill_together(together)
             joined = {id(req) for req, _ in together + longs}
@@ -536,14 +616,15 @@ class Scheduler:
                 continue
             first = len(self.rows)
             self.rows.extend(row for _, row in group)
+            for (_, row), c in zip(group, self.cache.reused):
+                row.text.cached_tokens = c
             done = [first + j for j, (req, row) in enumerate(group)
                     if not self._accept(row, logits[j], len(req.prompt_ids))]
             if done:
-                self.cache.remove(done)
-                self.rows = [r for i, r in enumerate(self.rows) if i not in set(done)]
+                self._leave(done)
             if self.metrics is not None:
-                for req, _ in group:
-                    self.metrics.observe_prompt(len(req.prompt_ids))
+                for (req, _), c in zip(group, self.cache.reused):
+                    self.metrics.observe_prompt(len(req.prompt_ids), cached=c)
 
     def _accept(self, row: _Row, logits: np.ndarray, length: int) -> bool:
         """Sample the row's next token and emit it; False when the answer is finished (and closed)."""
@@ -578,16 +659,22 @@ class Scheduler:
             self.metrics.observe_step(len(self.rows))
         finished = [i for i, r in enumerate(self.rows) if not self._accept(r, logits[i], self.cache.lengths[i])]
         if finished:
-            self.cache.remove(finished)
-            self.rows = [r for i, r in enumerate(self.rows) if i not in set(finished)]
+            self._leave(finished)
 
     def _finish(self, rows: list[int], reason: str) -> None:
         for i in rows:
             r = self.rows[i]
             self._emit_final(r.req, r.text, reason)
         if rows and self.rows:
-            self.cache.remove(rows)
-            self.rows = [r for i, r in enumerate(self.rows) if i not in set(rows)]
+            self._leave(rows)
+
+    def _leave(self, rows: list[int]) -> None:
+        """Rows whose answers ended leave the batch; a fused graph's prompt cache keeps their conversations."""
+        if isinstance(self.cache, SharedBatchCache):
+            for i in rows:
+                self.cache.remember(i, self.rows[i].seen)
+        self.cache.remove(rows)
+        self.rows = [r for i, r in enumerate(self.rows) if i not in set(rows)]
 
     def _emit_final(self, req: Request, text: TextStream, reason: str, error: str | None = None) -> None:
         if req.done.is_set():

@@ -125,7 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     gen = _gen(args, spin=False)
     return serve(gen, host=args.host, port=args.port, max_users=args.max_users, max_queue=args.max_queue,
-                 auth=auth, ui=not args.no_ui)
+                 auth=auth, ui=not args.no_ui, prompt_cache_mb=args.prompt_cache_mb)
 
 
 def _golden(args: argparse.Namespace) -> int:
@@ -250,6 +250,9 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--auth", help="user:password for the page; API clients send 'Bearer <password>'")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without --auth")
     s.add_argument("--no-ui", action="store_true", help="API only, no Gradio page")
+    s.add_argument("--prompt-cache-mb", type=float, default=None,
+                   help="memory for the K/V of recent conversations, so a prompt that starts like one of them (the "
+                        "system prompt, the chat so far) prefills only what is new (fused graphs; default 64, 0: off)")
     s.add_argument("--verify", action="store_true", help="check every file's SHA-256 before loading")
     s.set_defaults(func=_serve)
     e = sub.add_parser("build-engine", help="build a TensorRT engine for this device into the bundle",

@@ -40,6 +40,7 @@ class Metrics:
         self.finished: dict[str, int] = defaultdict(int)
         self.rejected: dict[str, int] = defaultdict(int)
         self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
         self.completion_tokens = 0
         self.steps = 0
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -47,9 +48,10 @@ class Metrics:
         self.batch = Histogram(BATCH_BUCKETS)
         self.peak_batch = 0
 
-    def observe_prompt(self, n: int) -> None:
+    def observe_prompt(self, n: int, cached: int = 0) -> None:
         with self._lock:
             self.prompt_tokens += n
+            self.cached_prompt_tokens += cached
 
     def observe_step(self, batch: int) -> None:
         with self._lock:
@@ -80,6 +82,9 @@ class Metrics:
                     "# TYPE edgechat_requests_rejected_total counter"]
             out += [f'edgechat_requests_rejected_total{{reason="{k}"}} {v}' for k, v in sorted(self.rejected.items())]
             out += ["# TYPE edgechat_prompt_tokens_total counter", f"edgechat_prompt_tokens_total {self.prompt_tokens}",
+                    "# HELP edgechat_prompt_tokens_cached_total Prompt tokens taken from the prompt cache, not prefilled.",
+                    "# TYPE edgechat_prompt_tokens_cached_total counter",
+                    f"edgechat_prompt_tokens_cached_total {self.cached_prompt_tokens}",
                     "# TYPE edgechat_completion_tokens_total counter",
                     f"edgechat_completion_tokens_total {self.completion_tokens}",
                     "# TYPE edgechat_decode_steps_total counter", f"edgechat_decode_steps_total {self.steps}",

@@ -370,6 +370,7 @@ class TextStream:
         self.stopped = False  # a stop string was hit
         self.t0 = time.perf_counter()
         self.first: float | None = None
+        self.cached_tokens = 0  # prompt tokens whose K/V came from the prompt cache (not prefilled)
 
     def push(self, tok: int) -> StreamEvent | None:
         self.ids.append(tok)
@@ -407,7 +408,8 @@ class TextStream:
         n = len(self.ids)
         first = self.first or t1
         decode_s = t1 - first
-        return {"prompt_tokens": self.prompt_len, "completion_tokens": n, "ttft_s": first - self.t0,
+        return {"prompt_tokens": self.prompt_len, "cached_prompt_tokens": self.cached_tokens,
+                "completion_tokens": n, "ttft_s": first - self.t0,
                 "decode_tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, "total_s": t1 - self.t0}
 
 

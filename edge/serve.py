@@ -11,12 +11,12 @@ log = logging.getLogger("edgechat")
 
 
 def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: int = 8, max_queue: int | None = None,
-          auth: tuple[str, str] | None = None, ui: bool = True) -> int:
+          auth: tuple[str, str] | None = None, ui: bool = True, prompt_cache_mb: float | None = None) -> int:
     import uvicorn
 
     from edge.server import Service, create_app
 
-    service = Service(gen, max_users=max_users, max_queue=max_queue)
+    service = Service(gen, max_users=max_users, max_queue=max_queue, prompt_cache_mb=prompt_cache_mb)
     service.scheduler.start()
     app = create_app(service, auth=auth, ui=ui)
     shown = f"[{host}]" if ":" in host else host

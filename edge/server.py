@@ -49,11 +49,13 @@ class APIError(Exception):
 class Service:
     """What the routes and the page share: generator, scheduler, metrics, identity."""
 
-    def __init__(self, gen: Generator, max_users: int = 8, max_queue: int | None = None) -> None:
+    def __init__(self, gen: Generator, max_users: int = 8, max_queue: int | None = None,
+                 prompt_cache_mb: float | None = None) -> None:
         self.gen = gen
         self.metrics = Metrics()
         self.scheduler = Scheduler(gen, max_batch=max_users, max_queue=4 * max_users if max_queue is None else max_queue,
-                                   metrics=self.metrics)
+                                   metrics=self.metrics,
+                                   **({} if prompt_cache_mb is None else {"prompt_cache_mb": prompt_cache_mb}))
         m = gen.bundle.manifest if gen.bundle is not None else None
         self.model_id = m.model_name.split("/")[-1] if m else "edgechat"
         engine = getattr(gen.decoder, "engine", None)
@@ -307,7 +309,8 @@ def _finish(reason: str | None) -> str:
 
 def _usage(last: StreamEvent) -> dict:
     p, c = last.stats.get("prompt_tokens", 0), last.stats.get("completion_tokens", 0)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": last.stats.get("cached_prompt_tokens", 0)}}
 
 
 async def _sse(service: Service, cid: str, created: int, events: AsyncIterator[StreamEvent],

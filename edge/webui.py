@@ -77,8 +77,9 @@ def build_ui(service) -> gr.Blocks:
                 shown = msgs + [{"role": "assistant", "content": reply}]
                 if ev.finish_reason:
                     s = ev.stats
+                    cached = f" · {s['cached_prompt_tokens']} prompt tokens cached" if s.get("cached_prompt_tokens") else ""
                     line = (f"TTFT {s['ttft_s'] * 1000:.0f} ms · {s['decode_tok_s']:.1f} tok/s · "
-                            f"{s['completion_tokens']} tokens · {ev.finish_reason}{note}")
+                            f"{s['completion_tokens']} tokens · {ev.finish_reason}{cached}{note}")
                     yield shown, show(shown), line
                 elif ev.text and time.monotonic() - last_yield >= UI_UPDATE_S:
                     # coalesce tokens: re-rendering the chat per token costs the browser and the device CPU

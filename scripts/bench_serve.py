@@ -4,10 +4,10 @@ streaming clients against one `edge-chat serve` process (started here on a free 
 
 Each client sends --requests chat completions one after another (128 tokens each, EOS ignored so every
 answer has the same length; greedy unless --temperature, then seeded per request); different clients ask different questions. TTFT is measured at the
-client (request sent -> first content chunk), so queueing and prefill are in it. Prints a table and
-writes JSON.
+client (request sent -> first content chunk), so queueing and prefill are in it. `--prompt-cache-mb 64,0`
+runs one server per size, with and without the prompt cache, in the same run. Prints a table and writes JSON.
 
-  .venv/bin/python scripts/bench_serve.py smollm2.bundle --engine int8-dynamic
+  .venv/bin/python scripts/bench_serve.py smollm2.bundle --engine int8-dynamic --prompt-cache-mb 64,0
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(bundle: str, engine: str | None, max_users: int, threads: int | None) -> tuple[subprocess.Popen, str]:
+def start_server(bundle: str, engine: str | None, max_users: int, threads: int | None,
+                 prompt_cache_mb: float | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "edge.cli", "serve", bundle, "--port", str(port), "--max-users", str(max_users),
            "--max-queue", str(4 * max_users), "--no-ui"]
+    cmd += ["--prompt-cache-mb", str(prompt_cache_mb)] if prompt_cache_mb is not None else []
     cmd += ["--engine", engine] if engine else []
     cmd += ["--threads", str(threads)] if threads else []
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -64,7 +66,7 @@ def one_request(url: str, question: str, max_tokens: int, sampling: dict | None 
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}} | (sampling or {})
     t0 = time.perf_counter()
     first = None
-    tokens = 0
+    tokens = cached = 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -73,10 +75,11 @@ def one_request(url: str, question: str, max_tokens: int, sampling: dict | None 
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             elif chunk["choices"] and chunk["choices"][0]["delta"].get("content") and first is None:
                 first = time.perf_counter()
     t1 = time.perf_counter()
-    return {"ttft_s": (first or t1) - t0, "total_s": t1 - t0, "tokens": tokens}
+    return {"ttft_s": (first or t1) - t0, "total_s": t1 - t0, "tokens": tokens, "cached": cached}
 
 
 def run_level(url: str, users: int, requests: int, max_tokens: int, sampling: dict | None = None) -> dict:
@@ -105,7 +108,8 @@ def run_level(url: str, users: int, requests: int, max_tokens: int, sampling: di
     return {"users": users, "requests": len(results), "tokens": tokens, "wall_s": wall,
             "total_tok_s": tokens / wall, "per_user_tok_s": statistics.median(per_user),
             "ttft_p50_ms": 1000 * statistics.median(ttfts),
-            "ttft_p95_ms": 1000 * ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))]}
+            "ttft_p95_ms": 1000 * ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
+            "cached_prompt_tokens": sum(r["cached"] for r in results)}
 
 
 def main() -> int:
@@ -118,31 +122,40 @@ def main() -> int:
     ap.add_argument("--threads", type=int, help="server intra-op threads (default: all cores)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0 samples, seeded per request")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--prompt-cache-mb", default=None,
+                    help="server prompt cache size(s), comma-separated: one server each, compared in one table "
+                         "(e.g. 64,0; default: the server's default)")
     ap.add_argument("--json", default="bench-results/serve.json")
     args = ap.parse_args()
     levels = [int(x) for x in args.users.split(",")]
     sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else None
-    proc, url = start_server(args.bundle, args.engine, max(levels), args.threads)
-    try:
-        health = json.loads(urllib.request.urlopen(url + "/health").read())
-        one_request(url, "Hello!", 8)  # warm-up
-        rows = []
-        for n in levels:
-            print(f"... {n} users", file=sys.stderr, flush=True)
-            rows.append(run_level(url, n, args.requests, args.max_tokens, sampling))
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    base = rows[0]["total_tok_s"] if rows and rows[0]["users"] == 1 else None
+    caches = [float(x) for x in args.prompt_cache_mb.split(",")] if args.prompt_cache_mb else [None]
+    rows = []
+    for mb in caches:
+        proc, url = start_server(args.bundle, args.engine, max(levels), args.threads, mb)
+        try:
+            health = json.loads(urllib.request.urlopen(url + "/health").read())
+            one_request(url, "Hello!", 8)  # warm-up
+            base = None
+            for n in levels:
+                print(f"... {n} users" + ("" if mb is None else f", prompt cache {mb:g} MB"), file=sys.stderr, flush=True)
+                r = run_level(url, n, args.requests, args.max_tokens, sampling) | {"prompt_cache_mb": mb}
+                base = r["total_tok_s"] if n == 1 else base
+                r["speedup_vs_1"] = r["total_tok_s"] / base if base else None
+                rows.append(r)
+        finally:
+            proc.terminate()
+            proc.wait(30)
     print(f"\n{health['model']} [{health['precision']}, {health['backend']}], {args.max_tokens} tokens/answer, "
           f"{args.requests} answers/user, " + (f"sampled T={args.temperature} top-p {args.top_p}, " if sampling else "greedy, ")
           + f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()})")
-    print(f"{'users':>5} {'total tok/s':>12} {'x 1 user':>9} {'per user':>9} {'TTFT p50':>9} {'TTFT p95':>9}")
+    print(f"{'cache MB':>8} {'users':>5} {'total tok/s':>12} {'x 1 user':>9} {'per user':>9} {'TTFT p50':>9} {'TTFT p95':>9}"
+          f" {'cached tok/req':>14}")
     for r in rows:
-        r["speedup_vs_1"] = r["total_tok_s"] / base if base else None
-        sp = f"{r['speedup_vs_1']:.2f}x" if base else "-"
-        print(f"{r['users']:>5} {r['total_tok_s']:>12.1f} {sp:>9} {r['per_user_tok_s']:>9.1f} "
-              f"{r['ttft_p50_ms']:>7.0f}ms {r['ttft_p95_ms']:>7.0f}ms")
+        sp = f"{r['speedup_vs_1']:.2f}x" if r["speedup_vs_1"] else "-"
+        mb = "default" if r["prompt_cache_mb"] is None else f"{r['prompt_cache_mb']:g}"
+        print(f"{mb:>8} {r['users']:>5} {r['total_tok_s']:>12.1f} {sp:>9} {r['per_user_tok_s']:>9.1f} "
+              f"{r['ttft_p50_ms']:>7.0f}ms {r['ttft_p95_ms']:>7.0f}ms {r['cached_prompt_tokens'] / r['requests']:>14.1f}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"server": health, "max_tokens": args.max_tokens, "sampling": sampling or "greedy", "rows": rows,

@@ -272,3 +272,68 @@ def test_long_prompt_answers_equal_single_user_answers(fused_generator, monkeypa
     finally:
         s.stop()
     assert got == alone
+
+
+def test_prompt_cache_prefills_only_what_is_new(fused_generator):
+    """A prompt that starts like an earlier conversation gets those K/V copied into its slot and prefills
+    only the rest: logits, K/V and the next steps equal a fresh prefill's; an entry a later turn extends
+    is replaced; the byte bound holds."""
+    dec = fused_generator.decoder
+    bc = SharedBatchCache(dec, slots=4, capacity=16, prompt_cache_bytes=1 << 20)
+    first = list(range(10, 17))
+    bc.prefill_rows([first])
+    bc.step([40]), bc.step([41])
+    held = first + [40, 41]
+    bc.remember(0, held + [99])  # the last sampled token has no K/V yet: only what the row holds is kept
+    bc.remove([0])
+    assert len(bc.prompts.entries) == 1 and len(bc.prompts.entries[0][0]) == 9
+    prompts = [first[:5] + [60, 61, 62], list(range(70, 74)), held + [50, 51, 52, 53], list(first)]
+    got = bc.prefill_rows(prompts)  # a group with cached starts: one row at a time
+    assert bc.lengths == [8, 4, 13, 7] and bc.prompts.hits == 3 and bc.prompts.tokens_reused == 5 + 9 + 6
+    alone = []
+    for i, p in enumerate(prompts):
+        c = dec.new_cache(capacity=16)
+        np.testing.assert_allclose(got[i], dec.prefill(p, c)[0], atol=1e-5, rtol=0)
+        for a, b in zip(bc.buffers.arrays, c.arrays):
+            np.testing.assert_allclose(a[i, :, :len(p)], b[0, :, :len(p)], atol=1e-5, rtol=0)
+        alone.append(c)
+    for t in (80, 81, 82, 83, 84):
+        step = bc.step([t] * 4)
+        for i, c in enumerate(alone):
+            np.testing.assert_allclose(step[i], dec.forward(np.array([t]), c)[0], atol=1e-4, rtol=0)
+    bc.remember(2, prompts[2] + [80, 81, 82, 83, 84])  # the same conversation a turn later replaces its entry
+    assert [len(t) for t, _ in bc.prompts.entries] == [18]
+    bc.prompts.max_bytes = bc.prompts.nbytes - 1  # over the bound: the oldest entries go
+    bc.remember(1, prompts[1] + [80, 81, 82, 83, 84])
+    assert 0 < bc.prompts.nbytes <= bc.prompts.max_bytes and len(bc.prompts.entries[-1][0]) == 9
+    plain = SharedBatchCache(dec, slots=2, capacity=8)
+    assert plain.prompts is None
+    plain.remember(0, first) if plain.lengths else None
+
+
+def test_scheduler_reuses_a_conversation_on_its_next_turn(fused_generator):
+    """The scheduler keeps each finished conversation's K/V: the next turn (the same chat plus the answer and
+    a new question) prefills only the new tokens, says so in its stats and metrics, and answers exactly as
+    a fresh prefill would; a prompt cache of 0 MB turns it off."""
+    gen = fused_generator
+    cfg = gen.sampling(max_new_tokens=12, ignore_eos=True)
+    turn1 = [{"role": "user", "content": "Hello! Tell me about the ocean."}]
+    s = Scheduler(gen, max_batch=2, max_queue=4, metrics=Metrics()).start()
+    off = Scheduler(gen, max_batch=2, max_queue=4, prompt_cache_mb=0).start()
+    try:
+        answer, last = s.submit(gen.tokenizer.encode_chat(turn1), cfg).answer(timeout=60)
+        assert last.stats["cached_prompt_tokens"] == 0  # nothing to reuse yet
+        turn2 = gen.tokenizer.encode_chat(turn1 + [{"role": "assistant", "content": answer},
+                                                   {"role": "user", "content": "And the sky?"}])
+        text, last = s.submit(turn2, cfg).answer(timeout=60)
+        held = len(gen.tokenizer.encode_chat(turn1)) + len(last.token_ids)  # prompt + answer the first row held
+        assert held - 4 <= last.stats["cached_prompt_tokens"] <= len(turn2) - 1
+        assert s.metrics.cached_prompt_tokens == last.stats["cached_prompt_tokens"]
+        want_text, want = gen.complete(turn2, cfg)
+        assert last.token_ids == want.token_ids and text == want_text
+        assert off.submit(turn2, cfg).answer(timeout=60)[1].stats["cached_prompt_tokens"] == 0
+        assert off.cache.prompts is None
+    finally:
+        s.stop(), off.stop()
+    with pytest.raises(Exception, match="prompt cache size must be >= 0"):
+        Scheduler(gen, prompt_cache_mb=-1)
