@@ -203,3 +203,23 @@ def test_non_loopback_bind_needs_auth(tiny_bundle):
     assert "refusing to listen on 0.0.0.0 without --auth" in r.stderr
     r = run_cli("edge.cli", "serve", str(tiny_bundle.root), "--auth", "nopassword", timeout=60)
     assert r.returncode == 2 and "user:password" in r.stderr
+
+
+def test_usage_reports_prompt_tokens_taken_from_the_prompt_cache(tiny_bundle):
+    """On a fused graph the second request reuses the first one's system prompt (and the whole first turn when
+    it continues that chat); usage says how many prompt tokens were cached, as OpenAI's API does."""
+    s = ServerProcess(tiny_bundle.root, "--engine", "int8-dynamic", "--max-users", "2", "--no-ui")
+    try:
+        client = _client(s)
+        turn = [{"role": "user", "content": "Tell me a fun fact."}]
+        first = client.chat.completions.create(model="x", messages=turn, max_tokens=8, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        nxt = turn + [{"role": "assistant", "content": first.choices[0].message.content},
+                      {"role": "user", "content": "Another one?"}]
+        second = client.chat.completions.create(model="x", messages=nxt, max_tokens=8, temperature=0)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert first.usage.prompt_tokens < cached < second.usage.prompt_tokens  # the first turn, not the new question
+        assert _metric(s, "edgechat_prompt_tokens_cached_total") == cached
+    finally:
+        code, out = s.stop()
+    assert code == 0, out
