@@ -138,6 +138,10 @@ class PromptCache:
         self.entries.append(self.entries.pop(best))
         return self.entries[-1][1], best_n
 
+    def covers(self, ids: list[int]) -> bool:
+        """An entry already starts with all of `ids` (a shorter copy would add nothing)."""
+        return self.match(ids)[1] == len(ids)
+
     def put(self, ids: list[int], kv: list[np.ndarray]) -> None:
         toks = np.asarray(ids, dtype=np.int64)
         # an entry this one extends (the same conversation a turn later) or repeats is no longer needed
@@ -248,7 +252,7 @@ class SharedBatchCache:
     def remember(self, row: int, ids: list[int]) -> None:
         """Keep row's K/V for the tokens `ids` it holds in the prompt cache (call before it leaves)."""
         m = min(len(ids), self.lengths[row])
-        if self.prompts is not None and m > 1:
+        if self.prompts is not None and m > 1 and not self.prompts.covers(ids[:m]):
             self.prompts.put(ids[:m], [a[row, :, :m].copy() for a in self.buffers.arrays])
 
     def add(self, row: KVCache) -> None:

@@ -303,12 +303,12 @@ def test_prompt_cache_prefills_only_what_is_new(fused_generator):
             np.testing.assert_allclose(step[i], dec.forward(np.array([t]), c)[0], atol=1e-4, rtol=0)
     bc.remember(2, prompts[2] + [80, 81, 82, 83, 84])  # the same conversation a turn later replaces its entry
     assert [len(t) for t, _ in bc.prompts.entries] == [18]
+    bc.remember(3, first)  # what an entry already holds is not copied again
+    assert [len(t) for t, _ in bc.prompts.entries] == [18]
     bc.prompts.max_bytes = bc.prompts.nbytes - 1  # over the bound: the oldest entries go
     bc.remember(1, prompts[1] + [80, 81, 82, 83, 84])
     assert 0 < bc.prompts.nbytes <= bc.prompts.max_bytes and len(bc.prompts.entries[-1][0]) == 9
-    plain = SharedBatchCache(dec, slots=2, capacity=8)
-    assert plain.prompts is None
-    plain.remember(0, first) if plain.lengths else None
+    assert SharedBatchCache(dec, slots=2, capacity=8).prompts is None  # off unless given a size
 
 
 def test_scheduler_reuses_a_conversation_on_its_next_turn(fused_generator):

@@ -100,10 +100,18 @@ def test_prune_and_distill_the_default_model(smol_bundle, tmp_path):
     from export import distill, prune
 
     hf = smol_bundle.root.with_name(smol_bundle.root.name + ".work") / "load"
-    m = prune.run(hf, tmp_path / "pruned", prune.PruneOptions(target_ratio=0.6, hidden_ratio=0.8, samples=16))
-    assert m["params_after"] <= 0.6 * m["params_before"] and m["hidden"] == "576 -> 448"
+    m = prune.run(hf, tmp_path / "pruned", prune.PruneOptions(target_ratio=0.6, vocab_size=24576, samples=16))
+    assert m["params_after"] <= 0.6 * m["params_before"] and m["hidden"] == "576 -> 576"
+    assert m["vocab"] == "49152 -> 24576" and m["vocab_coverage"] > 0.999  # the recipe's shape
     cfg = json.loads((tmp_path / "pruned/config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["head_dim"] == 64 and cfg["num_key_value_heads"] == 3
+    from export.load import chat_tokenizer
+
+    tok = chat_tokenizer(tmp_path / "pruned")
+    chat = [{"role": "user", "content": "What is the capital of Japan?"}]
+    ids = tok.encode_chat(chat)
+    assert max(ids) < 24576 and tok.decode(ids, skip_special_tokens=False) == chat_tokenizer(hf).render(chat)
+    assert len(tok.encode(" Tokyo")) == 1  # the golden answers' words keep their own tokens
     small = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned")
     assert torch.isfinite(small(torch.tensor([[1, 2, 3]])).logits).all()
     d = distill.run(hf, tmp_path / "pruned", tmp_path / "distilled",
