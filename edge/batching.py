@@ -237,17 +237,32 @@ class SharedBatchCache:
         """One prompt into `slot` (the next free one), its first `cached` tokens' K/V copied from `kv`."""
         c = min(cached, len(prompt) - 1)  # at least one token runs: it gives the next-token logits
         self._reserve(len(prompt) + 1)
-        if c > 0:
-            for a, src in zip(self.buffers.arrays, kv):
-                a[slot, :, :c] = src[:, :c]
-            self.prompts.hits += 1
-            self.prompts.tokens_reused += c
+        self._copy_prefix(slot, kv, c)
         ids = np.asarray([prompt[c:]], dtype=np.int64)
         logits = self.decoder.run_fused(ids, np.asarray([len(prompt) - 1], np.int32), len(prompt),
                                         self._slots(slot, slot + 1)[1], np.asarray([[ids.shape[1] - 1]], np.int64))
         self.lengths.append(len(prompt))
         self._views = None
         return logits[0, 0]
+
+    def _copy_prefix(self, slot: int, kv: list[np.ndarray] | None, n: int) -> None:
+        """The first n cached tokens' K/V (a prompt cache entry) into `slot`."""
+        if n > 0 and kv is not None and self.prompts is not None:
+            for a, src in zip(self.buffers.arrays, kv):
+                a[slot, :, :n] = src[:, :n]
+            self.prompts.hits += 1
+            self.prompts.tokens_reused += n
+
+    def reuse_side(self, prompt: list[int]) -> int:
+        """The side row's prompt, like prefill_rows': its longest cached start copied into the last slot;
+        returns how many tokens are there now (the chunked prefill goes on from there)."""
+        row = self.side_view()
+        if self.prompts is None:
+            return 0
+        kv, n = self.prompts.match(prompt)
+        row.length = min(n, len(prompt) - 1)
+        self._copy_prefix(self.slots - 1, kv, row.length)
+        return row.length
 
     def remember(self, row: int, ids: list[int]) -> None:
         """Keep row's K/V for the tokens `ids` it holds in the prompt cache (call before it leaves)."""
@@ -394,10 +409,11 @@ class _Row:
 
 @dataclass
 class _Prefilling:
-    """A long prompt going into the side slot, `done` tokens so far."""
+    """A long prompt going into the side slot, `done` tokens so far (`cached` of them from the prompt cache)."""
     req: Request
     row: _Row
     done: int = 0
+    cached: int = 0
 
 
 class Scheduler:
@@ -567,7 +583,9 @@ class Scheduler:
         except EdgeChatError as e:
             self._emit_final(req, row.text, "error", str(e))
             return
-        self.prefilling = _Prefilling(req, row)
+        cached = self.cache.reuse_side(req.prompt_ids)  # a long chat's next turn: only the new part runs
+        row.text.cached_tokens = cached
+        self.prefilling = _Prefilling(req, row, done=cached, cached=cached)
 
     def _prefill_next_chunk(self) -> None:
         """One chunk of the long prompt into the side slot; on the last one it joins the batch."""
@@ -597,7 +615,7 @@ class Scheduler:
         else:
             self.cache.drop_side()
         if self.metrics is not None:
-            self.metrics.observe_prompt(len(ids))
+            self.metrics.observe_prompt(len(ids), cached=p.cached)
 
     def _prefill_together(self, batch: list[tuple[Request, _Row]]) -> None:
         """Fused graphs: requests that arrived together are prefilled in one padded call (a prompt's

@@ -311,14 +311,22 @@ def test_prompt_cache_prefills_only_what_is_new(fused_generator):
     assert SharedBatchCache(dec, slots=2, capacity=8).prompts is None  # off unless given a size
 
 
-def test_scheduler_reuses_a_conversation_on_its_next_turn(fused_generator):
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long-prompt-path"])
+def test_scheduler_reuses_a_conversation_on_its_next_turn(fused_generator, monkeypatch, long):
     """The scheduler keeps each finished conversation's K/V: the next turn (the same chat plus the answer and
     a new question) prefills only the new tokens, says so in its stats and metrics, and answers exactly as
-    a fresh prefill would; a prompt cache of 0 MB turns it off."""
+    a fresh prefill would; also when that turn is long enough to be prefilled in chunks between decode
+    steps; a prompt cache of 0 MB turns it off."""
+    import edge.batching as batching
+
     gen = fused_generator
     cfg = gen.sampling(max_new_tokens=12, ignore_eos=True)
     turn1 = [{"role": "user", "content": "Hello! Tell me about the ocean."}]
-    s = Scheduler(gen, max_batch=2, max_queue=4, metrics=Metrics()).start()
+    if long:  # the second turn goes through the side slot, a chunk at a time
+        monkeypatch.setattr(batching, "BATCHED_PREFILL_MAX_PROMPT", len(gen.tokenizer.encode_chat(turn1)) + 2)
+    s = Scheduler(gen, max_batch=2, max_queue=4, metrics=Metrics())
+    s.prefill_chunk = 3
+    s.start()
     off = Scheduler(gen, max_batch=2, max_queue=4, prompt_cache_mb=0).start()
     try:
         answer, last = s.submit(gen.tokenizer.encode_chat(turn1), cfg).answer(timeout=60)
@@ -329,6 +337,7 @@ def test_scheduler_reuses_a_conversation_on_its_next_turn(fused_generator):
         held = len(gen.tokenizer.encode_chat(turn1)) + len(last.token_ids)  # prompt + answer the first row held
         assert held - 4 <= last.stats["cached_prompt_tokens"] <= len(turn2) - 1
         assert s.metrics.cached_prompt_tokens == last.stats["cached_prompt_tokens"]
+        assert s.prefills_together == (1 if long else 2)  # the long turn came through the side slot
         want_text, want = gen.complete(turn2, cfg)
         assert last.token_ids == want.token_ids and text == want_text
         assert off.submit(turn2, cfg).answer(timeout=60)[1].stats["cached_prompt_tokens"] == 0
