@@ -308,6 +308,12 @@ def test_prompt_cache_prefills_only_what_is_new(fused_generator):
     bc.prompts.max_bytes = bc.prompts.nbytes - 1  # over the bound: the oldest entries go
     bc.remember(1, prompts[1] + [80, 81, 82, 83, 84])
     assert 0 < bc.prompts.nbytes <= bc.prompts.max_bytes and len(bc.prompts.entries[-1][0]) == 9
+    bc.remove([0, 1, 2, 3])
+    hits = bc.prompts.hits
+    few = bc.prefill_rows([first[:2] + [90, 91, 92, 93], list(range(94, 100))])  # 2 of 12 tokens cached
+    assert bc.reused == [0, 0] and bc.prompts.hits == hits  # one batched call instead
+    np.testing.assert_allclose(few[0], dec.prefill(first[:2] + [90, 91, 92, 93], dec.new_cache(capacity=16))[0],
+                               atol=1e-5, rtol=0)
     assert SharedBatchCache(dec, slots=2, capacity=8).prompts is None  # off unless given a size
 
 
