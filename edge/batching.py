@@ -12,7 +12,9 @@ New requests that arrive together are prefilled together (fused graphs) or alone
 join the batch between steps. On a fused graph a long prompt is prefilled a chunk at a time into
 the last slot, one chunk between decode steps, so the answers already streaming keep streaming
 instead of freezing for the whole prefill; it then joins the batch. A finished or cancelled
-request leaves at once and its slot is free for the next step. The scheduler thread is
+request leaves at once and its slot is free for the next step; on a fused graph its conversation's
+K/V go into the prompt cache (`PromptCache`), and a later prompt that starts the same way (the system
+prompt, the chat so far) prefills only the rest. The scheduler thread is
 the only caller of the ONNX Runtime session. Consumers get `StreamEvent`s
 through a callback, so a slow reader never holds up the others.
 """
@@ -624,7 +626,8 @@ class Scheduler:
 
     def _prefill_together(self, batch: list[tuple[Request, _Row]]) -> None:
         """Fused graphs: requests that arrived together are prefilled in one padded call (a prompt's
-        compute is then shared, not queued behind the others'); each then joins the batch."""
+        compute is then shared, not queued behind the others'), or from their cached starts
+        (SharedBatchCache.prefill_rows decides); each then joins the batch."""
         while batch:  # groups whose padded size keeps the all-position logits bounded
             group, width = [], 0
             for b in batch:
