@@ -100,11 +100,12 @@ def test_prune_and_distill_the_default_model(smol_bundle, tmp_path):
     from export import distill, prune
 
     hf = smol_bundle.root.with_name(smol_bundle.root.name + ".work") / "load"
-    m = prune.run(hf, tmp_path / "pruned", prune.PruneOptions(target_ratio=0.6, vocab_size=24576, samples=16))
-    assert m["params_after"] <= 0.6 * m["params_before"] and m["hidden"] == "576 -> 576"
-    assert m["vocab"] == "49152 -> 24576" and m["vocab_coverage"] > 0.999  # the recipe's shape
+    m = prune.run(hf, tmp_path / "pruned", prune.PruneOptions(target_ratio=0.6, vocab_size=24576, kv_groups=2, samples=16))
+    assert m["params_after"] <= 0.6 * m["params_before"] and m["hidden"] == "576 -> 576"  # the recipe's shape
+    assert m["vocab"] == "49152 -> 24576" and m["vocab_coverage"] > 0.999 and m["heads"] == "9/3 -> 6/2 (query/KV)"
+    assert m["intermediate"] == "1536 -> 928"
     cfg = json.loads((tmp_path / "pruned/config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["head_dim"] == 64 and cfg["num_key_value_heads"] == 3
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["head_dim"] == 64 and cfg["num_key_value_heads"] == 2
     from export.load import chat_tokenizer
 
     tok = chat_tokenizer(tmp_path / "pruned")
