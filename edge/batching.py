@@ -274,7 +274,9 @@ class SharedBatchCache:
     def remember(self, row: int, ids: list[int]) -> None:
         """Keep row's K/V for the tokens `ids` it holds in the prompt cache (call before it leaves)."""
         m = min(len(ids), self.lengths[row])
-        if self.prompts is not None and m > 1 and not self.prompts.covers(ids[:m]):
+        if self.prompts is None or m < 2 or m * sum(a[0, :, :1].nbytes for a in self.buffers.arrays) > self.prompts.max_bytes:
+            return  # nothing to keep, or more than the whole cache may hold: no copy made
+        if not self.prompts.covers(ids[:m]):
             self.prompts.put(ids[:m], [a[row, :, :m].copy() for a in self.buffers.arrays])
 
     def add(self, row: KVCache) -> None:

@@ -308,6 +308,9 @@ def test_prompt_cache_prefills_only_what_is_new(fused_generator):
     bc.prompts.max_bytes = bc.prompts.nbytes - 1  # over the bound: the oldest entries go
     bc.remember(1, prompts[1] + [80, 81, 82, 83, 84])
     assert 0 < bc.prompts.nbytes <= bc.prompts.max_bytes and len(bc.prompts.entries[-1][0]) == 9
+    kept = [t.tolist() for t, _ in bc.prompts.entries]
+    bc.remember(2, prompts[2] + [80, 81, 82, 83, 84])  # 18 tokens: larger than the whole cache, not kept
+    assert [t.tolist() for t, _ in bc.prompts.entries] == kept
     bc.remove([0, 1, 2, 3])
     hits = bc.prompts.hits
     few = bc.prefill_rows([first[:2] + [90, 91, 92, 93], list(range(94, 100))])  # 2 of 12 tokens cached
