@@ -140,6 +140,12 @@ class PromptCache:
         self.entries.append(self.entries.pop(best))
         return self.entries[-1][1], best_n
 
+    def start(self, prompt: list[int]) -> tuple[list[np.ndarray] | None, int]:
+        """(K/V, how many of the prompt's first tokens to take from them): at most all but the last, since a
+        prefill needs one token to run for the next-token logits."""
+        kv, n = self.match(prompt)
+        return kv, min(n, len(prompt) - 1)
+
     def covers(self, ids: list[int]) -> bool:
         """An entry already starts with all of `ids` (a shorter copy would add nothing)."""
         return self.match(ids)[1] == len(ids)
@@ -220,14 +226,15 @@ class SharedBatchCache:
         n, k = len(self.lengths), len(prompts)
         if k > self.free:
             raise EdgeChatError(f"{k} new rows do not fit: {self.free} of {self.slots} batch slots are free")
-        found = [self.prompts.match(p) for p in prompts] if self.prompts is not None else []
-        self.reused = [min(c, len(p) - 1) for p, (_, c) in zip(prompts, found)] or [0] * k
+        found = [self.prompts.start(p) for p in prompts] if self.prompts is not None else []
+        self.reused = [c for _, c in found] or [0] * k
         if k > 1 and 2 * sum(self.reused) < sum(len(p) for p in prompts):
             # a few shared tokens do not pay for giving up the one batched call (measured with 8 SmolLM2
             # prompts of ~43 tokens, 24-33 cached: one at a time 210 ms TTFT p50 against 331 ms batched)
             self.reused = [0] * k
         if any(self.reused):
-            return np.stack([self._prefill_one(n + j, p, kv, c) for j, (p, (kv, c)) in enumerate(zip(prompts, found))])
+            return np.stack([self._prefill_one(n + j, p, kv, c) for j, (p, (kv, _), c)
+                             in enumerate(zip(prompts, found, self.reused))])
         lens = [len(p) for p in prompts]
         width = max(lens)
         self._reserve(width + 1)
@@ -242,10 +249,9 @@ class SharedBatchCache:
 
     def _prefill_one(self, slot: int, prompt: list[int], kv: list[np.ndarray] | None, cached: int) -> np.ndarray:
         """One prompt into `slot` (the next free one), its first `cached` tokens' K/V copied from `kv`."""
-        c = min(cached, len(prompt) - 1)  # at least one token runs: it gives the next-token logits
         self._reserve(len(prompt) + 1)
-        self._copy_prefix(slot, kv, c)
-        ids = np.asarray([prompt[c:]], dtype=np.int64)
+        self._copy_prefix(slot, kv, cached)
+        ids = np.asarray([prompt[cached:]], dtype=np.int64)
         logits = self.decoder.run_fused(ids, np.asarray([len(prompt) - 1], np.int32), len(prompt),
                                         self._slots(slot, slot + 1)[1], np.asarray([[ids.shape[1] - 1]], np.int64))
         self.lengths.append(len(prompt))
@@ -266,8 +272,7 @@ class SharedBatchCache:
         row = self.side_view()
         if self.prompts is None:
             return 0
-        kv, n = self.prompts.match(prompt)
-        row.length = min(n, len(prompt) - 1)
+        kv, row.length = self.prompts.start(prompt)
         self._copy_prefix(self.slots - 1, kv, row.length)
         return row.length
 
