@@ -76,6 +76,7 @@ def _engines(args: argparse.Namespace) -> int:
 
 
 def _deploy(args: argparse.Namespace) -> int:
+    from edge.errors import EdgeChatError
     from export.deploy import Target, deploy, rollback
 
     if args.rollback and args.bundle and not args.host:  # edge-export deploy --rollback user@host
