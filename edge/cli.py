@@ -226,7 +226,7 @@ def _add_gen_flags(p: argparse.ArgumentParser) -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="edge-chat", description="Chat with an EdgeChat bundle on this device, offline.")
+    ap = Parser(prog="edge-chat", description="Chat with an EdgeChat bundle on this device, offline.")
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="answer one prompt, streamed", description="Answer one prompt, streamed to the terminal.")
@@ -275,6 +275,21 @@ def make_parser() -> argparse.ArgumentParser:
     i.add_argument("--verify", action="store_true", help="check every file's SHA-256")
     i.set_defaults(func=_info)
     return ap
+
+
+EXIT_CODES = ("exit codes: 0 done; 2 bad input or a failed check (one line on stderr says what to do); "
+              "130 interrupted; 1 an internal error (a bug: please report the traceback)")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (exit 2), like every other refusal of the CLIs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("epilog", EXIT_CODES)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def guarded(args: argparse.Namespace) -> int:

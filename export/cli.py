@@ -97,7 +97,9 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    from edge.cli import Parser
+
+    ap = Parser(
         prog="edge-export",
         description="Turn a Hugging Face chat model into an EdgeChat bundle (ONNX + INT8 + report) for T4, L4 and Jetson Orin.",
     )
