@@ -1,22 +1,18 @@
 """Continuous batching: many conversations share one decode step.
 
-Each active request owns a row of one batched KV cache. Rows have different lengths:
-- plain graphs (`BatchCache`): rows are kept right-aligned in a [batch, kv_heads, width,
-  head_dim] tensor per layer with the unused left columns masked out by `attention_mask`;
-  positions are per row; each step's present KV replaces the past (a copy per step).
-- fused graphs (`SharedBatchCache`): one [slots, kv_heads, capacity, head_dim] buffer per
-  layer, each row left-aligned with its own length (`seqlens_k`); GroupQueryAttention writes
-  the new token's K/V in place, so a step copies nothing, and a new request is prefilled
-  straight into its row.
-New requests that arrive together are prefilled together (fused graphs) or alone (batch 1), and
-join the batch between steps. On a fused graph a long prompt is prefilled a chunk at a time into
-the last slot, one chunk between decode steps, so the answers already streaming keep streaming
-instead of freezing for the whole prefill; it then joins the batch. A finished or cancelled
-request leaves at once and its slot is free for the next step; on a fused graph its conversation's
-K/V go into the prompt cache (`PromptCache`), and a later prompt that starts the same way (the system
-prompt, the chat so far) prefills only the rest. The scheduler thread is
-the only caller of the ONNX Runtime session. Consumers get `StreamEvent`s
-through a callback, so a slow reader never holds up the others.
+Each active request owns a row of one batched KV cache (edge.batch_cache). New requests are
+prefilled one at a time, the same calls a single user's prefill runs (so an answer does not
+depend on who arrived with it or on what the prompt cache held), and join the batch between
+steps. On a fused graph a long prompt is prefilled a span at a time into the last slot, one span
+between decode steps, so the answers already streaming keep streaming instead of freezing for the
+whole prefill; it then joins the batch. A finished, cancelled or timed-out request leaves at once and
+its slot is free for the next step; on a fused graph its prompt's K/V go into the prompt cache.
+
+One request cannot stop the others: an error while serving a request fails that request (its
+consumer gets a final event with finish_reason "error"), and a supervisor restarts the loop if it
+ever fails as a whole (counted in `restarts`, reported by /health). The scheduler thread is the only
+caller of the ONNX Runtime session. Consumers get `StreamEvent`s through a callback, so a slow
+reader never holds up the others.
 """
 
 from __future__ import annotations
@@ -32,10 +28,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from edge.batch_cache import PROMPT_CACHE_MB, BatchCache, PromptCache, SharedBatchCache, batch_cache
 from edge.errors import ContextOverflowError, EdgeChatError
-from edge.runtime import Decoder, Generator, KVCache, StreamEvent, TextStream, _ort
+from edge.runtime import Generator, StreamEvent, TextStream, next_boundary
 from edge.sampling import Sampler, SamplingConfig
 
+__all__ = ["BatchCache", "PromptCache", "QueueFullError", "Request", "Scheduler", "SharedBatchCache", "batch_cache"]
 log = logging.getLogger("edgechat")
 
 
@@ -47,348 +45,50 @@ class QueueFullError(EdgeChatError):
         self.retry_after_s = retry_after_s
 
 
-class BatchCache:
-    """Right-aligned KV rows of different lengths in one tensor per layer (see the module docstring)."""
-
-    def __init__(self, decoder: Decoder) -> None:
-        self.decoder = decoder
-        self.values: list | None = None  # OrtValues [batch, kv_heads, width, head_dim]
-        self.lengths: list[int] = []
-
-    @property
-    def width(self) -> int:
-        return max(self.lengths, default=0)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def new_row(self, prompt_len: int) -> KVCache:
-        """An empty batch-1 cache to prefill a new request into (joins with `add`)."""
-        return self.decoder.new_cache()
-
-    def add(self, row: KVCache) -> None:
-        if self.values is None:
-            self.values, self.lengths = list(row.values), [row.length]
-            return
-        width = max(self.width, row.length)
-        old_pad, new_pad = width - self.width, width - row.length
-        merged = []
-        for old, new in zip(self.values, row.values):
-            a, b = old.numpy(), new.numpy()
-            if old_pad:
-                a = np.pad(a, ((0, 0), (0, 0), (old_pad, 0), (0, 0)))
-            if new_pad:
-                b = np.pad(b, ((0, 0), (0, 0), (new_pad, 0), (0, 0)))
-            merged.append(self.decoder.to_ortvalue(np.concatenate([a, b], axis=0)))
-        self.values = merged
-        self.lengths.append(row.length)
-
-    def remove(self, rows: list[int]) -> None:
-        keep = [i for i in range(len(self.lengths)) if i not in set(rows)]
-        if not keep:
-            self.values, self.lengths = None, []
-            return
-        old_width = self.width
-        self.lengths = [self.lengths[i] for i in keep]
-        cut = old_width - self.width  # columns that were padding for every remaining row
-        assert self.values is not None
-        self.values = [self.decoder.to_ortvalue(v.numpy()[keep, :, cut:, :]) for v in self.values]
-
-    def step(self, tokens: list[int]) -> np.ndarray:
-        """Feed one token per row; returns next-token logits [batch, vocab]."""
-        assert self.values is not None and len(tokens) == len(self.lengths)
-        width = self.width
-        mask = np.zeros((len(tokens), width + 1), dtype=np.int64)
-        for i, n in enumerate(self.lengths):
-            mask[i, width - n:] = 1
-        positions = np.asarray(self.lengths, dtype=np.int64)[:, None]
-        logits, self.values = self.decoder.run(np.asarray(tokens, dtype=np.int64)[:, None], mask, positions, self.values)
-        self.lengths = [n + 1 for n in self.lengths]
-        return logits[:, -1, :]
-
-
-class PromptCache:
-    """K/V of recent conversations, so a prompt that starts the way an earlier one did prefills only what
-    is new: the chat template's system prompt (SmolLM2's is 24 of a short question's ~43 tokens), or the
-    conversation so far when a chat sends its next turn (prompt caching, as llama.cpp's server and vLLM
-    do). Entries are whole sequences (prompt + answer) copied out of a slot when their request ends; the
-    least recently used go first once `max_bytes` is reached."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.entries: list[tuple[np.ndarray, list[np.ndarray]]] = []  # (token ids, K/V per buffer), oldest first
-        self.hits = 0  # prompts that reused an entry
-        self.tokens_reused = 0  # and the prompt tokens they did not prefill
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for _, kv in self.entries for a in kv)
-
-    def match(self, ids: list[int]) -> tuple[list[np.ndarray] | None, int]:
-        """(K/V of the entry sharing the most leading tokens with `ids`, how many); (None, 0) if none.
-        The entry becomes the most recently used."""
-        best, best_n = -1, 0
-        q = np.asarray(ids, dtype=np.int64)
-        for i, (toks, _) in enumerate(self.entries):
-            m = min(len(toks), len(q))
-            same = toks[:m] == q[:m]
-            n = m if same.all() else int(np.argmin(same))
-            if n > best_n:
-                best, best_n = i, n
-        if best < 0:
-            return None, 0
-        self.entries.append(self.entries.pop(best))
-        return self.entries[-1][1], best_n
-
-    def start(self, prompt: list[int]) -> tuple[list[np.ndarray] | None, int]:
-        """(K/V, how many of the prompt's first tokens to take from them): at most all but the last, since a
-        prefill needs one token to run for the next-token logits."""
-        kv, n = self.match(prompt)
-        return kv, min(n, len(prompt) - 1)
-
-    def covers(self, ids: list[int]) -> bool:
-        """An entry already starts with all of `ids` (a shorter copy would add nothing)."""
-        return self.match(ids)[1] == len(ids)
-
-    def put(self, ids: list[int], kv: list[np.ndarray]) -> None:
-        toks = np.asarray(ids, dtype=np.int64)
-        # an entry this one extends (the same conversation a turn later) or repeats is no longer needed
-        self.entries = [(t, a) for t, a in self.entries if not (len(t) <= len(toks) and (toks[:len(t)] == t).all())]
-        if sum(a.nbytes for a in kv) > self.max_bytes:
-            return
-        self.entries.append((toks, kv))
-        while self.nbytes > self.max_bytes:
-            self.entries.pop(0)
-
-
-class SharedBatchCache:
-    """Fused graphs: rows left-aligned in one in-place buffer per layer (see the module docstring).
-
-    Active rows are kept in slots 0..n-1 (order = the scheduler's row order) so a step binds
-    buffer[:n], a view that shares memory with the buffer: nothing is copied per step. A row
-    that leaves is closed up by moving the rows after it (one copy of their K/V, once).
-    """
-
-    def __init__(self, decoder: Decoder, slots: int, capacity: int = 256, prompt_cache_bytes: int = 0) -> None:
-        if decoder.device != "cpu":
-            raise EdgeChatError(f"batched serving of a fused graph runs on CPU only (this decoder runs on "
-                                f"{decoder.device}): serve a plain engine there (--engine fp32)")
-        self.decoder = decoder
-        self.slots = slots
-        self.buffers = decoder.new_cache(batch=slots, capacity=min(capacity, decoder.dims.max_context))
-        self.lengths: list[int] = []
-        self._views: tuple[int, list] | None = None  # (n, OrtValues over buffer[:n]) for the current n
-        self.side: KVCache | None = None  # a long prompt being prefilled into the last slot (side_row)
-        self.prompts = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
-        self.reused: list[int] = []  # per row of the last prefill_rows call: prompt tokens taken from the cache
-
-    @property
-    def width(self) -> int:
-        return max(self.lengths, default=0)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def _reserve(self, columns: int) -> None:
-        if columns > self.buffers.capacity:
-            self.decoder.reserve(self.buffers, columns)
-            self._views = None
-
-    def _slots(self, lo: int, hi: int) -> tuple[list[np.ndarray], list]:
-        """Slots lo..hi-1 of every layer's buffer: numpy views and OrtValues over the same memory."""
-        arrays = [a[lo:hi] for a in self.buffers.arrays]
-        return arrays, [_ort().OrtValue.ortvalue_from_numpy(a) for a in arrays]
-
-    @property
-    def free(self) -> int:
-        """Slots a new row may take now (the last one is held while a side row is prefilled there)."""
-        return self.slots - len(self.lengths) - (self.side is not None)
-
-    def new_row(self, prompt_len: int) -> KVCache:
-        """A batch-1 cache over the next free slot: the prefill writes its K/V in place, `add` admits it.
-        The buffer is grown for the prompt first, so the prefill never has to grow (and so re-home) the view."""
-        n = len(self.lengths)
-        if self.free < 1:
-            raise EdgeChatError(f"all {self.slots} batch slots are taken")
-        self._reserve(prompt_len + 1)
-        arrays, values = self._slots(n, n + 1)
-        return KVCache(values, capacity=self.buffers.capacity, arrays=arrays)
-
-    def prefill_rows(self, prompts: list[list[int]]) -> np.ndarray:
-        """Prefill new requests into the next free slots, in order; they join the batch at once. Returns
-        each row's next-token logits [len(prompts), vocab].
-
-        Without cached prefixes: ONE right-padded call (each row's seqlens_k is its own length, so padding
-        is never attended). When the prompt cache holds the start of some prompt, its K/V are copied into
-        the slot and only the rest runs; ONNX Runtime's CPU GroupQueryAttention takes a past only at batch
-        1 for more than one new token, so such a group is prefilled one row at a time (a group of several
-        only when the cache holds at least half of its prompt tokens)."""
-        n, k = len(self.lengths), len(prompts)
-        if k > self.free:
-            raise EdgeChatError(f"{k} new rows do not fit: {self.free} of {self.slots} batch slots are free")
-        found = [self.prompts.start(p) for p in prompts] if self.prompts is not None else []
-        self.reused = [c for _, c in found] or [0] * k
-        if k > 1 and 2 * sum(self.reused) < sum(len(p) for p in prompts):
-            # a few shared tokens do not pay for giving up the one batched call (measured with 8 SmolLM2
-            # prompts of ~43 tokens, 24-33 cached: one at a time 210 ms TTFT p50 against 331 ms batched)
-            self.reused = [0] * k
-        if any(self.reused):
-            return np.stack([self._prefill_one(n + j, p, kv, c) for j, (p, (kv, _), c)
-                             in enumerate(zip(prompts, found, self.reused))])
-        lens = [len(p) for p in prompts]
-        width = max(lens)
-        self._reserve(width + 1)
-        ids = np.zeros((k, width), dtype=np.int64)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = p
-        last = np.asarray(lens, dtype=np.int64) - 1
-        logits = self.decoder.run_fused(ids, last.astype(np.int32), width, self._slots(n, n + k)[1], last[:, None])
-        self.lengths.extend(lens)
-        self._views = None
-        return logits[:, 0]
-
-    def _prefill_one(self, slot: int, prompt: list[int], kv: list[np.ndarray] | None, cached: int) -> np.ndarray:
-        """One prompt into `slot` (the next free one), its first `cached` tokens' K/V copied from `kv`."""
-        self._reserve(len(prompt) + 1)
-        self._copy_prefix(slot, kv, cached)
-        ids = np.asarray([prompt[cached:]], dtype=np.int64)
-        logits = self.decoder.run_fused(ids, np.asarray([len(prompt) - 1], np.int32), len(prompt),
-                                        self._slots(slot, slot + 1)[1], np.asarray([[ids.shape[1] - 1]], np.int64))
-        self.lengths.append(len(prompt))
-        self._views = None
-        return logits[0, 0]
-
-    def _copy_prefix(self, slot: int, kv: list[np.ndarray] | None, n: int) -> None:
-        """The first n cached tokens' K/V (a prompt cache entry) into `slot`."""
-        if n > 0 and kv is not None and self.prompts is not None:
-            for a, src in zip(self.buffers.arrays, kv):
-                a[slot, :, :n] = src[:, :n]
-            self.prompts.hits += 1
-            self.prompts.tokens_reused += n
-
-    def reuse_side(self, prompt: list[int]) -> int:
-        """The side row's prompt, like prefill_rows': its longest cached start copied into the last slot;
-        returns how many tokens are there now (the chunked prefill goes on from there)."""
-        row = self.side_view()
-        if self.prompts is None:
-            return 0
-        kv, row.length = self.prompts.start(prompt)
-        self._copy_prefix(self.slots - 1, kv, row.length)
-        return row.length
-
-    def remember(self, row: int, ids: list[int]) -> None:
-        """Keep row's K/V for the tokens `ids` it holds in the prompt cache (call before it leaves)."""
-        m = min(len(ids), self.lengths[row])
-        if self.prompts is None or m < 2 or m * sum(a[0, :, :1].nbytes for a in self.buffers.arrays) > self.prompts.max_bytes:
-            return  # nothing to keep, or more than the whole cache may hold: no copy made
-        if not self.prompts.covers(ids[:m]):
-            self.prompts.put(ids[:m], [a[row, :, :m].copy() for a in self.buffers.arrays])
-
-    def add(self, row: KVCache) -> None:
-        n = len(self.lengths)
-        if row.arrays is None or not np.may_share_memory(row.arrays[0], self.buffers.arrays[0][n]):
-            raise EdgeChatError("SharedBatchCache.add takes the cache its new_row() returned")
-        self.lengths.append(row.length)
-        self._views = None
-
-    def side_row(self, prompt_len: int) -> KVCache:
-        """A batch-1 cache over the LAST slot for a long prompt that is prefilled a chunk at a time between
-        decode steps. Rows 0..n-1 never reach that slot while it is held (`free` counts it), so closing up
-        after a leaver does not move it; `side_view` re-points it if the buffers grow; `add_side` admits it."""
-        if self.side is not None:
-            raise EdgeChatError("a long prompt is already being prefilled into the last slot")
-        if self.free < 1:
-            raise EdgeChatError(f"all {self.slots} batch slots are taken")
-        self._reserve(prompt_len + 1)
-        arrays, values = self._slots(self.slots - 1, self.slots)
-        self.side = KVCache(values, capacity=self.buffers.capacity, arrays=arrays)
-        return self.side
-
-    def side_view(self) -> KVCache:
-        """The side row over the current buffers (a decode step may have grown, i.e. re-homed, them)."""
-        row = self.side
-        assert row is not None
-        if not np.may_share_memory(row.arrays[0], self.buffers.arrays[0]):
-            row.arrays, row.values = self._slots(self.slots - 1, self.slots)
-            row.capacity = self.buffers.capacity
-        return row
-
-    def add_side(self) -> None:
-        """The side row's prompt is in: move it next to the active rows (one copy of its K/V unless it is
-        there already) and make it a row of the batch."""
-        row, n = self.side_view(), len(self.lengths)
-        if n != self.slots - 1:
-            for a in self.buffers.arrays:
-                a[n, :, : row.length] = a[self.slots - 1, :, : row.length]
-        self.side = None
-        self.lengths.append(row.length)
-        self._views = None
-
-    def drop_side(self) -> None:
-        self.side = None
-
-    def remove(self, rows: list[int]) -> None:
-        gone = set(rows)
-        keep = [i for i in range(len(self.lengths)) if i not in gone]
-        for dst, src in enumerate(keep):  # close the gaps: only the rows after a leaver move, each up to its length
-            if dst != src:
-                w = self.lengths[src]
-                for a in self.buffers.arrays:
-                    a[dst, :, :w] = a[src, :, :w]
-        self.lengths = [self.lengths[i] for i in keep]
-        self._views = None
-
-    def step(self, tokens: list[int]) -> np.ndarray:
-        """Feed one token per row; returns next-token logits [batch, vocab]."""
-        n = len(self.lengths)
-        assert n and len(tokens) == n
-        self._reserve(self.width + 1)
-        if self._views is None or self._views[0] != n:
-            self._views = (n, self._slots(0, n)[1])
-        seqlens_k = np.asarray(self.lengths, dtype=np.int32)  # after this step, minus one
-        logits = self.decoder.run_fused(np.asarray(tokens, dtype=np.int64)[:, None], seqlens_k, self.width + 1,
-                                        self._views[1], np.zeros((n, 1), np.int64))
-        self.lengths = [x + 1 for x in self.lengths]
-        return logits[:, 0]
-
-
-def batch_cache(decoder: Decoder, slots: int, prompt_cache_bytes: int = 0) -> BatchCache | SharedBatchCache:
-    """The batch cache the decoder's graph calls for (a prompt cache on fused graphs only)."""
-    return SharedBatchCache(decoder, slots, prompt_cache_bytes=prompt_cache_bytes) if decoder.io.fused \
-        else BatchCache(decoder)
-
-
 _ids = itertools.count(1)
-BATCHED_PREFILL_MAX_PROMPT = 512  # longer prompts are prefilled alone, in chunks (between decode steps: fused graphs)
-# Tokens of a long prompt prefilled between two decode steps. SmolLM2-135M int8, 2-core EPYC: a 128-token
-# chunk takes 73-126 ms (past 0-1400), 1536 tokens 1.20 s in chunks of 128 vs 1.22 s in 512s, so the others
-# stream a token every ~0.1-0.14 s instead of freezing for the whole prefill.
-INTERLEAVED_PREFILL_CHUNK = 128
-PROMPT_CACHE_MB = 64  # K/V kept of recent conversations (fused graphs): SmolLM2-135M takes 45 KB a token, ~1,450 tokens
-BATCHED_PREFILL_TOKENS = 1024  # padded tokens per batched prefill call (bounds its activations; and a graph
-# written before logit_positions returns [rows, width, vocab] logits)
+BATCHED_PREFILL_MAX_PROMPT = 512  # longer prompts are prefilled alone, a span per step (between decode steps: fused graphs)
+# Tokens of a long prompt prefilled between two decode steps, when set (benchmarks compare "all at once");
+# None: one span between prefill boundaries (<= 128 tokens, edge.runtime.next_boundary). SmolLM2-135M int8,
+# 2-core EPYC: a 128-token chunk takes 73-126 ms (past 0-1400), so the others stream a token every
+# ~0.1-0.14 s instead of freezing for the whole prefill.
+INTERLEAVED_PREFILL_CHUNK: int | None = None
 
 
 @dataclass
 class Request:
-    """One answer being generated. `cancel()` frees its slot before the next step."""
+    """One answer being generated. `cancel()` frees its slot before the next step; so does passing `deadline`
+    (time.perf_counter seconds), which ends it with finish_reason "timeout"."""
 
     prompt_ids: list[int]
     cfg: SamplingConfig
     on_event: Callable[[StreamEvent], None] | None = None
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     _queue: "queue.Queue[StreamEvent]" = field(default_factory=queue.Queue, repr=False)
 
     def emit(self, ev: StreamEvent) -> None:
-        (self.on_event or self._queue.put)(ev)
+        try:
+            (self.on_event or self._queue.put)(ev)
+        except Exception as e:  # its consumer is gone (e.g. the server's event loop closed): stop serving it
+            log.warning("request %d: could not hand over an event (%s: %s); cancelling it", self.id,
+                        type(e).__name__, e)
+            self.cancelled.set()
         if ev.finish_reason:
             self.done.set()
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def gone(self) -> str | None:
+        """Why this request is no longer wanted ("cancelled", "timeout"), or None."""
+        if self.cancelled.is_set():
+            return "cancelled"
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            return "timeout"
+        return None
 
     def events(self, timeout: float | None = None) -> Iterator[StreamEvent]:
         """Blocking iterator over this request's events (only when no `on_event` callback was given)."""
@@ -430,6 +130,10 @@ class _Prefilling:
     cached: int = 0
 
 
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
 class Scheduler:
     """Admits requests into up to `max_batch` rows and runs batched decode steps on one thread."""
 
@@ -437,27 +141,29 @@ class Scheduler:
                  prompt_cache_mb: float = PROMPT_CACHE_MB) -> None:
         if max_batch < 1 or max_queue < 0:
             raise EdgeChatError(f"max_batch must be >= 1 and max_queue >= 0 (got {max_batch}, {max_queue})")
+        if prompt_cache_mb < 0:
+            raise EdgeChatError(f"the prompt cache size must be >= 0 MB (0 turns it off), got {prompt_cache_mb}")
         self.gen = gen
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.metrics = metrics
         self.pending: deque[Request] = deque()
         self.rows: list[_Row] = []
-        if prompt_cache_mb < 0:
-            raise EdgeChatError(f"the prompt cache size must be >= 0 MB (0 turns it off), got {prompt_cache_mb}")
-        self.cache = batch_cache(gen.decoder, max_batch, int(prompt_cache_mb * 2**20))
+        self.prompt_cache_bytes = int(prompt_cache_mb * 2**20)
+        self.cache = batch_cache(gen.decoder, max_batch, self.prompt_cache_bytes)
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.step_s = 0.05  # running mean of one decode step, for Retry-After
-        self.prefills_together = 0  # batched prefill calls (fused graphs), read by the tests
         self.prefilling: _Prefilling | None = None  # a long prompt prefilled between decode steps (fused graphs)
         self.prefill_chunk = INTERLEAVED_PREFILL_CHUNK
-        self.error: str | None = None
+        self.error: str | None = None  # the last failure of the loop as a whole (it was restarted)
+        self.restarts = 0
 
     # -- client side -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], cfg: SamplingConfig,
-               on_event: Callable[[StreamEvent], None] | None = None) -> Request:
+               on_event: Callable[[StreamEvent], None] | None = None, timeout_s: float | None = None) -> Request:
+        """Queue a request; `timeout_s` ends it (finish_reason "timeout", slot freed) that long after now."""
         if not prompt_ids:
             raise EdgeChatError("the prompt is empty")
         if len(prompt_ids) >= self.gen.max_context:
@@ -465,7 +171,11 @@ class Scheduler:
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.gen.max_context}: shorten it")
         if self._stop.is_set() or self._thread is None:
             raise EdgeChatError("the scheduler is not running")
+        if not self._thread.is_alive():  # died past its supervisor (it should not): start it again
+            self._restart_thread("the scheduler thread had stopped")
         req = Request(list(prompt_ids), cfg, on_event)
+        if timeout_s is not None:
+            req.deadline = req.submitted + timeout_s
         with self._cv:
             if len(self.pending) >= self.max_queue and len(self.rows) + len(self.pending) >= self.max_batch:
                 raise QueueFullError(len(self.pending), self.retry_after())
@@ -483,16 +193,26 @@ class Scheduler:
 
     @property
     def active(self) -> int:
-        return len(self.rows)
+        return len(self.rows) + (self.prefilling is not None)
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> "Scheduler":
-        self._thread = threading.Thread(target=self._loop, name="edgechat-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._supervise, name="edgechat-scheduler", daemon=True)
         self._thread.start()
         return self
+
+    def _restart_thread(self, why: str) -> None:
+        with self._cv:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self.restarts += 1
+            self.error = why
+            log.error("restarting the scheduler: %s", why)
+            self._reset()
+            self.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Cancel everything in flight and wait for the loop to end."""
@@ -503,36 +223,61 @@ class Scheduler:
             self._thread.join(timeout)
 
     # -- scheduler thread -------------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _supervise(self) -> None:
+        """Run the loop; if it fails as a whole, fail what was in flight, start over with a fresh batch cache
+        (the waiting requests stay queued) and run it again, until stop()."""
         try:
             while not self._stop.is_set():
-                self._admit()
-                if not self.rows and self.prefilling is None:
-                    with self._cv:
-                        if not self.pending and not self._stop.is_set():
-                            self._cv.wait(0.5)
-                    continue
-                self._drop_cancelled()
-                if self.rows:
-                    self._step()
-                if self.prefilling is not None:
-                    self._prefill_next_chunk()
-        except Exception as e:  # a broken graph: fail everything in flight, loudly, and stop taking work
-            self.error = f"{type(e).__name__}: {e}"
-            log.exception("scheduler stopped")
-            raise
+                try:
+                    self._loop()
+                except Exception as e:
+                    self.restarts += 1
+                    self.error = _why(e)
+                    log.exception("the scheduler loop failed (restart %d); failing the requests in flight", self.restarts)
+                    self._fail_in_flight("error", self.error)
+                    self._reset()
+                    self._stop.wait(min(1.0, 0.01 * 2 ** min(self.restarts, 7)))  # a loop that keeps failing backs off
         finally:
-            self._stop.set()
             with self._cv:
                 waiting, self.pending = list(self.pending), deque()
             for r in waiting:
-                self._emit_final(r, TextStream(self.gen.tokenizer, r.cfg, len(r.prompt_ids), self.gen.max_context),
-                                 "cancelled" if self.error is None else "error")
+                self._emit_final(r, self._text(r), "cancelled")
+            self._fail_in_flight("cancelled")
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._admit()
+            if not self.rows and self.prefilling is None:
+                with self._cv:
+                    if not self.pending and not self._stop.is_set():
+                        self._cv.wait(0.5)
+                continue
+            self._drop_unwanted()
+            if self.rows:
+                self._step()
             if self.prefilling is not None:
-                self._emit_final(self.prefilling.req, self.prefilling.row.text,
-                                 "cancelled" if self.error is None else "error")
-                self.prefilling = None
-            self._finish(list(range(len(self.rows))), "cancelled" if self.error is None else "error")
+                self._prefill_next_chunk()
+
+    def _fail_in_flight(self, reason: str, error: str | None = None) -> None:
+        if self.prefilling is not None:
+            self._emit_final(self.prefilling.req, self.prefilling.row.text, reason, error)
+            self.prefilling = None
+        for r in self.rows:
+            self._emit_final(r.req, r.text, reason, error)
+        self.rows = []
+
+    def _reset(self) -> None:
+        """A fresh batch cache (the old one may be half-updated); the prompt cache's copies stay valid."""
+        prompts = getattr(self.cache, "prompts", None)
+        self.rows, self.prefilling = [], None
+        self.cache = batch_cache(self.gen.decoder, self.max_batch, 0)
+        if isinstance(self.cache, SharedBatchCache):
+            self.cache.prompts = prompts
+
+    def _text(self, req: Request) -> TextStream:
+        text = TextStream(self.gen.tokenizer, req.cfg, len(req.prompt_ids), self.gen.max_context)
+        text.t0 = req.submitted  # TTFT counts the time spent waiting in the queue
+        return text
 
     def _free(self) -> int:
         return self.max_batch - len(self.rows) - (self.prefilling is not None)
@@ -546,17 +291,13 @@ class Scheduler:
             batch = self._take(self._free())
             if not batch:
                 return
-            longs = [b for b in batch if self._long(b[0])]
-            together = [b for b in batch if len(b[0].prompt_ids) <= BATCHED_PREFILL_MAX_PROMPT] \
-                if isinstance(self.cache, SharedBatchCache) else []
-            if together:
-                self._prefill_together(together)
-            joined = {id(req) for req, _ in together + longs}
             for req, row in batch:
-                if id(req) not in joined:
+                if self._long(req):  # _take hands out at most one, and only while none is in progress
+                    self._start_prefill(req, row)
+                elif isinstance(self.cache, SharedBatchCache):
+                    self._prefill_shared(req, row)
+                else:
                     self._prefill_alone(req, row)
-            for req, row in longs:  # _take hands out at most one, and only while none is in progress
-                self._start_prefill(req, row)
 
     def _take(self, free: int) -> list[tuple[Request, _Row]]:
         """Up to `free` waiting requests (cancelled ones are closed here), oldest first. A long prompt
@@ -570,20 +311,26 @@ class Scheduler:
                                                     any(self._long(r) for r, _ in out)):
                     break
                 req = self.pending.popleft()
-            text = TextStream(self.gen.tokenizer, req.cfg, len(req.prompt_ids), self.gen.max_context)
-            text.t0 = req.submitted  # TTFT counts the time spent waiting in the queue
-            if req.cancelled.is_set():
-                self._emit_final(req, text, "cancelled")
+            text = self._text(req)
+            why = req.gone()
+            if why:
+                self._emit_final(req, text, why)
                 continue
-            out.append((req, _Row(req, Sampler(req.cfg), text, list(req.prompt_ids))))
+            try:
+                sampler = Sampler(req.cfg)
+            except Exception as e:  # a sampling option the request's validation missed: fail this one only
+                self._emit_final(req, text, "error", f"cannot sample with these options: {_why(e)}")
+                continue
+            out.append((req, _Row(req, sampler, text, list(req.prompt_ids))))
         return out
 
     def _prefill_alone(self, req: Request, row: _Row) -> None:
-        cache = self.cache.new_row(len(req.prompt_ids))
+        """Plain graphs: a batch-1 prefill, then the row joins the batch."""
         try:
+            cache = self.cache.new_row(len(req.prompt_ids))
             logits = self.gen.decoder.prefill(req.prompt_ids, cache)[0]
-        except EdgeChatError as e:
-            self._emit_final(req, row.text, "error", str(e))
+        except Exception as e:
+            self._emit_final(req, row.text, "error", _why(e))
             return
         if self._accept(row, logits, cache.length):
             self.rows.append(row)
@@ -591,106 +338,112 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.observe_prompt(len(req.prompt_ids))
 
+    def _prefill_shared(self, req: Request, row: _Row) -> None:
+        """Fused graphs: prefill into the next free slot (after its cached start); the row joins the batch."""
+        assert isinstance(self.cache, SharedBatchCache)
+        try:
+            logits = self.cache.prefill_rows([req.prompt_ids])[0]
+        except Exception as e:
+            self._emit_final(req, row.text, "error", _why(e))
+            return
+        cached = self.cache.reused[0]
+        row.text.cached_tokens = cached
+        self.rows.append(row)
+        if not self._accept(row, logits, len(req.prompt_ids)):
+            self._leave([len(self.rows) - 1])
+        if self.metrics is not None:
+            self.metrics.observe_prompt(len(req.prompt_ids), cached=cached)
+
     def _start_prefill(self, req: Request, row: _Row) -> None:
+        assert isinstance(self.cache, SharedBatchCache)
         try:
             self.cache.side_row(len(req.prompt_ids))
-        except EdgeChatError as e:
-            self._emit_final(req, row.text, "error", str(e))
+            cached = self.cache.reuse_side(req.prompt_ids)  # a long chat's next turn: only the new part runs
+        except Exception as e:
+            self.cache.drop_side()
+            self._emit_final(req, row.text, "error", _why(e))
             return
-        cached = self.cache.reuse_side(req.prompt_ids)  # a long chat's next turn: only the new part runs
         row.text.cached_tokens = cached
         self.prefilling = _Prefilling(req, row, done=cached, cached=cached)
 
     def _prefill_next_chunk(self) -> None:
-        """One chunk of the long prompt into the side slot; on the last one it joins the batch."""
+        """One span of the long prompt into the side slot; on the last one it joins the batch."""
         p = self.prefilling
         assert p is not None and isinstance(self.cache, SharedBatchCache)
-        if p.req.cancelled.is_set():
+        why = p.req.gone()
+        if why:
             self.cache.drop_side()
             self.prefilling = None
-            self._emit_final(p.req, p.row.text, "cancelled")
+            self._emit_final(p.req, p.row.text, why)
             return
         ids = p.req.prompt_ids
-        chunk = np.asarray(ids[p.done: p.done + self.prefill_chunk], dtype=np.int64)
+        end = p.done + self.prefill_chunk if self.prefill_chunk else next_boundary(p.done)
+        chunk = np.asarray(ids[p.done: end], dtype=np.int64)
         try:
             logits = self.gen.decoder.forward(chunk, self.cache.side_view())[0]
-        except EdgeChatError as e:
+        except Exception as e:
             self.cache.drop_side()
             self.prefilling = None
-            self._emit_final(p.req, p.row.text, "error", str(e))
+            self._emit_final(p.req, p.row.text, "error", _why(e))
             return
         p.done += len(chunk)
         if p.done < len(ids):
             return
         self.prefilling = None
-        if self._accept(p.row, logits, len(ids)):
-            self.cache.add_side()
-            self.rows.append(p.row)
-        else:
-            self.cache.drop_side()
+        self.cache.add_side()
+        self.rows.append(p.row)
+        if not self._accept(p.row, logits, len(ids)):
+            self._leave([len(self.rows) - 1])
         if self.metrics is not None:
             self.metrics.observe_prompt(len(ids), cached=p.cached)
 
-    def _prefill_together(self, batch: list[tuple[Request, _Row]]) -> None:
-        """Fused graphs: requests that arrived together are prefilled in one padded call (a prompt's
-        compute is then shared, not queued behind the others'), or from their cached starts
-        (SharedBatchCache.prefill_rows decides); each then joins the batch."""
-        while batch:  # groups whose padded size keeps the all-position logits bounded
-            group, width = [], 0
-            for b in batch:
-                w = max(width, len(b[0].prompt_ids))
-                if group and w * (len(group) + 1) > BATCHED_PREFILL_TOKENS:
-                    break
-                group.append(b)
-                width = w
-            batch = batch[len(group):]
-            self.prefills_together += 1
-            try:
-                logits = self.cache.prefill_rows([req.prompt_ids for req, _ in group])
-            except EdgeChatError as e:
-                for req, row in group:
-                    self._emit_final(req, row.text, "error", str(e))
-                continue
-            first = len(self.rows)
-            self.rows.extend(row for _, row in group)
-            for (_, row), c in zip(group, self.cache.reused):
-                row.text.cached_tokens = c
-            done = [first + j for j, (req, row) in enumerate(group)
-                    if not self._accept(row, logits[j], len(req.prompt_ids))]
-            if done:
-                self._leave(done)
-            if self.metrics is not None:
-                for (req, _), c in zip(group, self.cache.reused):
-                    self.metrics.observe_prompt(len(req.prompt_ids), cached=c)
-
     def _accept(self, row: _Row, logits: np.ndarray, length: int) -> bool:
-        """Sample the row's next token and emit it; False when the answer is finished (and closed)."""
+        """Sample the row's next token and emit it; False when the answer is finished (and closed). An error
+        here (in the sampler, the detokenizer, the consumer) fails this row only."""
         cfg = row.req.cfg
-        tok = row.sampler(logits, np.asarray(row.seen) if cfg.repetition_penalty != 1.0 else None)
-        if tok in self.gen.tokenizer.eos_ids and not cfg.ignore_eos:
-            self._emit_final(row.req, row.text, "stop")
+        try:
+            tok = row.sampler(logits, np.asarray(row.seen) if cfg.repetition_penalty != 1.0 else None)
+            if tok in self.gen.tokenizer.eos_ids and not cfg.ignore_eos:
+                self._emit_final(row.req, row.text, "stop")
+                return False
+            ev = row.text.push(tok)
+            if ev is not None:
+                row.req.emit(ev)
+        except Exception as e:
+            log.exception("request %d failed", row.req.id)
+            self._emit_final(row.req, row.text, "error", _why(e))
             return False
-        ev = row.text.push(tok)
-        if ev is not None:
-            row.req.emit(ev)
         row.seen.append(tok)
         row.last = tok
         if row.text.stopped or row.n >= cfg.max_new_tokens or length + 1 >= self.gen.max_context:
             self._emit_final(row.req, row.text, "stop" if row.text.stopped else "length")
             return False
-        if row.req.cancelled.is_set():
-            self._emit_final(row.req, row.text, "cancelled")
+        why = row.req.gone()
+        if why:
+            self._emit_final(row.req, row.text, why)
             return False
         return True
 
-    def _drop_cancelled(self) -> None:
-        gone = [i for i, r in enumerate(self.rows) if r.req.cancelled.is_set()]
+    def _drop_unwanted(self) -> None:
+        """Rows whose client left or whose time ran out leave before the next step."""
+        gone = [(i, r.req.gone()) for i, r in enumerate(self.rows)]
+        gone = [(i, why) for i, why in gone if why]
         if gone:
-            self._finish(gone, "cancelled")
+            for i, why in gone:
+                self._emit_final(self.rows[i].req, self.rows[i].text, why)
+            self._leave([i for i, _ in gone])
 
     def _step(self) -> None:
         t = time.perf_counter()
-        logits = self.cache.step([r.last for r in self.rows])
+        try:
+            logits = self.cache.step([r.last for r in self.rows])
+        except Exception as e:  # the step itself failed: its rows cannot go on; the rest of the queue can
+            log.exception("a decode step failed; failing its %d rows", len(self.rows))
+            for r in self.rows:
+                self._emit_final(r.req, r.text, "error", _why(e))
+            self.rows = []
+            self.cache.remove(list(range(len(self.cache))))
+            return
         self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - t)
         if self.metrics is not None:
             self.metrics.observe_step(len(self.rows))
@@ -698,27 +451,21 @@ class Scheduler:
         if finished:
             self._leave(finished)
 
-    def _finish(self, rows: list[int], reason: str) -> None:
-        for i in rows:
-            r = self.rows[i]
-            self._emit_final(r.req, r.text, reason)
-        if rows and self.rows:
-            self._leave(rows)
-
     def _leave(self, rows: list[int]) -> None:
-        """Rows whose answers ended leave the batch; a fused graph's prompt cache keeps their conversations."""
+        """Rows whose answers ended leave the batch; a fused graph's prompt cache keeps their prompts' K/V."""
         if isinstance(self.cache, SharedBatchCache):
             for i in rows:
-                self.cache.remember(i, self.rows[i].seen)
+                self.cache.remember(i, self.rows[i].req.prompt_ids)
         self.cache.remove(rows)
-        self.rows = [r for i, r in enumerate(self.rows) if i not in set(rows)]
+        gone = set(rows)
+        self.rows = [r for i, r in enumerate(self.rows) if i not in gone]
 
     def _emit_final(self, req: Request, text: TextStream, reason: str, error: str | None = None) -> None:
         if req.done.is_set():
             return
         events = text.finish(reason=reason)
-        if error or (reason == "error" and self.error):
-            events[-1].stats["error"] = error or self.error
+        if error:
+            events[-1].stats["error"] = error
         for ev in events:
             req.emit(ev)
         if self.metrics is not None:

@@ -29,6 +29,32 @@ from edge.tokenizer import ChatTokenizer
 
 log = logging.getLogger("edgechat")
 PREFILL_CHUNK = 512
+# Fused graphs prefill in calls that start and end at fixed absolute positions (16, 32, 64, 128, then every
+# 128), and the prompt cache reuses K/V only up to one of them: a prompt whose start came from the cache then
+# runs exactly the calls (same kernels, same shapes, same past) it would have run without it, so its answer
+# does not depend on what was asked before. Small steps first so a short shared start (a system prompt) is
+# reusable; 128 after that so a long prompt does not pay a weight read per handful of tokens.
+PREFILL_BOUNDARY_FIRST, PREFILL_BOUNDARY_STEP = 16, 128
+
+
+def next_boundary(pos: int) -> int:
+    """The first prefill boundary after `pos` (see PREFILL_BOUNDARY_STEP)."""
+    if pos < PREFILL_BOUNDARY_STEP:
+        b = PREFILL_BOUNDARY_FIRST
+        while b <= pos:
+            b *= 2
+        return min(b, PREFILL_BOUNDARY_STEP)
+    return (pos // PREFILL_BOUNDARY_STEP + 1) * PREFILL_BOUNDARY_STEP
+
+
+def boundary_at_or_below(n: int) -> int:
+    """The last prefill boundary <= n (0 if none): how much of a cached start a prompt may reuse."""
+    if n >= PREFILL_BOUNDARY_STEP:
+        return n // PREFILL_BOUNDARY_STEP * PREFILL_BOUNDARY_STEP
+    b = 0
+    while next_boundary(b) <= n:
+        b = next_boundary(b)
+    return b
 
 
 def _ort():
@@ -244,10 +270,16 @@ class Decoder:
         return _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=self._kv_dtype), self.device, 0)
 
     def prefill(self, ids: list[int] | np.ndarray, cache: KVCache) -> np.ndarray:
+        """Run `ids` after what `cache` holds; returns the last position's logits. A fused graph runs one call
+        per span between prefill boundaries (absolute positions, see `next_boundary`), so the same prompt
+        always runs the same calls, whether its start was computed here or copied from the prompt cache."""
         ids = np.asarray(ids, dtype=np.int64)
         logits = None
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            logits = self.forward(ids[start:start + PREFILL_CHUNK], cache)
+        start = 0
+        while start < len(ids):
+            end = next_boundary(cache.length) - cache.length if self.io.fused else PREFILL_CHUNK
+            logits = self.forward(ids[start:start + end], cache)
+            start += end
         assert logits is not None, "empty prompt"
         return logits
 
