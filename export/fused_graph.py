@@ -29,6 +29,7 @@ import numpy as np
 from edge.errors import ModelSourceError
 from edge.io_contract import FUSED_IO
 from export.architectures import ARCHITECTURES, arch_spec, dims_from_hf_config
+from export.onnx_weights import TensorFile
 
 
 def supported(cfg: dict) -> str | None:
@@ -56,18 +57,33 @@ def _rotary_caches(model, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
     return (freqs.cos() * scale).numpy(), (freqs.sin() * scale).numpy()
 
 
-def write(src: Path, dst: Path) -> None:
-    """HF folder -> dst/model.onnx (+ model.onnx.data): the fused fp32 graph."""
-    import onnx
+def write(src: Path, dst: Path, model=None) -> None:
+    """HF folder -> dst/model.onnx (+ model.onnx.data): the fused fp32 graph.
+
+    `model`: the fp32 torch model already loaded from `src` (the export stage's parity reference),
+    so it is not loaded twice. Each weight goes to the data file as soon as it is made."""
     import torch
-    from onnx import TensorProto, helper, numpy_helper
-    from transformers import AutoModelForCausalLM
 
     cfg = json.loads((src / "config.json").read_text())
     why = supported(cfg)
     if why:
         raise ModelSourceError(f"cannot write the fused graph: {why}; build with the plain graph only")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in dst.glob("model.onnx*"):
+        f.unlink()
+    with TensorFile(dst / "model.onnx.data") as data:
+        _write(model, cfg, dst, data)
+
+
+def _write(model, cfg: dict, dst: Path, data: "TensorFile") -> None:
+    import onnx
+    import torch
+    from onnx import TensorProto, helper
+
     c = model.config
     dims = dims_from_hf_config(cfg)
     N, KV, D, eps = dims.num_heads, dims.num_kv_heads, dims.head_dim, float(c.rms_norm_eps)
@@ -79,7 +95,7 @@ def write(src: Path, dst: Path) -> None:
         """An initializer from a numpy array or a torch tensor."""
         if isinstance(array, torch.Tensor):
             array = array.detach().float().numpy()
-        inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        inits.append(data.tensor(name, array))
         return name
 
     def linear_weight(name: str, *mods) -> str:
@@ -172,8 +188,4 @@ def write(src: Path, dst: Path) -> None:
     graph = helper.make_graph(nodes, "edgechat-fused-decoder", inputs, outputs, inits)
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
                               producer_name="edgechat", ir_version=8)
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in dst.glob("model.onnx*"):
-        f.unlink()
-    onnx.save(proto, str(dst / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="model.onnx.data", size_threshold=1024)
+    onnx.save_model(proto, str(dst / "model.onnx"))  # the graph alone: its weights are in model.onnx.data

@@ -63,16 +63,24 @@ def run(src: Path, dst: Path, opts: ExportOptions = ExportOptions()) -> dict:
         if (tmp / name).exists():
             shutil.move(str(tmp / name), dst / name)
     shutil.rmtree(tmp, ignore_errors=True)
+    # The PyTorch reference answers every parity prompt first; the fused graph is written from the same
+    # loaded model; then the model is freed before any ONNX Runtime session loads its copy of the weights,
+    # so the stage never holds torch's and ORT's weights at once.
     refs = TorchReference(src, opts.greedy_tokens)
-    metrics = check_parity(src, dst / "model.onnx", opts, refs=refs)
+    refs.compute(PARITY_PROMPTS)
+    why = None
     if opts.fused:
         from export import fused_graph
 
         why = fused_graph.supported(json.loads((src / "config.json").read_text()))
+        if not why:
+            fused_graph.write(src, dst / FUSED_DIR, model=refs.model)
+    refs.release()
+    metrics = check_parity(src, dst / "model.onnx", opts, refs=refs)
+    if opts.fused:
         if why:
             metrics["fused"] = {"written": False, "reason": why}
         else:
-            fused_graph.write(src, dst / FUSED_DIR)
             metrics["fused"] = {"written": True} | check_parity(src, dst / FUSED_DIR / "model.onnx", opts, FUSED_IO, refs=refs)
     return metrics
 
@@ -87,14 +95,33 @@ class TorchReference:
         self.src, self.n, self._cache = src, greedy_tokens, {}
         self._model = self._tok = None
 
-    def __call__(self, i: int, msgs: list[dict]) -> tuple[list[int], np.ndarray, list[int]]:
-        if i not in self._cache:
+    @property
+    def model(self):
+        """The fp32 torch model (loaded on first use)."""
+        if self._model is None:
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            if self._model is None:
-                self._model = AutoModelForCausalLM.from_pretrained(self.src, dtype=torch.float32).eval()
-                self._tok = AutoTokenizer.from_pretrained(self.src)
+            self._model = AutoModelForCausalLM.from_pretrained(self.src, dtype=torch.float32).eval()
+            self._tok = AutoTokenizer.from_pretrained(self.src)
+        return self._model
+
+    def compute(self, prompts: list[list[dict]]) -> None:
+        for i, msgs in enumerate(prompts):
+            self(i, msgs)
+
+    def release(self) -> None:
+        """Free the torch model (the answers stay cached)."""
+        import gc
+
+        self._model = None
+        gc.collect()
+
+    def __call__(self, i: int, msgs: list[dict]) -> tuple[list[int], np.ndarray, list[int]]:
+        if i not in self._cache:
+            import torch
+
+            self.model  # noqa: B018 - loads it and the tokenizer
             ids = self._tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
             if hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from edge.errors import RecipeError
+from export.onnx_weights import GraphWeights, graph_bytes
 
 log = logging.getLogger("edgechat")
 MODES = ("int8-dynamic", "int8-qdq", "int4-weight")
@@ -71,118 +72,105 @@ class QuantizeOptions:
 
 
 # ----------------------------------------------------------------------------- graph helpers
-
-
-def _load(path: Path):
-    import onnx
-
-    return onnx.load(str(path))
-
-
-def _save(model, path: Path) -> None:
-    import onnx
-
-    large = model.ByteSize() > 1_900_000_000
-    onnx.save(model, str(path), save_as_external_data=large, location=path.name + ".data" if large else None)
+# Every edit goes through export.onnx_weights.GraphWeights: the graph in memory, the weights read one
+# tensor at a time from disk and streamed into one external data file on save, so a model of any size
+# (past protobuf's 2 GB) quantizes in memory bounded by its largest tensor plus the quantized output.
 
 
 def weight_matmuls(model) -> list:
-    """MatMul nodes whose B input is a constant weight (the only ones we quantize)."""
-    inits = {i.name for i in model.graph.initializer}
-    return [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits
-            and len(_init(model, n.input[1]).dims) == 2]
-
-
-def _init(model, name: str):
-    for i in model.graph.initializer:
-        if i.name == name:
-            return i
-    raise KeyError(name)
-
-
-def untie_lm_head(model) -> None:
-    """Give the LM head its own [hidden, vocab] weight when it is Transpose(embedding), so it can be quantized."""
-    from onnx import numpy_helper
-
+    """MatMul nodes whose B input is a constant 2-D weight (the only ones we quantize)."""
     inits = {i.name: i for i in model.graph.initializer}
+    return [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits
+            and len(inits[n.input[1]].dims) == 2]
+
+
+def untie_lm_head(gw: GraphWeights) -> None:
+    """Give the LM head its own [hidden, vocab] weight when it is Transpose(embedding), so it can be quantized.
+
+    The transposed copy is computed when first read (quantized, or written on save), never held twice."""
+    model = gw.model
+    inits = gw.names()
     producers = {o: n for n in model.graph.node for o in n.output}
     for node in model.graph.node:
         if node.op_type != "MatMul":
             continue
         p = producers.get(node.input[1])
         if p is not None and p.op_type == "Transpose" and p.input[0] in inits:
-            w = numpy_helper.to_array(inits[p.input[0]])
-            name = p.input[0] + ".lm_head_T"
-            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T), name))
+            src = p.input[0]
+            rows, cols = gw.shape(src)
+            name = src + ".lm_head_T"
+            gw.set(name, lambda s=src: np.ascontiguousarray(gw.array(s).T), dims=(cols, rows), dtype=np.float32)
             node.input[1] = name
             if not any(p.output[0] in n.input for n in model.graph.node):
                 model.graph.node.remove(p)
 
 
-def quantize_embedding(model) -> int:
+def quantize_embedding(gw: GraphWeights) -> int:
     """Replace Gather(fp32 table, ids) by a per-row symmetric INT8 table + scales. Returns bytes saved."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
-    inits = {i.name: i for i in model.graph.initializer}
+    model = gw.model
+    inits = gw.names()
     saved = 0
     for node in list(model.graph.node):
-        if node.op_type != "Gather" or node.input[0] not in inits or len(inits[node.input[0]].dims) != 2:
+        if node.op_type != "Gather" or node.input[0] not in inits or len(gw.shape(node.input[0])) != 2:
             continue
         if any(node.input[0] in n.input for n in model.graph.node if n is not node):
             continue  # still shared with another consumer
-        w = numpy_helper.to_array(inits[node.input[0]]).astype(np.float32)
         base = node.input[0]
+        rows, cols = gw.shape(base)
+        table_bytes = rows * cols * 4
         out = node.output[0]
         pre = node.name or "/embed"
         idx = list(model.graph.node).index(node)
         shared_q, shared_s, shared_zp = base + ".lm_head_T_quantized", base + ".lm_head_T_scale", base + ".lm_head_T_zero_point"
-        model.graph.initializer.remove(inits[base])
-        model.graph.node.remove(node)
         nbits_q, nbits_s = base + ".lm_head_T_Q8", base + ".lm_head_T_scales"
         nbits_users = [n for n in model.graph.node if n.op_type == "MatMulNBits" and len(n.input) > 1 and n.input[1] == nbits_q]
         if nbits_q in inits and nbits_users and len(nbits_users[0].input) == 3:
             # Tied weights, MatMulNBits 8-bit LM head: B is [vocab, blocks, 32] uint8 with an implicit
             # zero point of 128 and per-block scales [vocab, blocks]; gather embedding rows from it.
-            zp = numpy_helper.from_array(np.array(128.0, np.float32), base + ".nbits_zp")
-            axes = numpy_helper.from_array(np.array([-1], np.int64), base + ".unsq_axes")
-            shape = numpy_helper.from_array(np.array([0, 0, -1], np.int64), base + ".row_shape")
-            model.graph.initializer.extend([zp, axes, shape])
+            gw.set(base + ".nbits_zp", np.array(128.0, np.float32))
+            gw.set(base + ".unsq_axes", np.array([-1], np.int64))
+            gw.set(base + ".row_shape", np.array([0, 0, -1], np.int64))
             new = [
                 helper.make_node("Gather", [nbits_q, node.input[1]], [out + ".q"], name=pre + "/GatherQ8"),
                 helper.make_node("Cast", [out + ".q"], [out + ".f"], to=TensorProto.FLOAT, name=pre + "/Cast"),
-                helper.make_node("Sub", [out + ".f", zp.name], [out + ".c"], name=pre + "/ZeroPoint"),
+                helper.make_node("Sub", [out + ".f", base + ".nbits_zp"], [out + ".c"], name=pre + "/ZeroPoint"),
                 helper.make_node("Gather", [nbits_s, node.input[1]], [out + ".s1"], name=pre + "/GatherScale"),
-                helper.make_node("Unsqueeze", [out + ".s1", axes.name], [out + ".s"], name=pre + "/UnsqueezeScale"),
+                helper.make_node("Unsqueeze", [out + ".s1", base + ".unsq_axes"], [out + ".s"], name=pre + "/UnsqueezeScale"),
                 helper.make_node("Mul", [out + ".c", out + ".s"], [out + ".b"], name=pre + "/Dequant"),
-                helper.make_node("Reshape", [out + ".b", shape.name], [out], name=pre + "/Reshape"),
+                helper.make_node("Reshape", [out + ".b", base + ".row_shape"], [out], name=pre + "/Reshape"),
             ]
-            saved += w.nbytes
-        elif shared_q in inits and shared_s in inits and not numpy_helper.to_array(inits[shared_zp]).any():
+            saved += table_bytes
+        elif shared_q in inits and shared_s in inits and not gw.array(shared_zp).any():
             # Tied weights: gather rows straight from the LM head's symmetric INT8 [hidden, vocab]
             # table (per-vocab scales = per-row embedding scales), so the table is stored once.
-            axes = numpy_helper.from_array(np.array([-1], np.int64), base + ".unsq_axes")
-            model.graph.initializer.append(axes)
+            gw.set(base + ".unsq_axes", np.array([-1], np.int64))
             new = [
                 helper.make_node("Gather", [shared_q, node.input[1]], [out + ".q"], axis=1, name=pre + "/GatherInt8"),
                 helper.make_node("Transpose", [out + ".q"], [out + ".qt"], perm=[1, 2, 0], name=pre + "/Transpose"),
                 helper.make_node("Gather", [shared_s, node.input[1]], [out + ".s1"], name=pre + "/GatherScale"),
-                helper.make_node("Unsqueeze", [out + ".s1", axes.name], [out + ".s"], name=pre + "/UnsqueezeScale"),
+                helper.make_node("Unsqueeze", [out + ".s1", base + ".unsq_axes"], [out + ".s"], name=pre + "/UnsqueezeScale"),
                 helper.make_node("Cast", [out + ".qt"], [out + ".f"], to=TensorProto.FLOAT, name=pre + "/Cast"),
                 helper.make_node("Mul", [out + ".f", out + ".s"], [out], name=pre + "/Dequant"),
             ]
-            saved += w.nbytes
+            saved += table_bytes
         else:
+            w = gw.array(base).astype(np.float32, copy=False)
             scale = np.maximum(np.abs(w).max(axis=1, keepdims=True), 1e-8) / 127.0
             q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
-            model.graph.initializer.extend([numpy_helper.from_array(q, base + ".int8"),
-                                            numpy_helper.from_array(scale.astype(np.float32), base + ".scale")])
+            del w
+            gw.set(base + ".int8", q)
+            gw.set(base + ".scale", scale.astype(np.float32))
             new = [
                 helper.make_node("Gather", [base + ".int8", node.input[1]], [out + ".q"], name=pre + "/GatherInt8"),
                 helper.make_node("Gather", [base + ".scale", node.input[1]], [out + ".s"], name=pre + "/GatherScale"),
                 helper.make_node("Cast", [out + ".q"], [out + ".f"], to=TensorProto.FLOAT, name=pre + "/Cast"),
                 helper.make_node("Mul", [out + ".f", out + ".s"], [out], name=pre + "/Dequant"),
             ]
-            saved += w.nbytes - q.nbytes - scale.nbytes
+            saved += table_bytes - q.nbytes - scale.nbytes
+        gw.remove(base)
+        model.graph.node.remove(node)
         for k, n in enumerate(new):
             model.graph.node.insert(idx + k, n)
     return saved
@@ -197,16 +185,17 @@ def matching_matmuls(model, patterns: tuple[str, ...], num_layers: int) -> list[
     return [n.name for n in weight_matmuls(model) if any(p in n.name for p in pats)]
 
 
-def _int8_dynamic(src: Path, dst: Path, opts: QuantizeOptions, num_layers: int) -> list[str]:
+def _int8_dynamic(gw: GraphWeights, src: Path, dst: Path, opts: QuantizeOptions, num_layers: int) -> list[str]:
     if opts.int8_kernel == "nbits":
-        model = _load(src)
-        special = {name: (8, 16) for name in matching_matmuls(model, tuple(opts.block16_nodes), num_layers)}
-        _nbits(model, dst, bits=8, accuracy_level=opts.accuracy_level, special=special)
+        special = {name: (8, 16) for name in matching_matmuls(gw.model, tuple(opts.block16_nodes), num_layers)}
+        _nbits(gw, bits=8, accuracy_level=opts.accuracy_level, special=special)
         return sorted(special)
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    gw.save(src)  # the untied graph, for ONNX Runtime's quantizer to read from its path
     quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
-                     op_types_to_quantize=["MatMul"], extra_options={"MatMulConstBOnly": True})
+                     op_types_to_quantize=["MatMul"], use_external_data_format=True,
+                     extra_options={"MatMulConstBOnly": True})
     return []
 
 
@@ -216,25 +205,46 @@ def lm_head_matmul(model) -> str | None:
     return next((n.name for n in weight_matmuls(model) if n.output[0] in outs), None)
 
 
-def _nbits(model, dst: Path, bits: int, accuracy_level: int = 4, symmetric: bool = True,
+def _nbits(gw: GraphWeights, bits: int, accuracy_level: int = 4, symmetric: bool = True,
            special: dict[str, tuple[int, int]] | None = None) -> None:
     """MatMulNBits over every weight MatMul, block 32; the `special` ones (name -> (bits, block size))
-    quantized apart, symmetric (so a tied embedding can gather its rows from the LM head's table)."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+    quantized symmetric (so a tied embedding can gather its rows from the LM head's table).
+
+    One weight at a time, read from disk, quantized by ONNX Runtime's own block quantizer (the kernel
+    `MatMulNBitsQuantizer` calls), its MatMul replaced in place: memory holds one fp32 tensor at a time."""
+    from onnx import helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
 
     special = special or {}
-
-    def quantize(m, b: int, block: int, sym: bool, exclude: list[str]):
-        cfg = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=sym, accuracy_level=accuracy_level, bits=b)
-        q = MatMulNBitsQuantizer(m, algo_config=cfg, nodes_to_exclude=exclude)
-        q.process()
-        return q.model.model
-
-    model = quantize(model, bits, 32, symmetric, list(special))
-    for b, block in sorted(set(special.values())):
-        wanted = {n for n, v in special.items() if v == (b, block)}
-        model = quantize(model, b, block, True, [n.name for n in weight_matmuls(model) if n.name not in wanted])
-    _save(model, dst)
+    model = gw.model
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    quantizers: dict[tuple[int, int, bool], DefaultWeightOnlyQuantizer] = {}
+    for node in weight_matmuls(model):
+        b, block = special.get(node.name, (bits, 32))
+        sym = True if node.name in special else symmetric
+        key = (b, block, sym)
+        if key not in quantizers:
+            quantizers[key] = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
+                block_size=block, is_symmetric=sym, accuracy_level=accuracy_level, bits=b))
+        w = gw.array(node.input[1]).astype(np.float32, copy=False)
+        k, n = w.shape
+        packed, scales, zero_points = quantizers[key].qbits_block_quant(w)
+        del w
+        wname = node.input[1]
+        gw.set(wname + f"_Q{b}", packed)
+        gw.set(wname + "_scales", scales)
+        inputs = [node.input[0], wname + f"_Q{b}", wname + "_scales"]
+        if not sym:
+            gw.set(wname + "_zero_points", zero_points)
+            inputs.append(wname + "_zero_points")
+        attrs = dict(K=k, N=n, bits=b, block_size=block) | ({"accuracy_level": accuracy_level} if accuracy_level else {})
+        q = helper.make_node("MatMulNBits", inputs, list(node.output), name=node.name + f"_Q{b}",
+                             domain="com.microsoft", **attrs)
+        idx = list(model.graph.node).index(node)
+        model.graph.node.remove(node)
+        model.graph.node.insert(idx, q)
+    gw.drop_unused()
 
 
 def calibration_feeds(hf_dir: Path, opts: QuantizeOptions, num_layers: int, kv_heads: int, head_dim: int) -> list[dict]:
@@ -256,18 +266,22 @@ def calibration_feeds(hf_dir: Path, opts: QuantizeOptions, num_layers: int, kv_h
     return feeds
 
 
-def smooth(model, feeds: list[dict], alpha: float) -> int:
+def smooth(gw: GraphWeights, feeds: list[dict], alpha: float, workdir: Path) -> int:
     """SmoothQuant: scale weight-MatMul input channels by s and fold 1/s into what produced them.
 
     Two exact folds: into the RMSNorm scale when the activation is Mul(x, 1-D constant)
     (q/k/v, gate/up), and into up_proj's output columns when it is Mul(act(gate), up_proj(x))
     (down_proj). Only where the activation feeds nothing but weight MatMuls (and Shape).
+    The activation statistics come from an ONNX Runtime session over the graph as saved in
+    `workdir` (its weights memory-mapped from there); the scaled weights are computed on save.
     Returns the number of groups smoothed.
     """
+    import onnx
     import onnxruntime as ort
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
-    inits = {i.name: i for i in model.graph.initializer}
+    model = gw.model
+    inits = gw.names()
     producers = {o: n for n in model.graph.node for o in n.output}
     consumers: dict[str, list] = {}
     for n in model.graph.node:
@@ -275,11 +289,11 @@ def smooth(model, feeds: list[dict], alpha: float) -> int:
             consumers.setdefault(i, []).append(n)
     wm = {id(n) for n in weight_matmuls(model)}
 
-    def const_vector(name: str):
+    def const_vector(name: str) -> str | None:
         """The 1-D initializer behind `name`, looking through Identity (the exporter dedupes equal weights)."""
         while name not in inits and name in producers and producers[name].op_type == "Identity":
             name = producers[name].input[0]
-        return inits[name] if name in inits and len(inits[name].dims) == 1 else None
+        return name if name in inits and len(gw.shape(name)) == 1 else None
 
     groups = {}
     for n in weight_matmuls(model):
@@ -303,14 +317,20 @@ def smooth(model, feeds: list[dict], alpha: float) -> int:
             groups[act] = (("matmul", ups[0]), [c for c in users if id(c) in wm])
     if not groups:
         return 0
-    # activation statistics: max |x| per channel over all calibration tokens
+    # activation statistics: max |x| per channel over all calibration tokens, from a session over the
+    # graph saved with its weights, plus the activations as outputs (a graph-only copy beside it)
+    if gw.edited:
+        gw.save(workdir / "stats.onnx")
     aug = type(model)()
     aug.CopyFrom(model)
     for act in groups:
         aug.graph.output.append(helper.make_tensor_value_info(act, 1, None))
+    aug_path = gw.path.with_name("stats-aug.onnx")  # beside the weights it names
+    onnx.save_model(aug, str(aug_path))
+    del aug
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(aug.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(str(aug_path), so, providers=["CPUExecutionProvider"])
     names = list(groups)
     amax = {a: None for a in names}
     for feed in feeds:
@@ -318,40 +338,38 @@ def smooth(model, feeds: list[dict], alpha: float) -> int:
         for a, o in zip(names, outs):
             m = np.abs(o).reshape(-1, o.shape[-1]).max(axis=0)
             amax[a] = m if amax[a] is None else np.maximum(amax[a], m)
-    del sess, aug
+        del outs
+    del sess
+    aug_path.unlink()
     for act, (fold, mms) in groups.items():
-        ws = [numpy_helper.to_array(inits[m.input[1]]) for m in mms]  # [in, out]
-        wmax = np.max([np.abs(w).max(axis=1) for w in ws], axis=0)
+        wmax = np.max([np.abs(gw.array(m.input[1])).max(axis=1) for m in mms], axis=0)  # one weight at a time
         s = np.power(np.maximum(amax[act], 1e-5), alpha) / np.power(np.maximum(wmax, 1e-5), 1 - alpha)
         s = np.clip(s, 1e-2, 1e2).astype(np.float32)
         if fold[0] == "norm":
             _, mul, slot, vec = fold
-            g = numpy_helper.to_array(vec) / s
             private = (mul.name or act) + ".smoothed_weight"  # never modify a vector another node shares
-            model.graph.initializer.append(numpy_helper.from_array(g.astype(np.float32), private))
+            gw.set(private, (gw.array(vec) / s).astype(np.float32))
             mul.input[slot] = private
         else:
-            up = inits[fold[1].input[1]]
-            u = numpy_helper.to_array(up) / s[None, :]
-            up.CopyFrom(numpy_helper.from_array(u.astype(np.float32), up.name))
-        for m, w in zip(mms, ws):
-            inits[m.input[1]].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32), m.input[1]))
-    used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
-    for init in [i for i in model.graph.initializer if i.name not in used]:
-        model.graph.initializer.remove(init)  # the norm weights replaced by their smoothed copies
+            gw.transform(fold[1].input[1], lambda u, sc=s: (u / sc[None, :]).astype(np.float32))
+        for m in mms:
+            gw.transform(m.input[1], lambda w, sc=s: (w * sc[:, None]).astype(np.float32))
+    gw.drop_unused()  # the norm weights replaced by their smoothed copies
     return len(groups)
 
 
-def _int8_qdq(src: Path, dst: Path, hf_dir: Path, opts: QuantizeOptions, dims) -> dict:
+def _int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts: QuantizeOptions, dims) -> dict:
     from onnxruntime.quantization import CalibrationDataReader
 
     feeds = calibration_feeds(hf_dir, opts, dims.num_layers, dims.num_kv_heads, dims.head_dim)
-    model = _load(src)
-    smoothed = smooth(model, feeds, opts.smoothquant_alpha) if opts.smoothquant_alpha > 0 else 0
-    pre = dst.parent / "smoothed.onnx"
-    _save(model, pre)
-    skip = set(matching_matmuls(model, tuple(opts.qdq_float_nodes), dims.num_layers))
-    nodes = [n.name for n in weight_matmuls(model)
+    work = dst.parent
+    plain = work / "prepared.onnx"
+    gw.save(plain)  # untied, unsmoothed: the ablation's source and smooth()'s statistics graph
+    smoothed = smooth(gw, feeds, opts.smoothquant_alpha, work) if opts.smoothquant_alpha > 0 else 0
+    pre = work / "smoothed.onnx"
+    gw.save(pre)
+    skip = set(matching_matmuls(gw.model, tuple(opts.qdq_float_nodes), dims.num_layers))
+    nodes = [n.name for n in weight_matmuls(gw.model)
              if not (opts.keep_lm_head_float and n.input[1].endswith(".lm_head_T")) and n.name not in skip]
 
     class Reader(CalibrationDataReader):
@@ -362,13 +380,12 @@ def _int8_qdq(src: Path, dst: Path, hf_dir: Path, opts: QuantizeOptions, dims) -
             return next(self.it, None)
 
     _qdq(pre, dst, Reader(), nodes)
-    pre.unlink()
-    float_nodes = [n.name for n in weight_matmuls(model) if n.name not in set(nodes)]
+    float_nodes = [n.name for n in weight_matmuls(gw.model) if n.name not in set(nodes)]
     metrics = {"smoothquant_groups": smoothed, "calibration_samples": len(feeds), "quantized_matmuls": len(nodes),
                "lm_head_float": opts.keep_lm_head_float, "float_matmuls": float_nodes}
     if opts.smoothquant_ablation and opts.smoothquant_alpha > 0:
-        (dst.parent / ABLATION).mkdir(exist_ok=True)
-        _qdq(src, dst.parent / ABLATION / "model.onnx", Reader(), nodes)
+        (work / ABLATION).mkdir(exist_ok=True)
+        _qdq(plain, work / ABLATION / "model.onnx", Reader(), nodes)
     return metrics
 
 
@@ -378,7 +395,7 @@ def _qdq(pre: Path, dst: Path, reader, nodes: list[str]) -> None:
     quantize_static(
         str(pre), str(dst), reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"],
         nodes_to_quantize=nodes, per_channel=True, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-        calibrate_method=CalibrationMethod.MinMax,
+        calibrate_method=CalibrationMethod.MinMax, use_external_data_format=True,  # any size: weights beside the graph
         extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
                        "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
                        "OpTypesToExcludeOutputQuantization": ["MatMul"]},  # TensorRT: Q/DQ on MatMul inputs only
@@ -389,35 +406,34 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
     from export.load import model_dims
 
     dims = model_dims(hf_dir)
-    model = _load(fp32_dir / "model.onnx")
-    untie_lm_head(model)
-    pre = dst / "prepared.onnx"
-    _save(model, pre)
-    del model
+    gw = GraphWeights(fp32_dir / "model.onnx")
+    untie_lm_head(gw)
     out = dst / "model.onnx"
     metrics: dict = {"mode": opts.mode}
     if opts.mode == "int8-dynamic":
-        metrics["block16_nodes"] = _int8_dynamic(pre, out, opts, dims.num_layers)
+        metrics["block16_nodes"] = _int8_dynamic(gw, dst / "prepared.onnx", out, opts, dims.num_layers)
     elif opts.mode == "int4-weight":
-        model = _load(pre)
-        head = lm_head_matmul(model)
+        head = lm_head_matmul(gw.model)
         special = {head: (opts.int4_lm_head_bits, 32)} if head and opts.int4_lm_head_bits != 4 else {}
-        _nbits(model, out, bits=4, symmetric=opts.int4_symmetric, special=special)
+        _nbits(gw, bits=4, symmetric=opts.int4_symmetric, special=special)
         metrics["lm_head_bits"] = opts.int4_lm_head_bits if head else None
     else:
-        metrics |= _int8_qdq(pre, out, hf_dir, opts, dims)
-    pre.unlink()
-    for f in dst.glob("prepared.onnx*"):
-        f.unlink()
-    # the embedding table: INT8 (shared with the LM head's INT8 weight where they are tied)
+        metrics |= _int8_qdq(gw, out, hf_dir, opts, dims)
+    # the embedding table: INT8 (shared with the LM head's INT8 weight where they are tied). Graphs ONNX
+    # Runtime's quantizers wrote are read back from disk; ours is still in memory, saved once here.
+    ort_wrote = opts.mode == "int8-qdq" or opts.int8_kernel != "nbits" and opts.mode == "int8-dynamic"
     for path in (out, dst / ABLATION / "model.onnx"):
-        if path.exists():
-            model = _load(path)
-            saved = quantize_embedding(model)
-            _save(model, path)
-            if path == out:
-                metrics["embedding_bytes_saved"] = saved
-    metrics["size_bytes"] = sum(f.stat().st_size for f in dst.glob("model.onnx*"))
-    metrics["fp32_size_bytes"] = sum(f.stat().st_size for f in fp32_dir.glob("model.onnx*"))
+        if not ort_wrote and path != out or ort_wrote and not path.exists():
+            continue
+        g = GraphWeights(path) if ort_wrote else gw
+        saved = quantize_embedding(g)
+        g.save(path)
+        if path == out:
+            metrics["embedding_bytes_saved"] = saved
+    for f in dst.iterdir():
+        if f.name.startswith(("prepared.onnx", "smoothed.onnx", "stats.onnx", "stats-aug.onnx")):
+            f.unlink()
+    metrics["size_bytes"] = graph_bytes(out)
+    metrics["fp32_size_bytes"] = graph_bytes(fp32_dir / "model.onnx")
     metrics["size_ratio"] = metrics["size_bytes"] / metrics["fp32_size_bytes"]
     return metrics

@@ -55,12 +55,14 @@ class CompatReport:
 
 def check(model_or_path) -> CompatReport:
     """Inspect a graph (onnx.ModelProto or path; external weights are not loaded unless needed)."""
-    import onnx
     from onnx import numpy_helper
 
-    model = model_or_path
-    if isinstance(model_or_path, (str, os.PathLike)):
-        model = onnx.load(str(model_or_path))
+    model, read = model_or_path, numpy_helper.to_array
+    if isinstance(model_or_path, (str, os.PathLike)):  # the graph alone; only the Q/DQ scales are read
+        from export.onnx_weights import GraphWeights
+
+        gw = GraphWeights(model_or_path)
+        model, read = gw.model, lambda init: gw.array(init.name)
     g = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in STANDARD_DOMAINS), 0)
     ops = Counter(n.op_type if n.domain in STANDARD_DOMAINS else f"{n.domain}.{n.op_type}" for n in g.node)
@@ -86,7 +88,7 @@ def check(model_or_path) -> CompatReport:
 
     def const(name: str):
         if name in inits:
-            return numpy_helper.to_array(inits[name])
+            return read(inits[name])
         if name in consts:
             return numpy_helper.to_array(consts[name].attribute[0].t)
         return None

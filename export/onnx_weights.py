@@ -1,0 +1,302 @@
+"""ONNX graphs of any size: the graph in memory, the weights on disk, one tensor at a time.
+
+Protobuf cannot serialise a message over 2 GB, so `onnx.save(model)`, `model.ByteSize()` and
+`model.SerializeToString()` fail on every model past ~500M fp32 parameters, and `onnx.load` of the
+weights holds all of them in RAM at once. Every stage that edits a graph goes through `GraphWeights`
+instead: the graph is loaded without its external data, a weight is read from its file only when asked
+for (`array`), edits are recorded per tensor (`set`, a value or a callable computed at save time), and
+`save` streams every tensor into one external data file, so the largest thing in memory is the largest
+tensor, plus whatever new (quantized) tensors the caller keeps.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Union
+
+import numpy as np
+
+Value = Union[np.ndarray, Callable[[], np.ndarray]]
+INLINE_MAX = 1024  # tensors up to this many bytes stay inside the graph proto (as onnx.save's size_threshold)
+ALIGN = 4096  # external tensors start on page boundaries, so ONNX Runtime can memory-map them
+COPY_CHUNK = 64 << 20
+
+
+def load_graph(path: Path):
+    """The ModelProto without its external weights (they stay on disk)."""
+    import onnx
+
+    return onnx.load(str(path), load_external_data=False)
+
+
+def _external(init) -> dict[str, str] | None:
+    from onnx import TensorProto
+
+    if init.data_location != TensorProto.EXTERNAL:
+        return None
+    return {e.key: e.value for e in init.external_data}
+
+
+def attribute_tensors(model) -> list:
+    """Tensors held in node attributes (Constant values), which may also live in external data."""
+    from onnx import AttributeProto
+
+    out = []
+    for node in model.graph.node:
+        for a in node.attribute:
+            if a.type == AttributeProto.TENSOR:
+                out.append(a.t)
+            elif a.type == AttributeProto.TENSORS:
+                out.extend(a.tensors)
+    return out
+
+
+def tensor_nbytes(init) -> int:
+    """Bytes of an initializer's data, from its record (no data is read)."""
+    from onnx import helper
+
+    ext = _external(init)
+    if ext is not None and "length" in ext:
+        return int(ext["length"])
+    if init.raw_data:
+        return len(init.raw_data)
+    dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
+    return int(np.prod(init.dims, dtype=np.int64)) * dtype.itemsize
+
+
+def graph_bytes(path: Path) -> int:
+    """Bytes of a graph on disk: the .onnx file and every external data file it names."""
+    model = load_graph(path)
+    files = {path}
+    for init in [*model.graph.initializer, *attribute_tensors(model)]:
+        ext = _external(init)
+        if ext is not None:
+            files.add(path.parent / ext["location"])
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+class GraphWeights:
+    """A graph loaded without its weights, with per-tensor reads and edits, saved by streaming."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.base = self.path.parent
+        self.model = load_graph(self.path)
+        self._edits: dict[str, Value] = {}
+        self._frozen: dict | None = None
+        self._orig: dict = {}  # records of edited tensors as they were on disk
+
+    @property
+    def edited(self) -> bool:
+        """Whether some tensor differs from what is on disk at `path`."""
+        return bool(self._edits)
+
+    # ------------------------------------------------------------------ lookup
+    def initializer(self, name: str):
+        for init in self.model.graph.initializer:
+            if init.name == name:
+                return init
+        raise KeyError(name)
+
+    def names(self) -> set[str]:
+        return {i.name for i in self.model.graph.initializer}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._edits and not callable(self._edits[name]):
+            return tuple(self._edits[name].shape)
+        return tuple(self.initializer(name).dims)
+
+    def array(self, name: str) -> np.ndarray:
+        """The tensor's current value: an edit if there is one, else read from its file (a fresh array)."""
+        if name in self._edits:
+            v = self._edits[name]
+            return v() if callable(v) else v
+        return self.stored(name)
+
+    def stored(self, name: str) -> np.ndarray:
+        """The tensor as it is on disk, ignoring edits."""
+        if name in self._orig:
+            return self._read(self._orig[name])
+        return self._read(self._frozen[name] if self._frozen else self.initializer(name))
+
+    def transform(self, name: str, fn: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Edit a tensor as a function of its current value (edits compose; computed on save)."""
+        prev = self._edits.get(name)
+
+        def value() -> np.ndarray:
+            base = self.stored(name) if prev is None else (prev() if callable(prev) else prev)
+            return fn(base)
+
+        init = self.initializer(name)
+        from onnx import helper
+
+        self.set(name, value, dims=tuple(init.dims), dtype=helper.tensor_dtype_to_np_dtype(init.data_type))
+
+    def _read(self, init) -> np.ndarray:
+        from onnx import helper, numpy_helper
+
+        ext = _external(init)
+        if ext is None:
+            return numpy_helper.to_array(init)
+        dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
+        count = int(np.prod(init.dims, dtype=np.int64))
+        with open(self.base / ext["location"], "rb") as f:
+            a = np.fromfile(f, dtype=dtype, count=count, offset=int(ext.get("offset", 0)))
+        return a.reshape(tuple(init.dims))
+
+    # ------------------------------------------------------------------ edits
+    def set(self, name: str, value: Value, dims: tuple[int, ...] | None = None, dtype=None) -> None:
+        """Replace or add a tensor. A callable is computed at save time (and by `array`): give its dims and dtype."""
+        from onnx import TensorProto, helper
+
+        if callable(value):
+            if dims is None or dtype is None:
+                raise ValueError("a computed tensor needs its dims and dtype")
+        else:
+            value = np.ascontiguousarray(value)
+            dims, dtype = value.shape, value.dtype
+        names = self.names()
+        if name in names:
+            init = self.initializer(name)
+            if name not in self._orig and name not in self._edits:  # keep where its stored value is
+                self._orig[name] = type(init)()
+                self._orig[name].CopyFrom(init)
+            init.ClearField("external_data")
+            init.ClearField("raw_data")
+            init.data_location = TensorProto.DEFAULT
+            del init.dims[:]
+        else:
+            init = self.model.graph.initializer.add()
+            init.name = name
+        init.dims.extend(int(d) for d in dims)
+        init.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        self._edits[name] = value
+
+    def remove(self, name: str) -> None:
+        self.model.graph.initializer.remove(self.initializer(name))
+        self._edits.pop(name, None)
+        self._orig.pop(name, None)
+
+    def drop_unused(self) -> None:
+        """Remove initializers no node or graph output reads."""
+        used = {i for n in self.model.graph.node for i in n.input} | {o.name for o in self.model.graph.output}
+        for init in [i for i in self.model.graph.initializer if i.name not in used]:
+            self.remove(init.name)
+
+    # ------------------------------------------------------------------ save
+    def save(self, dst: Path) -> int:
+        """Write the graph to `dst` and its tensors to `dst.name + ".data"` beside it; returns the bytes written.
+
+        Safe when `dst` is the file this graph was read from: the data goes to a temporary file first and
+        both files are renamed into place at the end. Afterwards this object reads from what it wrote."""
+        import onnx
+
+        dst = Path(dst)
+        data_name = dst.name + ".data"
+        tmp_data = dst.with_name(f".{data_name}.partial-{os.getpid()}")
+        tmp_graph = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
+        written = 0
+        # reads during the save (a computed tensor reading another) must see the records as they were
+        # before this save rewrote them to point at the new file
+        self._frozen = {}
+        for init in self.model.graph.initializer:
+            self._frozen[init.name] = type(init)()
+            self._frozen[init.name].CopyFrom(init)
+        try:
+            with open(tmp_data, "wb") as f:
+                for init in self.model.graph.initializer:
+                    written += self._write_tensor(f, init, data_name)
+                for t in attribute_tensors(self.model):  # Constant nodes' values (a quantizer may move them out)
+                    written += self._write_tensor(f, t, data_name, editable=False)
+            onnx.save_model(self.model, str(tmp_graph))
+            os.replace(tmp_data, dst.parent / data_name)
+            os.replace(tmp_graph, dst)
+        finally:
+            self._frozen = None
+            for t in (tmp_data, tmp_graph):
+                if t.exists():
+                    t.unlink()
+        self.path, self.base, self._edits, self._orig = dst, dst.parent, {}, {}
+        return written
+
+    def _write_tensor(self, f, init, data_name: str, editable: bool = True) -> int:
+        """Append one tensor's bytes to `f` (a small one stays inline) and point `init` at them."""
+        from onnx import TensorProto
+
+        ext = _external(init)
+        if editable and init.name in self._edits:
+            data = np.ascontiguousarray(self.array(init.name))
+            chunks, nbytes = [data.reshape(-1).view(np.uint8)], data.nbytes
+        elif ext is not None:
+            chunks, nbytes = self._file_chunks(ext), int(ext["length"])
+        elif tensor_nbytes(init) <= INLINE_MAX:
+            return 0  # a small inline tensor stays as it is
+        else:
+            data = np.ascontiguousarray(self._read(init))
+            chunks, nbytes = [data.reshape(-1).view(np.uint8)], data.nbytes
+        for field in ("external_data", "raw_data", "float_data", "int32_data", "int64_data", "double_data",
+                      "uint64_data", "string_data"):
+            init.ClearField(field)
+        if nbytes <= INLINE_MAX:
+            init.data_location = TensorProto.DEFAULT
+            init.raw_data = b"".join(bytes(c) for c in chunks)
+            return 0
+        pad = (-f.tell()) % ALIGN
+        f.write(b"\0" * pad)
+        offset = f.tell()
+        for c in chunks:
+            f.write(c)
+        init.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(nbytes))):
+            e = init.external_data.add()
+            e.key, e.value = k, v
+        return nbytes
+
+    def _file_chunks(self, ext: dict[str, str]):
+        """The bytes of an external tensor, read in chunks (never the whole file in memory)."""
+        offset, length = int(ext.get("offset", 0)), int(ext["length"])
+        with open(self.base / ext["location"], "rb") as src:
+            src.seek(offset)
+            left = length
+            while left:
+                chunk = src.read(min(COPY_CHUNK, left))
+                if not chunk:
+                    raise OSError(f"{self.base / ext['location']} ends before the tensor it should hold")
+                left -= len(chunk)
+                yield chunk
+
+
+class TensorFile:
+    """Writes initializers straight to an external data file as they are made (a graph built op by op
+    never holds more than one weight in memory). Use as a context manager; `tensor` returns the record."""
+
+    def __init__(self, data_path: Path) -> None:
+        self.path = Path(data_path)
+        self._f = None
+
+    def __enter__(self) -> "TensorFile":
+        self._f = open(self.path, "wb")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+    def tensor(self, name: str, array: np.ndarray):
+        from onnx import TensorProto, helper, numpy_helper
+
+        array = np.ascontiguousarray(array)
+        if array.nbytes <= INLINE_MAX:
+            return numpy_helper.from_array(array, name)
+        t = TensorProto()
+        t.name = name
+        t.dims.extend(array.shape)
+        t.data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
+        self._f.write(b"\0" * ((-self._f.tell()) % ALIGN))
+        offset = self._f.tell()
+        self._f.write(array.reshape(-1).view(np.uint8))
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", self.path.name), ("offset", str(offset)), ("length", str(array.nbytes))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        return t
