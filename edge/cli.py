@@ -200,9 +200,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle folder (the engine is added to it)")
     p.add_argument("--precision", default="fp16", choices=["fp16", "int8-qdq", "fp32", "bf16"],
                    help="fp16 (from the fp32 graph) or int8-qdq (the SmoothQuant Q/DQ graph)")
-    p.add_argument("--max-context", type=int, help="longest sequence the engine takes (default: the profile's)")
-    p.add_argument("--max-batch", type=int, help="most sequences decoded together (default: the profile's)")
-    p.add_argument("--optimization-level", type=int, default=3, help="TensorRT builder optimization level 0-5")
+    p.add_argument("--max-context", type=Bounded(int, 1), help="longest sequence the engine takes (default: the profile's)")
+    p.add_argument("--max-batch", type=Bounded(int, 1), help="most sequences decoded together (default: the profile's)")
+    p.add_argument("--optimization-level", type=Bounded(int, 0, 5), default=3, help="TensorRT builder optimization level 0-5")
     p.add_argument("--version-compatible", action="store_true",
                    help="engine that also runs on later TensorRT of the same major version (a little slower)")
     p.add_argument("--tensorrt", help="TensorRT version to plan for (default: the installed one)")
@@ -212,14 +212,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def _add_gen_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle folder written by edge-export build")
     p.add_argument("--engine", help="engine name from the manifest (default: fastest for this machine)")
-    p.add_argument("--threads", type=int, help="intra-op threads (default: the physical cores here)")
+    p.add_argument("--threads", type=Bounded(int, 1), help="intra-op threads (default: the physical cores here)")
     p.add_argument("--system", help="system prompt")
-    p.add_argument("--max-new-tokens", type=int, help="answer length limit (default: the bundle's)")
-    p.add_argument("--temperature", type=float, help="0 = greedy (default: the bundle's)")
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--repetition-penalty", type=float)
-    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument("--max-new-tokens", type=Bounded(int, 1), help="answer length limit (default: the bundle's)")
+    p.add_argument("--temperature", type=Bounded(float, 0), help="0 = greedy (default: the bundle's)")
+    p.add_argument("--top-p", type=Bounded(float, 0, 1, above=True))
+    p.add_argument("--top-k", type=Bounded(int, 0), help="0 = off")
+    p.add_argument("--repetition-penalty", type=Bounded(float, 0, above=True))
+    p.add_argument("--seed", type=Bounded(int, 0), help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print tokens, TTFT and tok/s after each answer")
     p.add_argument("--verify", action="store_true", help="check every file's SHA-256 before loading")
@@ -241,16 +241,16 @@ def make_parser() -> argparse.ArgumentParser:
                                    "offline; concurrent users share batched decode steps.")
     s.add_argument("bundle", help="bundle folder written by edge-export build")
     s.add_argument("--engine", help="engine name from the manifest (default: fastest for this machine)")
-    s.add_argument("--threads", type=int, help="intra-op threads (default: the physical cores here)")
+    s.add_argument("--threads", type=Bounded(int, 1), help="intra-op threads (default: the physical cores here)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=7860)
-    s.add_argument("--max-users", type=int, default=8, help="answers generated at once (batch rows, default 8)")
-    s.add_argument("--max-queue", type=int, help="requests allowed to wait beyond that (default 4 x max-users); "
+    s.add_argument("--max-users", type=Bounded(int, 1), default=8, help="answers generated at once (batch rows, default 8)")
+    s.add_argument("--max-queue", type=Bounded(int, 0), help="requests allowed to wait beyond that (default 4 x max-users); "
                                                   "more get HTTP 429 with Retry-After")
     s.add_argument("--auth", help="user:password for the page; API clients send 'Bearer <password>'")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without --auth")
     s.add_argument("--no-ui", action="store_true", help="API only, no Gradio page")
-    s.add_argument("--prompt-cache-mb", type=float, default=None,
+    s.add_argument("--prompt-cache-mb", type=Bounded(float, 0), default=None,
                    help="memory for the K/V of recent conversations, so a prompt that starts like one of them (the "
                         "system prompt, the chat so far) prefills only what is new (fused graphs; default 64, 0: off)")
     s.add_argument("--verify", action="store_true", help="check every file's SHA-256 before loading")
@@ -266,7 +266,7 @@ def make_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("golden", help="re-ask the golden prompts and compare with the recorded answers")
     g.add_argument("bundle")
     g.add_argument("--engine", help="engine name from the manifest (default: what would run here)")
-    g.add_argument("--threads", type=int)
+    g.add_argument("--threads", type=Bounded(int, 1))
     g.add_argument("--verify", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON object on stdout")
     g.set_defaults(func=_golden)
@@ -275,6 +275,34 @@ def make_parser() -> argparse.ArgumentParser:
     i.add_argument("--verify", action="store_true", help="check every file's SHA-256")
     i.set_defaults(func=_info)
     return ap
+
+
+class Bounded:
+    """An argparse type for a number within limits: a bad value is refused by the parser, in one line that
+    names the flag, before anything is loaded (the libraries check again for their own callers)."""
+
+    def __init__(self, kind: type, low: float | None = None, high: float | None = None, above: bool = False) -> None:
+        self.kind, self.low, self.high, self.above = kind, low, high, above  # above: low itself is not allowed
+
+    def describe(self) -> str:
+        low = "" if self.low is None else f"{'>' if self.above else '>='} {self.low}"
+        return f"{low} and <= {self.high}" if low and self.high is not None else low or f"<= {self.high}"
+
+    def __call__(self, text: str) -> int | float:
+        try:
+            v = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if self.kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if v != v or v in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if (self.low is not None and (v <= self.low if self.above else v < self.low)) or \
+                (self.high is not None and v > self.high):
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {text}")
+        return v
+
+    def __repr__(self) -> str:  # argparse names the type in some messages
+        return self.kind.__name__
 
 
 EXIT_CODES = ("exit codes: 0 done; 2 bad input or a failed check (one line on stderr says what to do); "

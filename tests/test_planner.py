@@ -107,7 +107,8 @@ def test_plan_json():
     (["plan", "--target", "nope"], "unknown target device"),
     (["plan", "--model", "/no/such/model", "--target", "t4"], "cannot read model"),
     (["plan", "--target", "t4", "--precision", "fp8"], "does not support fp8"),
-    (["plan", "--target", "t4", "--context", "0"], "--context must be positive"),
+    (["plan", "--target", "t4", "--context", "0"], "--context: must be >= 1"),
+    (["plan", "--target", "t4", "--context", "4k"], "--context: expected an integer"),
 ])
 def test_bad_input_exit_2_one_line(args, message):
     r = _cli(*args)
