@@ -10,42 +10,69 @@ import sys
 
 def _plan(args: argparse.Namespace) -> int:
     from edge.profiles import load_profile
-    from export.model_source import describe
-    from export.planner import PlanOptions, plan_all, recommend
+    from export.planner import QUALITY_ORDER, PlanOptions, bundle_quality, default_quality, plan_all, recommend
 
-    ref, dims = describe(args.model)
     profile = load_profile(args.target)
+    if args.bundle:
+        from edge.bundle import Bundle
+        from edge.errors import EdgeChatError
+
+        if args.model != "default":
+            raise EdgeChatError("give --model or --bundle, not both (a bundle says which model it holds)")
+        manifest = Bundle.open(args.bundle).manifest
+        name, dims = manifest.model_name, manifest.model
+        quality, runs = bundle_quality(manifest)
+        precisions = args.precision or [p for p in QUALITY_ORDER if p in runs and profile.supports(p)]
+        if (lacking := [p for p in precisions if p not in runs]) or not precisions:
+            raise EdgeChatError(f"{args.bundle} has no engine for {lacking[0] if lacking else profile.display_name} "
+                                f"(it can run: {', '.join(sorted(runs))}); build one: edge-export build --precision ...")
+    else:
+        from export.model_source import describe
+
+        ref, dims = describe(args.model)
+        name, quality, precisions = ref.name, default_quality(), args.precision
     opts = PlanOptions(context=args.context, batch=args.batch, prompt_tokens=min(args.prompt_tokens, args.context))
-    plans = plan_all(dims, profile, opts, args.precision)
-    best, ctx, why = recommend(dims, profile, opts)
+    plans = plan_all(dims, profile, opts, precisions)
+    rec = recommend(dims, profile, opts, max_kl=args.max_kl, quality=quality,
+                    precisions=[p.precision for p in plans],
+                    allow_fp32=args.allow_fp32 or "fp32" in (args.precision or []))
     if args.json:
         print(json.dumps({
-            "model": ref.name, "parameters": dims.num_parameters, "target": profile.id,
-            "options": vars(opts), "plans": [p.to_dict() for p in plans],
-            "recommendation": {"precision": best.precision if best else None, "context": ctx, "reason": why},
+            "model": name, "parameters": dims.num_parameters, "target": profile.id,
+            "options": vars(opts) | {"max_kl": args.max_kl, "allow_fp32": args.allow_fp32},
+            "plans": [p.to_dict() | {"expected_kl": quality[p.precision].kl,
+                                     "expected_kl_source": quality[p.precision].source} for p in plans],
+            "recommendation": rec.to_dict(quality),
         }, indent=2))
         return 0
-    print(f"model   {ref.name}: {dims.num_parameters / 1e6:,.1f}M parameters, {dims.num_layers} layers, "
+    print(f"model   {name}: {dims.num_parameters / 1e6:,.1f}M parameters, {dims.num_layers} layers, "
           f"{dims.num_heads} heads / {dims.num_kv_heads} KV heads, head dim {dims.head_dim}")
     print(f"target  {profile.display_name} [{profile.id}]: {profile.usable_memory_gb} of {profile.memory_gb} GB usable, "
           f"{profile.memory_bandwidth_gbs} GB/s, SM {profile.compute_capability}")
     print(f"request context {opts.context} x batch {opts.batch}, prompt {opts.prompt_tokens} tokens, answer {opts.answer_tokens}\n")
     cols = ["precision", "weights", "KV cache", "activ.", "runtime", "total", "usable", "build RAM", "fits",
-            "decode tok/s≤", "prefill", "100-tok answer"]
+            "decode tok/s≤", "prefill", "100-tok answer", "expected KL"]
     rows = []
     for p in plans:
         build = "-" if p.build_ram_gb is None else f"{p.build_ram_gb:.2f} GB" + ("" if p.fits_build else " (!)")
+        kl = quality[p.precision].kl
         rows.append([p.precision, f"{p.weights_gb:.3f} GB", f"{p.kv_cache_gb:.3f} GB", f"{p.activations_gb:.3f} GB",
                      f"{p.overhead_gb:.2f} GB", f"{p.total_gb:.2f} GB", f"{p.usable_gb:.1f} GB", build,
-                     "yes" if p.fits else "NO", f"{p.decode_tok_s:,.0f}", _secs(p.prefill_s), _secs(p.answer_s)])
+                     "yes" if p.fits else "NO", f"{p.decode_tok_s:,.0f}", _secs(p.prefill_s), _secs(p.answer_s),
+                     "?" if kl is None else f"{kl:.3g}"])
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     print("  ".join("-" * w for w in widths))
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
-    print(f"\nrecommended: {best.precision + ' at context ' + str(ctx) if best else 'none'} — {why}")
+    best = rec.plan
+    print(f"\nrecommended: {best.precision + ' at context ' + str(rec.context) if best else 'none'} — {rec.reason}")
+    if rec.runner_up:
+        print(f"runner-up:   {rec.runner_up.precision} — {rec.runner_up_reason}")
     print("decode tok/s≤ is the memory-bandwidth roofline (bandwidth ÷ bytes read per token at full context); "
-          "prefill uses dense peak FLOP/s. Real numbers are lower.")
+          "prefill uses dense peak FLOP/s. Real numbers are lower. Expected KL: mean per-token KL to fp32 "
+          + ("measured in the bundle where it has the engine, else " if args.bundle else "")
+          + "measured on SmolLM2-135M (? = not measured); --max-kl sets the bound, --json has the sources.")
     return 0
 
 
@@ -98,6 +125,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     from edge.cli import Bounded, Parser
+    from export.planner import DEFAULT_KL, DEFAULT_MAX_KL
 
     ap = Parser(
         prog="edge-export",
@@ -116,6 +144,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=Bounded(int, 1), default=1, help="concurrent sequences (default 1)")
     p.add_argument("--prompt-tokens", type=Bounded(int, 1), default=256, help="prompt length for the prefill estimate (default 256)")
     p.add_argument("--precision", action="append", help="only these precisions (repeatable; default: all the device supports)")
+    p.add_argument("--bundle", help="plan for this bundle: its model, the engines it has and their measured KL")
+    p.add_argument("--max-kl", type=Bounded(float, 0), default=DEFAULT_MAX_KL,
+                   help="quality bound for the recommendation: the most expected KL to fp32 per token (default "
+                        f"{DEFAULT_MAX_KL}; measured on SmolLM2-135M: "
+                        + ", ".join(f"{p} {kl}" for p, (kl, src) in DEFAULT_KL.items() if "SmolLM2" in src) + ")")
+    p.add_argument("--allow-fp32", action="store_true",
+                   help="let the recommendation pick fp32 on a GPU (by default fp16 is the floor there)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_plan)
 

@@ -125,34 +125,147 @@ def plan_all(dims: ModelDims, profile: DeviceProfile, opts: PlanOptions, precisi
     return [plan(dims, profile, p, opts) for p in chosen]
 
 
-def recommend(dims: ModelDims, profile: DeviceProfile, opts: PlanOptions) -> tuple[Plan | None, int, str]:
-    """Best-quality precision that fits at the asked context; else the longest context that fits.
+# Expected quality loss of each precision: mean per-token KL(fp32 || precision) on held-out chats, used when
+# no bundle's own measurement is at hand. Data with its source; None where nothing has been measured.
+SMOLLM2 = ("measured on SmolLM2-135M-Instruct by the build's evaluate stage: recipes/smollm2-int8.toml, 64 held-out "
+           "chitchat chats, edge runtime (README, 'Quality kept')")
+NO_GPU = "not measured: EdgeChat has not run TensorRT on a GPU yet"
+DEFAULT_KL: dict[str, tuple[float | None, str]] = {
+    "fp32": (0.0, "the reference itself"),
+    "fp16": (None, NO_GPU),
+    "bf16": (None, NO_GPU),
+    "fp8": (None, NO_GPU),
+    "int8-dynamic": (0.0061, SMOLLM2),
+    "int8-qdq": (0.097, SMOLLM2 + "; SmoothQuant alpha 0.8"),
+    "int4-weight": (0.443, SMOLLM2),
+}
+DEFAULT_MAX_KL = 0.05  # on the defaults above: int8-dynamic is within it, int8-qdq and int4-weight are not
+GPU_FLOOR = ("fp16", "bf16")  # on a GPU the recommendation never goes below these for quality, nor to fp32 unasked
+TENSORRT_FROM_FP32 = ("fp32", "fp16", "bf16")  # engines TensorRT builds on the device from a bundle's fp32 graph
 
-    Returns (plan or None, context used, reason).
-    """
-    order = [p for p in QUALITY_ORDER if profile.supports(p)]
-    for p in order:
-        pl = plan(dims, profile, p, opts)
-        if pl.fits:
-            lower = [q for q in order[order.index(p) + 1:] if plan(dims, profile, q, opts).fits]
-            faster = f"; {lower[-1]} would fit too and decode up to {plan(dims, profile, lower[-1], opts).decode_tok_s:.0f} tok/s" if lower else ""
-            return pl, opts.context, (
-                f"{p} is the highest-quality precision that fits {opts.context} tokens x batch {opts.batch} "
-                f"in {pl.usable_gb:.1f} GB ({pl.total_gb:.2f} GB needed){faster}"
-            )
+
+@dataclass(frozen=True)
+class Expected:
+    """Expected KL to fp32 of one precision, and where the number comes from."""
+
+    kl: float | None
+    source: str
+
+    @property
+    def short(self) -> str:
+        """For a one-line reason: the number and a word on where it is from."""
+        if self.kl is None:
+            return "KL not measured"
+        where = "this bundle" if "bundle" in self.source else "SmolLM2-135M" if "SmolLM2" in self.source else "reference"
+        return f"KL {self.kl:.2g}, {where}"
+
+
+def default_quality() -> dict[str, Expected]:
+    return {p: Expected(kl, src) for p, (kl, src) in DEFAULT_KL.items()}
+
+
+def bundle_quality(manifest) -> tuple[dict[str, Expected], set[str]]:
+    """Expected KL per precision from a bundle's measured engines (the defaults for the rest), and the
+    precisions the bundle can run: its engines' and, given its fp32 graph, what TensorRT builds from it.
+
+    A pruned bundle's KL is measured against the teacher; its fp32 engine's own KL is subtracted, so the
+    number is what the precision loses against the model the bundle holds."""
+    measured: dict[str, float] = {}
+    for e in manifest.engines:
+        v = e.quality.get("kl_to_fp32")
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            measured[e.fingerprint.precision] = min(v, measured.get(e.fingerprint.precision, v))
+    base = measured.get("fp32", 0.0)
+    quality = default_quality()
+    for prec, v in measured.items():
+        quality[prec] = Expected(max(0.0, v - base), f"measured in bundle {manifest.bundle_id}"
+                                 + (" (minus its fp32 engine's KL to the teacher)" if base else ""))
+    have = {e.fingerprint.precision for e in manifest.engines}
+    return quality, have | (set(TENSORRT_FROM_FP32) if "fp32" in have else set())
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    plan: Plan | None
+    context: int
+    reason: str
+    runner_up: Plan | None = None
+    runner_up_reason: str = ""
+
+    def to_dict(self, quality: dict[str, Expected]) -> dict:
+        def kl(p: Plan | None) -> dict:
+            return {} if p is None else {"expected_kl": quality[p.precision].kl,
+                                         "expected_kl_source": quality[p.precision].source}
+        return {"precision": self.plan.precision if self.plan else None, "context": self.context,
+                "reason": self.reason, **kl(self.plan),
+                "runner_up": None if self.runner_up is None else
+                {"precision": self.runner_up.precision, "decode_tok_s": self.runner_up.decode_tok_s,
+                 "reason": self.runner_up_reason, **kl(self.runner_up)}}
+
+
+def recommend(dims: ModelDims, profile: DeviceProfile, opts: PlanOptions, max_kl: float = DEFAULT_MAX_KL,
+              quality: dict[str, Expected] | None = None, precisions: list[str] | None = None,
+              allow_fp32: bool = False) -> Recommendation:
+    """What a user should run: the fastest precision that fits whose expected KL to fp32 is within `max_kl`.
+
+    On a GPU fp16 is the floor (always acceptable, whatever its KL) and fp32 is left out unless asked for
+    (`allow_fp32`; or when it is the only candidate): nobody runs fp32 on a Jetson. On a CPU fp32 is the floor.
+    If nothing within the bound fits, the lowest-KL precision that fits, saying so; if nothing fits at the
+    asked context, the longest context that does. `precisions` limits the candidates (--precision)."""
+    if max_kl < 0:
+        raise RecipeError(f"--max-kl must be >= 0, got {max_kl}")
+    quality = quality or default_quality()
+    order = [p for p in (precisions or QUALITY_ORDER) if profile.supports(p)]
+    if not order:
+        raise RecipeError(f"none of {', '.join(precisions or QUALITY_ORDER)} runs on {profile.display_name} "
+                          f"(it supports: {', '.join(profile.precisions)})")
+    if profile.is_gpu and not allow_fp32:
+        order = [p for p in order if p != "fp32"] or order
+    floor = next((p for p in (GPU_FLOOR if profile.is_gpu else ("fp32",)) if p in order), None)
+
+    def kl(p: str) -> float:
+        v = quality.get(p, Expected(None, "")).kl
+        return float("inf") if v is None else v
+
+    def ok(p: str) -> bool:
+        return p == floor or kl(p) <= max_kl
+
+    def why_kl(p: str) -> str:
+        return quality.get(p, Expected(None, "not measured")).short
+
     ctx = opts.context
-    while ctx > 256:
+    while True:
+        o = PlanOptions(context=ctx, batch=opts.batch, prompt_tokens=min(opts.prompt_tokens, ctx),
+                        answer_tokens=opts.answer_tokens)
+        fitting = [pl for pl in (plan(dims, profile, p, o) for p in order) if pl.fits]
+        within = sorted((pl for pl in fitting if ok(pl.precision)),
+                        key=lambda pl: (-pl.decode_tok_s, kl(pl.precision), order.index(pl.precision)))
+        where = f"fits {ctx} tokens x batch {o.batch}" + (f" (not {opts.context})" if ctx != opts.context else "")
+        if within:
+            best = within[0]
+            faster = [pl for pl in fitting if pl.decode_tok_s > best.decode_tok_s and not ok(pl.precision)]
+            floor_note = " (the floor on GPUs)" if best.precision == floor and profile.is_gpu else ""
+            reason = (f"the fastest that {where} with expected KL <= {max_kl:g}{floor_note}: "
+                      f"{best.decode_tok_s:,.0f} tok/s, {why_kl(best.precision)}"
+                      + (f"; {faster[0].precision} is faster but {why_kl(faster[0].precision)}" if faster else ""))
+            runner = within[1] if len(within) > 1 else (faster[0] if faster else None)
+            return Recommendation(best, ctx, reason, runner, "" if runner is None else (
+                f"{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner.precision)}"
+                + ("" if ok(runner.precision) else f", above --max-kl {max_kl:g}")
+                + (" (the floor on GPUs)" if runner.precision == floor and profile.is_gpu else "")))
+        if fitting:
+            best = min(fitting, key=lambda pl: (kl(pl.precision), order.index(pl.precision)))
+            rest = [pl for pl in fitting if pl is not best]
+            runner = max(rest, key=lambda pl: pl.decode_tok_s) if rest else None
+            return Recommendation(best, ctx, (
+                f"nothing with expected KL <= {max_kl:g} {where}; this is the best quality that does "
+                f"({why_kl(best.precision)})"), runner,
+                "" if runner is None else f"{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner.precision)}")
+        if ctx <= 256:
+            break
         ctx //= 2
-        o2 = PlanOptions(context=ctx, batch=opts.batch, prompt_tokens=min(opts.prompt_tokens, ctx),
-                         answer_tokens=opts.answer_tokens)
-        for p in order:
-            pl = plan(dims, profile, p, o2)
-            if pl.fits:
-                return pl, ctx, (
-                    f"nothing fits {opts.context} tokens; {p} fits a {ctx}-token context "
-                    f"({pl.total_gb:.2f} of {pl.usable_gb:.1f} GB)"
-                )
     smallest = plan(dims, profile, order[-1], opts)
     why = "engine build needs more host RAM than the device has" if smallest.fits_memory else (
         f"even {order[-1]} needs {smallest.total_gb:.1f} GB of {smallest.usable_gb:.1f} GB usable")
-    return None, opts.context, f"does not fit: {why}; prune the model (edge-export build --prune) or pick a larger device"
+    return Recommendation(None, opts.context, f"does not fit: {why}; prune the model (edge-export build --prune) "
+                                              "or pick a larger device")

@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from conftest import ROOT
 from edge.profiles import load_profile
 from export.model_source import KNOWN_SIZES, describe
 from export.planner import PlanOptions, plan, recommend
@@ -73,19 +74,67 @@ def test_7b_int8_4k_fits_t4_not_orin_nano():
     assert plan(d, load_profile("t4"), "int8-qdq", o).fits
     nano = plan(d, load_profile("orin-nano-8gb"), "int8-qdq", o)
     assert not nano.fits_memory and nano.total_gb > 5.2
-    best, ctx, why = recommend(d, load_profile("orin-nano-8gb"), o)
+    rec = recommend(d, load_profile("orin-nano-8gb"), o)
     # our int4 format (fp32 block scales, 4-bit zero points, 8-bit LM head: 4.4 GB of weights for 7B) plus
     # the 0.9 GB runtime leaves no room in 5.2 GB at any context: the plan says so and what to do
-    assert best is None and "even int4-weight needs" in why and "--prune" in why
+    assert rec.plan is None and "even int4-weight needs" in rec.reason and "--prune" in rec.reason
 
 
-def test_recommend_prefers_quality_when_it_fits():
-    best, ctx, why = recommend(KNOWN_SIZES["smollm2-135m"], load_profile("t4"), PlanOptions())
-    assert best.precision == "fp32" and ctx == 2048 and "highest-quality" in why
+def test_recommend_fastest_within_the_kl_bound():
+    """SmolLM2 fits a T4 at every precision: the fastest whose expected KL is within the bound wins."""
+    d, t4 = KNOWN_SIZES["smollm2-135m"], load_profile("t4")
+    rec = recommend(d, t4, PlanOptions())
+    assert rec.plan.precision == "int8-dynamic" and rec.context == 2048  # KL 0.0061 <= 0.05; int8-qdq 0.097 is not
+    assert "int8-qdq is faster" in rec.reason and rec.runner_up.precision == "fp16"
+    assert recommend(d, t4, PlanOptions(), max_kl=0.1).plan.precision == "int8-qdq"
+    assert recommend(d, t4, PlanOptions(), max_kl=0.5).plan.precision == "int4-weight"
+    floor = recommend(d, t4, PlanOptions(), max_kl=0.0)  # nothing quantized is within: fp16, never fp32
+    assert floor.plan.precision == "fp16" and "floor" in floor.reason and floor.runner_up.precision != "fp32"
+    assert recommend(d, t4, PlanOptions(), precisions=["fp32"], allow_fp32=True).plan.precision == "fp32"
+
+
+def test_recommend_on_cpu_fp32_is_the_floor():
+    d, cpu = KNOWN_SIZES["smollm2-135m"], load_profile("cpu")
+    assert recommend(d, cpu, PlanOptions()).plan.precision == "int8-dynamic"
+    assert recommend(d, cpu, PlanOptions(), max_kl=0.0).plan.precision == "fp32"
+    assert recommend(d, cpu, PlanOptions(), max_kl=1.0).plan.precision == "int4-weight"
+
+
+def test_recommend_when_nothing_within_the_bound_fits():
+    """7B at 4k on a T4: fp16 does not fit, so the best quality that does, saying the bound is not met."""
+    rec = recommend(KNOWN_SIZES["7b"], load_profile("t4"), PlanOptions(context=4096), max_kl=0.0)
+    assert rec.plan.precision == "int8-dynamic" and "nothing with expected KL <= 0" in rec.reason
+
+
+def test_default_kl_table_has_a_source_for_every_precision():
+    from export.planner import DEFAULT_KL, PRECISIONS
+
+    assert set(DEFAULT_KL) == set(PRECISIONS)
+    for p, (kl, source) in DEFAULT_KL.items():
+        assert source.strip() and (kl is None or kl >= 0), p
+
+
+def test_bundle_quality_is_relative_to_the_bundles_own_fp32(tiny_bundle):
+    """A pruned bundle's KL is measured against the teacher: its fp32 engine's KL is taken off."""
+    import dataclasses
+
+    from export.planner import bundle_quality
+
+    m = tiny_bundle.manifest
+    q, runs = bundle_quality(m)
+    assert q["int8-dynamic"].kl == pytest.approx(m.engine("int8-dynamic").quality["kl_to_fp32"])
+    assert "bundle" in q["int8-dynamic"].source and "fp16" in runs  # TensorRT builds fp16 from its fp32 graph
+    kl = {"fp32": 0.30, "int8-dynamic": 0.32}
+    pruned = dataclasses.replace(m, engines=[dataclasses.replace(e, quality=e.quality | {"kl_to_fp32": kl[e.name]})
+                                             for e in m.engines if e.name in kl])
+    q, runs = bundle_quality(pruned)
+    assert q["int8-dynamic"].kl == pytest.approx(0.02) and "teacher" in q["int8-dynamic"].source
+    assert "int4-weight" not in runs and "SmolLM2" in q["int4-weight"].source  # the default, for the others
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "export.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "export.cli", *args], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
 
 
 def test_plan_default_model_is_fast_and_prints_a_table():
@@ -103,12 +152,76 @@ def test_plan_json():
     assert rows["int8-qdq"]["fits"] and not rows["fp16"]["fits"]
 
 
+def _gpu_targets() -> list[str]:
+    """Every GPU profile file in device_profiles/, and each of its power modes."""
+    from edge.profiles import profiles_dir
+
+    out = []
+    for f in sorted(profiles_dir().glob("*.toml")):
+        prof = load_profile(str(f))
+        if prof.is_gpu:
+            out += [f.stem] + [f"{f.stem}@{m}" for m in prof.modes]
+    return out
+
+
+GPU_TARGETS = _gpu_targets()
+
+
+def test_gpu_targets_found():
+    assert {"t4", "l4", "orin-nano-8gb", "orin-nano-8gb@super", "agx-orin-64gb"} <= set(GPU_TARGETS)
+
+
+@pytest.mark.parametrize("target", GPU_TARGETS)
+def test_plan_default_model_recommends_no_fp32_on_gpus(target):
+    """Nobody runs fp32 on a Jetson: the default model gets a faster precision, the reason, and a runner-up."""
+    r = _cli("plan", "--target", target)
+    assert r.returncode == 0, r.stderr
+    rec = next(line for line in r.stdout.splitlines() if line.startswith("recommended:"))
+    precision = rec.split()[1]
+    assert precision in ("fp16", "bf16", "fp8", "int8-qdq", "int8-dynamic", "int4-weight"), rec
+    assert "the fastest that fits" in rec and "expected KL <= 0.05" in rec, rec
+    runner = next(line for line in r.stdout.splitlines() if line.startswith("runner-up:"))
+    assert runner.split()[1] not in ("fp32", precision), runner
+    data = json.loads(_cli("plan", "--target", target, "--json").stdout)
+    got = data["recommendation"]
+    assert got["precision"] == precision and got["reason"] in rec and got["runner_up"]["precision"] != "fp32"
+    assert got["expected_kl"] <= 0.05 and "SmolLM2" in got["expected_kl_source"]
+    assert {p["precision"]: p["expected_kl"] for p in data["plans"]}["int4-weight"] == pytest.approx(0.443)
+
+
+def test_plan_fp32_only_when_asked():
+    r = _cli("plan", "--target", "orin-nano-8gb", "--precision", "fp32", "--json")
+    assert json.loads(r.stdout)["recommendation"]["precision"] == "fp32"
+    r = _cli("plan", "--target", "orin-nano-8gb", "--max-kl", "0", "--json")
+    rec = json.loads(r.stdout)["recommendation"]
+    assert rec["precision"] == "fp16" and rec["runner_up"]["precision"] != "fp32"
+    r = _cli("plan", "--target", "cpu", "--json")  # the CPU: the fastest within the bound
+    assert json.loads(r.stdout)["recommendation"]["precision"] == "int8-dynamic"
+
+
+def test_plan_for_a_bundle_uses_its_measured_kl(tiny_bundle):
+    r = _cli("plan", "--bundle", str(tiny_bundle.root), "--target", "orin-nano-8gb", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    kl = {p["precision"]: (p["expected_kl"], p["expected_kl_source"]) for p in data["plans"]}
+    m = tiny_bundle.manifest
+    assert kl["int4-weight"][0] == pytest.approx(m.engine("int4-weight").quality["kl_to_fp32"])
+    assert "bundle" in kl["int4-weight"][1] and data["model"] == m.model_name
+    # the tiny random model loses almost nothing at 4 bits, so its own numbers allow the fastest
+    assert data["recommendation"]["precision"] == "int4-weight"
+    r = _cli("plan", "--bundle", str(tiny_bundle.root), "--target", "cpu", "--max-kl", "1e-9")
+    assert r.returncode == 0 and "recommended: fp32" in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["plan", "--target", "nope"], "unknown target device"),
     (["plan", "--model", "/no/such/model", "--target", "t4"], "cannot read model"),
     (["plan", "--target", "t4", "--precision", "fp8"], "does not support fp8"),
     (["plan", "--target", "t4", "--context", "0"], "--context: must be >= 1"),
     (["plan", "--target", "t4", "--context", "4k"], "--context: expected an integer"),
+    (["plan", "--target", "t4", "--max-kl", "-0.1"], "--max-kl: must be >= 0"),
+    (["plan", "--target", "t4", "--bundle", "/no/such.bundle"], "does not exist"),
+    (["plan", "--target", "t4", "--bundle", "/no/such.bundle", "--model", "7b"], "not both"),
 ])
 def test_bad_input_exit_2_one_line(args, message):
     r = _cli(*args)
