@@ -20,6 +20,7 @@ from edge.io_contract import io_for_variant
 from edge.runtime import Decoder, Generator
 from edge.sampling import SamplingConfig
 from export import vocab
+from export.onnx_weights import graph_bytes
 
 GOLDEN = [
     {"prompt": "What is the capital of Japan?", "expect": ["Tokyo"]},
@@ -135,8 +136,9 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
     for e in tqdm(engines, desc="golden prompts + speed", unit="engine"):
         d = decs[e.name]
         q = summarize(parts[e.name])
-        q["size_bytes"] = sum(f.stat().st_size for f in e.folder.glob("model.onnx*"))
-        if getattr(e, "report_only", False) and not getattr(e, "lineage", False):
+        q["size_bytes"] = graph_bytes(e.folder / "model.onnx")
+        q["shipped"] = not getattr(e, "report_only", False)
+        if getattr(e, "report_only", False) and not getattr(e, "lineage", False) and not getattr(e, "reference", False):
             results["engines"][e.name] = q  # quality only: no golden answers or timing for ablations
             continue
         q |= speed(d, bench_ids, opts.bench_tokens, opts.bench_runs)

@@ -26,6 +26,7 @@ class EngineArtifact:
     report_only: bool = False  # measured for the report (e.g. an ablation), not shipped
     dims_dir: Path | None = None  # the HF folder this graph was exported from, when not the shipped model's
     lineage: bool = False  # teacher / pruned-only: quality and speed measured, no golden answers
+    reference: bool = False  # the fp32 graph every engine is compared with: measured in full even when not shipped
 
 
 def _opset(path: Path) -> int:

@@ -20,7 +20,9 @@ else:  # pragma: no cover
 
 from edge.bundle import Bundle, StageRecord
 from edge.errors import RecipeError
+from export.console import fmt_bytes
 from export.distill import DistillOptions
+from export.memory import PeakRSS
 from export.prune import PruneOptions
 
 BUILD_PRECISIONS = ("fp32", "int8-dynamic", "int8-qdq", "int4-weight")
@@ -39,7 +41,9 @@ STAGE_CODE = {"load": "export.load", "prune": "export.prune", "export-teacher": 
 class BuildOptions:
     output: Path
     model: str = "default"
-    precisions: tuple[str, ...] = ("fp32", "int8-dynamic")
+    # what the bundle ships; the fp32 graph is always exported and measured as the reference, and
+    # shipped only when asked for (an 8B model's fp32 graph is 32 GB)
+    precisions: tuple[str, ...] = ("int8-dynamic",)
     max_context: int = 2048
     opset: int = 17
     parity_atol: float = 1e-3
@@ -60,8 +64,8 @@ class BuildOptions:
         bad = [p for p in self.precisions if p not in BUILD_PRECISIONS]
         if bad:
             raise RecipeError(f"unknown precision {bad[0]!r}: choose from {', '.join(BUILD_PRECISIONS)}")
-        if "fp32" not in self.precisions:
-            object.__setattr__(self, "precisions", ("fp32", *self.precisions))  # the reference everything is measured against
+        if not self.precisions:
+            raise RecipeError(f"no precision to build: choose from {', '.join(BUILD_PRECISIONS)}")
         if self.max_context < 64:
             raise RecipeError(f"max_context must be >= 64, got {self.max_context}")
         if not 0 <= self.smoothquant_alpha <= 1:
@@ -138,8 +142,10 @@ class BuildOptions:
         return dataclasses.replace(base, prune=prune, distill=distill)
 
 
-def build(opts: BuildOptions, log=print) -> Bundle:
-    """load -> export (+parity) -> quantize per precision -> evaluate -> package."""
+def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
+    """load -> export (+parity) -> quantize per precision -> evaluate -> package.
+
+    Each stage's third-party output goes to OUT.work/<stage>/log.txt (`verbose`: to the terminal)."""
     from export import load, onnx_export, package
     from export.model_source import resolve
     from export.stages import run_stage
@@ -150,7 +156,8 @@ def build(opts: BuildOptions, log=print) -> Bundle:
 
     def stage(name: str, params: dict, fn):
         code = STAGE_CODE[name.split("-")[0] if name.startswith("quantize-") else name]
-        return run_stage(work, name, params, fn, opts.fresh, log, code=code, reuse_stale=opts.reuse_stale)
+        return run_stage(work, name, params, fn, opts.fresh, log, code=code, reuse_stale=opts.reuse_stale,
+                         verbose=verbose)
 
     records: list[StageRecord] = []
 
@@ -207,8 +214,10 @@ def build(opts: BuildOptions, log=print) -> Bundle:
     fp32_dir, rec = stage("export", dataclasses.asdict(eopts) | ({"model": shipped_from} if opts.prune else {}),
                               lambda d: onnx_export.run(hf_dir, d, eopts))
     records.append(rec)
-    engines = [package.EngineArtifact("fp32", fp32_dir, "fp32", quality={"parity": rec.metrics})]
-    report_only: list = []  # measured and shown in the report, not shipped
+    reference = package.EngineArtifact("fp32", fp32_dir, "fp32", quality={"parity": rec.metrics},
+                                       report_only="fp32" not in opts.precisions, reference=True)
+    engines = [] if reference.report_only else [reference]  # what the bundle ships
+    report_only: list = [reference] if reference.report_only else []  # measured and shown in the report, not shipped
     exported = rec.finished  # later stages depend on this export: a new export invalidates them
     fused_dir = fp32_dir / onnx_export.FUSED_DIR
     has_fused = opts.fused and (fused_dir / "model.onnx").is_file()
@@ -254,6 +263,30 @@ def build(opts: BuildOptions, log=print) -> Bundle:
         golden = results.get("golden", [])
         extra = {p.name: p for p in sorted(edir.iterdir()) if p.suffix in (".png", ".html", ".md")}
         extra = {f"report/{k}": v for k, v in extra.items()}
-    bundle = package.run(hf_dir, engines, records, opts.output, opts.max_context, golden, extra)
-    log(f"[package] bundle {bundle.manifest.bundle_id} verified and written to {bundle.root}")
+    with PeakRSS() as mem:
+        bundle = package.run(hf_dir, engines, records, opts.output, opts.max_context, golden, extra)
+    log(f"[package] bundle {bundle.manifest.bundle_id} verified and written to {bundle.root} "
+        f"(peak memory {fmt_bytes(mem.peak_bytes)})")
+    log(summary(records, bundle))
     return bundle
+
+
+def summary(records: list[StageRecord], bundle: Bundle) -> str:
+    """The table a build ends with: each stage's time, peak memory and output; each engine's size and quality."""
+    from export.console import fmt_seconds, table
+
+    rows = []
+    for r in records:
+        out = bundle.root.with_name(bundle.root.name + ".work") / r.name
+        size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.is_dir() else None
+        rows.append([r.name, fmt_seconds(r.seconds), fmt_bytes(r.memory.get("peak_rss_bytes")), fmt_bytes(size)])
+    text = "\n" + table(rows, ["stage", "time", "peak memory", "output"])
+    erows = []
+    for e in bundle.manifest.engines:
+        q = e.quality
+        size = sum(f.size for k, f in bundle.manifest.files.items() if k.startswith(f"engines/{e.name}/"))
+        kl, d = q.get("kl_to_fp32"), q.get("perplexity_delta_pct")
+        erows.append([e.name, fmt_bytes(size), "-" if kl is None else f"{kl:.4f}", "-" if d is None else f"{d:+.2f}%",
+                      q.get("golden_passed", "-"), "-" if "decode_tok_s" not in q else f"{q['decode_tok_s']:.0f}"])
+    text += "\n\n" + table(erows, ["engine", "size", "KL to fp32", "perplexity", "golden", "decode tok/s"])
+    return text

@@ -15,11 +15,15 @@ import importlib.util
 import json
 import shutil
 import time
+import traceback
 from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
 from edge.bundle import StageRecord
+from edge.errors import EdgeChatError
+from export.console import Progress, Terminal, captured, fmt_bytes, fmt_seconds
+from export.memory import PeakRSS
 
 OWN_PACKAGES = ("edge", "export")
 TOOLS = ("edgechat", "torch", "transformers", "optimum-onnx", "onnx", "onnxruntime", "onnxruntime-gpu", "tensorrt")
@@ -92,9 +96,13 @@ def code_fingerprint(module: str, packages: tuple[str, ...] = OWN_PACKAGES) -> s
 
 def run_stage(work: Path, name: str, params: dict, fn: Callable[[Path], dict], fresh: bool = False,
               log: Callable[[str], None] = print, code: str | None = None,
-              reuse_stale: bool = False) -> tuple[Path, StageRecord]:
+              reuse_stale: bool = False, verbose: bool = False) -> tuple[Path, StageRecord]:
     """Run `fn` into WORK/name, or reuse a finished run with the same params and (when `code` names the
-    stage's module) the same source fingerprint; `reuse_stale` accepts a different fingerprint."""
+    stage's module) the same source fingerprint; `reuse_stale` accepts a different fingerprint.
+
+    Third-party output goes to WORK/name/log.txt (all of it on the terminal with `verbose`); the stage's
+    peak resident memory is measured and recorded. Any failure becomes a StageError naming the stage,
+    the problem, what to do and the log."""
     out = work / name
     rec_path = out / "stage.json"
     now = code_fingerprint(code) if code else None
@@ -111,17 +119,42 @@ def run_stage(work: Path, name: str, params: dict, fn: Callable[[Path], dict], f
     tmp = work / f".{name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    log(f"[{name}] running ...")
+    log_path = tmp / LOG
     t0 = time.perf_counter()
-    metrics = fn(tmp) or {}
+    with PeakRSS() as mem:
+        with captured(log_path, verbose) as stream, Progress(Terminal(stream), f"[{name}] running"):
+            try:
+                metrics = fn(tmp) or {}
+            except KeyboardInterrupt:
+                raise
+            except EdgeChatError as e:
+                raise StageError(name, str(e), log_path) from None
+            except Exception as e:  # a bug or a third-party failure: the traceback goes to the log only
+                traceback.print_exc()
+                raise StageError(name, f"{type(e).__name__}: {e}", log_path, unexpected=True) from None
     rec = StageRecord(name=name, params=_jsonable(params), seconds=round(time.perf_counter() - t0, 2),
                       tool_versions=tool_versions() | ({CODE_KEY: now} if now else {}), metrics=_jsonable(metrics),
-                      finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                      finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), memory=mem.to_dict())
     (tmp / "stage.json").write_text(json.dumps(rec.__dict__, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    log(f"[{name}] finished in {rec.seconds:.1f}s")
+    log(f"[{name}] done in {fmt_seconds(rec.seconds)}, peak memory {fmt_bytes(mem.peak_bytes)}")
     return out, rec
+
+
+LOG = "log.txt"  # a stage's captured third-party output, inside its folder
+
+
+class StageError(EdgeChatError):
+    """A build stage failed: which stage, the problem in one paragraph, what to do, and its log."""
+
+    def __init__(self, stage: str, problem: str, log_path: Path, unexpected: bool = False) -> None:
+        self.stage, self.log_path = stage, log_path
+        problem = " ".join(problem.split())  # one paragraph
+        todo = ("this looks like a bug or a problem in a library: the traceback is in the log; run again with -v "
+                "to see all output, and report it with the log" if unexpected else
+                "fix what the message names and run the same command again (finished stages are reused)")
+        super().__init__(f"stage '{stage}' failed: {problem}\n  what to do: {todo}\n  log: {log_path}")
 
 
 def _jsonable(x):
