@@ -32,12 +32,13 @@ from edge.errors import (
     SchemaVersionError,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # 2: an engine may carry its own `io` contract (the fused graph's differs from the plain one's);
 # a version-1 manifest still reads, every engine using the manifest's `io`.
 # 3: a fused engine's `io` may name `logit_positions` (the graph returns logits at those positions only);
 # an edgechat that reads only 1-2 refuses such a bundle by its version instead of failing on the key.
-READS_SCHEMA_VERSIONS = (1, 2, 3)
+# 4: a stage record may carry `memory` (its measured peak resident memory).
+READS_SCHEMA_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 PARTIAL_TAG = ".partial-"
 
@@ -135,6 +136,7 @@ class StageRecord:
     tool_versions: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
     finished: str = ""
+    memory: dict = field(default_factory=dict)  # peak_rss_bytes, start_rss_bytes, peak_is_per_stage
 
 
 @dataclass(frozen=True)

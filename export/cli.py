@@ -84,7 +84,7 @@ def _build(args: argparse.Namespace) -> int:
     from export.recipe import BuildOptions, build
 
     opts = BuildOptions.from_cli(args)
-    bundle = build(opts)
+    bundle = build(opts, verbose=args.verbose)
     print(f"bundle written: {bundle.root}")
     return 0
 
@@ -161,7 +161,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("-o", "--output", required=True, help="bundle folder to write, e.g. smollm2.bundle")
     b.add_argument("--recipe", help="TOML recipe file (stages and their options); flags override it")
     b.add_argument("--precision", action="append",
-                   help="fp32, int8-dynamic, int8-qdq, int4-weight (repeatable; default: fp32 and int8-dynamic)")
+                   help="fp32, int8-dynamic, int8-qdq, int4-weight (repeatable; default: int8-dynamic). The bundle ships "
+                        "these; the fp32 graph is always measured as the reference, shipped only when asked for")
     b.add_argument("--max-context", type=Bounded(int, 64), help="context window recorded for the runtime (default: the model's, capped at 2048)")
     b.add_argument("--calibration", help="JSONL of chats ({\"messages\": [...]}) for calibration/eval instead of chitchat-dataset")
     b.add_argument("--eval-samples", type=Bounded(int, 1), help="held-out chats for the quality evaluation (default 64)")
@@ -182,6 +183,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--distill-steps", type=Bounded(int, 1), help="distillation steps after pruning (default 300)")
     b.add_argument("--distill-minutes", type=Bounded(float, 0, above=True), help="stop distilling after this many minutes")
     b.add_argument("--no-distill", action="store_true", help="prune only (the report then has no recovery row)")
+    b.add_argument("-v", "--verbose", action="store_true",
+                   help="show every library's output (by default it goes to OUT.work/<stage>/log.txt)")
     b.set_defaults(func=_build)
 
     from edge.cli import add_engine_flags
