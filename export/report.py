@@ -65,39 +65,126 @@ def _save(fig, dst: Path, name: str) -> str:
     return name
 
 
+# Where a point's label may go, tried in this order (unit offsets, scaled by the distances below): right,
+# left, above, below, then the diagonals. A label farther out than the first ring gets a leader line.
+_SPOTS = ((1, 0), (-1, 0), (0, 1), (0, -1), (1, 1), (-1, 1), (1, -1), (-1, -1))
+_RINGS = (7, 16, 28, 44)  # points from the marker
+
+
+def place_labels(ax, points: list[tuple[float, float, str]], colors: list | None = None) -> list:
+    """Label each point where the text overlaps no other label or marker and stays inside the axes.
+
+    A greedy search, like adjustText but small: for each point the first free spot of a few around it,
+    farther out (with a leader line) when the near ones are taken; if none is free, the one that
+    overlaps least. Each label takes its point's color (`colors`). Returns the annotations."""
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
+
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    r = 5 * fig.dpi / 72  # marker radius in pixels
+    frame = ax.get_window_extent(renderer)
+    taken = [Bbox.from_bounds(mx - r, my - r, 2 * r, 2 * r) for mx, my in
+             (ax.transData.transform((x, y)) for x, y, _ in points)]
+    out = []
+    for i, (x, y, label) in enumerate(points):
+        ann = ax.annotate(label, (x, y), textcoords="offset points", xytext=(0, 0), fontsize=9, va="center",
+                          color=colors[i] if colors else None,
+                          arrowprops={"arrowstyle": "-", "color": "0.55", "lw": 0.7, "shrinkA": 1, "shrinkB": 5})
+        best = None
+        for ring in _RINGS:
+            for dx, dy in _SPOTS:
+                ann.xyann = (dx * ring, dy * ring * 0.8)
+                ann.set_ha("left" if dx > 0 else "right" if dx < 0 else "center")
+                ann.update_positions(renderer)
+                box = Text.get_window_extent(ann, renderer).padded(2)  # the text alone, not its leader line
+                inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+                cost = sum(_area(box, t) for t in taken) + (0 if inside else 1e6)
+                if best is None or cost < best[0]:
+                    best = (cost, ann.xyann, ann.get_ha(), box, ring)
+                if cost == 0:
+                    break
+            if best[0] == 0:
+                break
+        _, ann.xyann, ha, box, ring = best
+        ann.set_ha(ha)
+        ann.arrow_patch.set_visible(ring > _RINGS[0])  # a leader line only when the label sits away from its point
+        taken.append(box)
+        out.append(ann)
+    return out
+
+
+def _area(a, b) -> float:
+    w = min(a.x1, b.x1) - max(a.x0, b.x0)
+    h = min(a.y1, b.y1) - max(a.y0, b.y0)
+    return w * h if w > 0 and h > 0 else 0.0
+
+
 def _plots(results: dict, dst: Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from export.planner import DEFAULT_MAX_KL
+
     eng = results["engines"]
     names = list(eng)
+    ref = "the fp32 teacher" if results.get("reference") == "teacher" else "the fp32 graph"
     files = []
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for n in names:
-        ax.scatter(eng[n]["size_bytes"] / 1e6, eng[n]["perplexity"], s=60)
-        ax.annotate(n, (eng[n]["size_bytes"] / 1e6, eng[n]["perplexity"]), textcoords="offset points", xytext=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, n in enumerate(names):
+        ax.scatter(eng[n]["size_bytes"] / 1e6, eng[n]["perplexity"], s=50, color=colors[i % len(colors)], zorder=3)
+    ax.margins(x=0.25, y=0.2)  # room for the labels inside the frame
     ax.set_xlabel("size on disk (MB)")
-    ax.set_ylabel("held-out perplexity (lower is better)")
-    ax.set_title("Size vs quality per stage")
+    ax.set_ylabel("perplexity on held-out chats\n(per token, lower is better)")
+    ax.set_title("Size vs quality per engine")
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    place_labels(ax, [(eng[n]["size_bytes"] / 1e6, eng[n]["perplexity"], n) for n in names],
+                 [colors[i % len(colors)] for i in range(len(names))])
     files.append(_save(fig, dst, "size_vs_perplexity.png"))
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+
+    kl = [n for n in names if "kl_to_fp32" in eng[n]]
+    if kl:
+        fig, ax = plt.subplots(figsize=(6.4, 1.4 + 0.42 * len(kl)))
+        vals = [eng[n]["kl_to_fp32"] for n in kl]
+        ax.barh(range(len(kl)), vals, color=[colors[names.index(n) % len(colors)] for n in kl], height=0.6)
+        ax.set_yticks(range(len(kl)), kl)
+        ax.invert_yaxis()
+        top = max(max(vals), DEFAULT_MAX_KL)
+        ax.set_xlim(0, top * 1.25)
+        ax.axvline(DEFAULT_MAX_KL, color="0.4", ls="--", lw=1, zorder=0,
+                   label=f"edge-export plan's default --max-kl ({DEFAULT_MAX_KL:g})")
+        for i, v in enumerate(vals):
+            ax.text(v + top * 0.015, i, f"{v:.3g}" if v else "0 (reference)", va="center", fontsize=9,
+                    bbox={"fc": "white", "ec": "none", "pad": 1})
+        ax.legend(loc="best", fontsize=8, framealpha=0.9)
+        ax.set_xlabel(f"KL to {ref} (nats per token, held-out chats)")
+        ax.set_title("Quality lost per engine (lower is better)")
+        ax.grid(alpha=0.3, axis="x")
+        files.append(_save(fig, dst, "kl_per_engine.png"))
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
     names = [n for n in names if "decode_tok_s" in eng[n]]
     ax.bar(names, [eng[n]["decode_tok_s"] for n in names], color="#4c72b0")
-    ax.set_ylabel("decode tokens/s (batch 1)")
-    ax.set_title("Decode speed per precision (this machine)")
+    ax.set_ylabel("decode speed (tokens/s, batch 1)")
+    ax.set_xlabel("engine")
+    ax.set_title("Decode speed per engine (this machine)")
+    ax.tick_params(axis="x", labelrotation=20)
     for i, n in enumerate(names):
         ax.text(i, eng[n]["decode_tok_s"], f"{eng[n]['decode_tok_s']:.0f}", ha="center", va="bottom")
+    ax.margins(y=0.12)
     files.append(_save(fig, dst, "tokens_per_second.png"))
     losses = (results.get("stages") or {}).get("distill", {}).get("losses")
     if losses:
-        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
         step = max(1, results["stages"]["distill"]["steps"] // len(losses))
         ax.plot([i * step for i in range(len(losses))], losses)
-        ax.set_xlabel("step")
-        ax.set_ylabel("KD loss")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("KD loss (KL x T², nats per token)")
         ax.set_title("Distillation loss")
         ax.grid(alpha=0.3)
         files.append(_save(fig, dst, "distill_loss.png"))

@@ -1,0 +1,67 @@
+"""The export report's plots: a KL plot per engine, and labels on the size-vs-perplexity plot that do not overlap."""
+
+from __future__ import annotations
+
+import pytest
+
+from export.report import place_labels, write_report
+
+# The README's 'Quality kept' table (SmolLM2-135M, recipes/smollm2-int8.toml): int4-weight and int8-dynamic
+# sit close together, which is where the labels used to overlap.
+README = {"fp32": (539e6, 48.30, 0.0, 40.0), "int8-dynamic": (154e6, 48.99, 0.0061, 105.0),
+          "int8-qdq": (256e6, 49.22, 0.097, 12.0), "int8-qdq-no-smoothquant": (256e6, 74.69, 0.986, None),
+          "int4-weight": (102e6, 48.72, 0.443, 120.0)}
+
+
+def _results(engines: dict) -> dict:
+    res = {"engines": {}, "golden": [], "eval_chats": 64, "reference": "fp32", "data": "chitchat-dataset:evaluation"}
+    for n, (size, ppl, kl, tok) in engines.items():
+        res["engines"][n] = {"size_bytes": size, "perplexity": ppl, "kl_to_fp32": kl, "top1_agreement": 0.9,
+                             **({"decode_tok_s": tok} if tok else {})}
+    return res
+
+
+def test_report_has_a_kl_plot(tmp_path):
+    write_report(_results(README), tmp_path)
+    png = tmp_path / "kl_per_engine.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "![kl_per_engine.png](kl_per_engine.png)" in (tmp_path / "report.md").read_text()
+    assert 'src="kl_per_engine.png"' in (tmp_path / "report.html").read_text()
+
+
+def test_build_report_has_the_kl_plot(tiny_bundle):
+    report = tiny_bundle.root / "report"
+    assert (report / "kl_per_engine.png").is_file() and "kl_per_engine.png" in (report / "report.md").read_text()
+
+
+def _boxes(points: list[tuple[float, float, str]]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    ax.scatter([p[0] for p in points], [p[1] for p in points])
+    ax.margins(x=0.25, y=0.2)
+    fig.tight_layout()
+    anns = place_labels(ax, points)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [Text.get_window_extent(a, renderer) for a in anns]
+    frame = ax.get_window_extent(renderer)
+    plt.close(fig)
+    return boxes, frame
+
+
+@pytest.mark.parametrize("points", [
+    [(size / 1e6, ppl, n) for n, (size, ppl, _, _) in README.items()],
+    # a cluster: eight engines within a few MB and a tenth of a perplexity point
+    [(100 + i % 3, 48.0 + 0.05 * i, f"engine-{i}") for i in range(8)],
+], ids=["readme", "cluster"])
+def test_labels_do_not_overlap_and_stay_inside(points):
+    boxes, frame = _boxes(points)
+    for i, a in enumerate(boxes):
+        assert frame.x0 <= a.x0 and a.x1 <= frame.x1 and frame.y0 <= a.y0 and a.y1 <= frame.y1, points[i][2]
+        for j, b in enumerate(boxes[:i]):
+            assert not a.overlaps(b), f"{points[i][2]} overlaps {points[j][2]}"
