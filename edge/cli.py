@@ -327,6 +327,10 @@ def guarded(args: argparse.Namespace) -> int:
     except EdgeChatError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path that cannot be read or written, a full disk, a port in use: the user can act
+        where = f": {e.filename} (check the path and its permissions)" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

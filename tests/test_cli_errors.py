@@ -137,6 +137,14 @@ def test_bad_flag_values(cli, name, tiny_bundle, tiny_model_dir, tmp_path):
     assert not problems, f"{cli} {' '.join(cases[0][1][:-2])} ...\n" + "\n".join(problems)
 
 
+def test_unwritable_output_is_one_line(tiny_model_dir, tmp_path):
+    """An OSError the user can act on (here: the bundle's folder would be inside a file) is one line, exit 2."""
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "x.bundle"
+    _assert_refused(_run("export.cli", ["build", str(tiny_model_dir), "-o", str(out)]), "build -o under a file",
+                    str(out))
+
+
 @pytest.mark.parametrize("cli", CLIS)
 def test_help_documents_exit_codes(cli):
     r = _run(cli, ["--help"])
