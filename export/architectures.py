@@ -2,7 +2,7 @@
 
 Everything that differs between decoder families lives on an `ArchSpec` entry
 (attention bias, GGUF naming, which exporter covers it), so no code elsewhere
-special-cases model names. A test checks every entry is covered.
+special-cases model names. tests/test_architectures.py builds every entry end to end.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("MistralForCausalLM", "llama"),
         ArchSpec("Qwen2ForCausalLM", "qwen2", attention_bias=True),
         ArchSpec("Qwen3ForCausalLM", "qwen3", fusable=False),
+        # packed qkv_proj / gate_up_proj modules: the plain graph only, and our pruner does not know them
+        ArchSpec("Phi3ForCausalLM", "phi3", fusable=False, prunable=False),
     )
 }
 

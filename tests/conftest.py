@@ -11,6 +11,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# verified-bundle stamps (edge.bundle) go to a folder of this run, not the user's cache
+os.environ.setdefault("EDGECHAT_STATE_DIR", __import__("tempfile").mkdtemp(prefix="edgechat-state-"))
 ROOT = Path(__file__).resolve().parent.parent
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -27,11 +29,18 @@ CORPUS = [
 ] * 20
 
 
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
+
+
 def make_tiny_model(dst: Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                    intermediate: int = 128, seed: int = 0, max_pos: int = 512) -> Path:
+                    intermediate: int = 128, seed: int = 0, max_pos: int = 512, arch: str = "LlamaForCausalLM",
+                    tie: bool = True, **config) -> Path:
+    """A random-init causal LM of `arch` (a Hugging Face architectures name) with a real BPE tokenizer;
+    `config`: extra config.json keys (rope_scaling, sliding_window, ...)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -43,11 +52,11 @@ def make_tiny_model(dst: Path, *, layers: int = 2, hidden: int = 64, heads: int 
                                    unk_token="<|endoftext|>", pad_token="<|im_end|>")
     fast.chat_template = CHATML
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=intermediate,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=max_pos, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=2, rope_theta=10000.0)
-    model = LlamaForCausalLM(cfg).eval()
+    cfg = AutoConfig.for_model(MODEL_TYPES[arch], vocab_size=tok.get_vocab_size(), hidden_size=hidden,
+                               intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+                               num_key_value_heads=kv_heads, max_position_embeddings=max_pos, tie_word_embeddings=tie,
+                               bos_token_id=1, eos_token_id=2, pad_token_id=2, rope_theta=10000.0, **config)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
     dst.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dst)
     fast.save_pretrained(dst)
@@ -125,7 +134,7 @@ def free_port() -> int:
 class ServerProcess:
     """`edge-chat serve` as a real subprocess on a free loopback port."""
 
-    def __init__(self, bundle: Path, *args: str, startup_s: float = 120) -> None:
+    def __init__(self, bundle: Path, *args: str, startup_s: float = 120, env: dict | None = None) -> None:
         import time
         import urllib.request
 
@@ -133,7 +142,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "edge.cli", "serve", str(bundle), "--port", str(self.port),
                                       "--threads", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, cwd=ROOT)
+                                     text=True, cwd=ROOT, env={**os.environ, **(env or {})})
         deadline = time.time() + startup_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
