@@ -2,8 +2,8 @@
 
 torch, transformers, optimum and ONNX Runtime write warnings, INFO lines and progress bars to the
 process's stdout/stderr, some of them from C++ straight to file descriptors 1 and 2. While a stage
-runs, `captured` points both descriptors (and Python's logging and warnings, which write through
-them) at the stage's `log.txt`; the terminal keeps a private copy of the original stderr for the
+runs, `captured` points both descriptors (and so Python's sys.stdout/stderr, logging and warnings,
+which write through them) at the stage's `log.txt`; the terminal keeps a private copy of the original stderr for the
 stage's progress line. `verbose` turns capturing off.
 """
 
@@ -58,8 +58,7 @@ def captured(log_path: Path, verbose: bool = False) -> Iterator[TextIO]:
             os.dup2(log.fileno(), 2)
             root.handlers = [handler]
             root.setLevel(logging.INFO)
-            with _python_streams(log):
-                yield term
+            yield term
         finally:
             for s in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
@@ -69,17 +68,6 @@ def captured(log_path: Path, verbose: bool = False) -> Iterator[TextIO]:
                 os.dup2(copy, fd)
                 os.close(copy)
             term.close()
-
-
-@contextlib.contextmanager
-def _python_streams(log: TextIO) -> Iterator[None]:
-    """Python-level writers that cached sys.stdout/err before the redirect (pytest's capture, tqdm) too."""
-    old = sys.stdout, sys.stderr
-    sys.stdout = sys.stderr = log
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = old
 
 
 class Progress:

@@ -27,7 +27,7 @@ def _transformers():
 
 
 def load_hf(ref: ModelRef, online: bool = False, dtype: str = "float32"):
-    """(model, tokenizer) for a reference, with weights in `dtype`."""
+    """(model, tokenizer) for a reference, with weights in `dtype` ("auto": the checkpoint's own)."""
     if not online:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tf = _transformers()
@@ -36,7 +36,8 @@ def load_hf(ref: ModelRef, online: bool = False, dtype: str = "float32"):
     kw = {"gguf_file": ref.gguf_file} if ref.gguf_file else {}
     try:
         tok = tf.AutoTokenizer.from_pretrained(ref.location, **kw)
-        model = tf.AutoModelForCausalLM.from_pretrained(ref.location, dtype=getattr(torch, dtype), **kw)
+        model = tf.AutoModelForCausalLM.from_pretrained(ref.location, dtype=dtype if dtype == "auto" else
+                                                        getattr(torch, dtype), **kw)
     except OSError as e:
         hint = " (it looks like a hub id: pass --online to download it)" if ref.kind == "hub" and not online else ""
         raise ModelSourceError(f"cannot load model {ref.location}{hint}: {str(e).splitlines()[0]}") from None
@@ -58,17 +59,26 @@ def eos_ids(model, tok) -> list[int]:
 
 
 def run(ref: ModelRef, dst: Path, online: bool = False) -> dict:
-    model, tok = load_hf(ref, online)
+    """Copy the model into a Hugging Face folder in its own dtype (bf16 stays bf16: half the memory and
+    disk of fp32; later stages upcast as they need). A GGUF is dequantized by transformers to fp32."""
+    model, tok = load_hf(ref, online, dtype="float32" if ref.gguf_file else "auto")
     if not tok.chat_template:
         raise ModelSourceError(f"{ref.name} has no chat template: EdgeChat needs a chat model (an -Instruct/-Chat checkpoint)")
+    eos = eos_ids(model, tok)
     model.save_pretrained(dst)
     tok.save_pretrained(dst)
     n = sum(p.numel() for p in model.parameters())
+    del model
+    metrics: dict = {"num_parameters": n}
+    if ref.gguf_file:  # the converted tokenizer must split text as the GGUF's own does
+        from export.gguf_tokenizer import check_and_fix
+
+        metrics["tokenizer_check"] = check_and_fix(dst / "tokenizer.json", Path(ref.location) / ref.gguf_file)
     (dst / META).write_text(json.dumps({
         "name": ref.name, "source": f"{ref.kind}:{ref.location}" + (f"/{ref.gguf_file}" if ref.gguf_file else ""),
-        "eos_token_ids": eos_ids(model, tok), "num_parameters": n,
+        "eos_token_ids": eos, "num_parameters": n,
     }, indent=2))
-    return {"num_parameters": n}
+    return metrics
 
 
 def copy_side_files(src: Path, dst: Path) -> None:
