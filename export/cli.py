@@ -11,7 +11,8 @@ import sys
 def _plan(args: argparse.Namespace) -> int:
     from edge.errors import EdgeChatError
     from edge.profiles import load_profile
-    from export.planner import QUALITY_ORDER, PlanOptions, bundle_quality, default_quality, plan_all, recommend
+    from export.build_memory import build_peak_bytes, machine_ram_bytes
+    from export.planner import GB, QUALITY_ORDER, PlanOptions, bundle_quality, default_quality, plan_all, recommend
 
     profile = load_profile(args.target)
     if args.bundle:
@@ -47,6 +48,7 @@ def _plan(args: argparse.Namespace) -> int:
             "plans": [p.to_dict() | {"expected_kl": quality[p.precision].kl,
                                      "expected_kl_source": quality[p.precision].source} for p in plans],
             "recommendation": rec.to_dict(quality),
+            "workstation_build": {"peak_ram_bytes": build_peak_bytes(dims), "machine_ram_bytes": machine_ram_bytes()},
         }, indent=2))
         return 0
     print(f"model   {name}: {dims.num_parameters / 1e6:,.1f}M parameters, {dims.num_layers} layers, "
@@ -73,6 +75,10 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"\nrecommended: {best.precision + ' at context ' + str(rec.context) if best else 'none'} — {rec.reason}")
     if rec.runner_up:
         print(f"runner-up:   {rec.runner_up.precision} — {rec.runner_up_reason}")
+    ram = machine_ram_bytes()
+    print(f"building it (edge-export build) peaks at ~{build_peak_bytes(dims) / GB:.1f} GB of RAM on the workstation"
+          + (f"; this machine has {ram / GB:.1f} GB" + ("" if build_peak_bytes(dims) <= ram else
+             " (too little: build elsewhere)") if ram else ""))
     print("decode tok/s≤ is the memory-bandwidth roofline (bandwidth ÷ bytes read per token at full context); "
           "prefill uses dense peak FLOP/s. Real numbers are lower. Expected KL: mean per-token KL to fp32 "
           + ("measured in the bundle where it has the engine, else " if args.bundle else "")
@@ -188,6 +194,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--distill-steps", type=Bounded(int, 1), help="distillation steps after pruning (default 300)")
     b.add_argument("--distill-minutes", type=Bounded(float, 0, above=True), help="stop distilling after this many minutes")
     b.add_argument("--no-distill", action="store_true", help="prune only (the report then has no recovery row)")
+    b.add_argument("--skip-ram-check", action="store_true",
+                   help="build even when the planned peak memory exceeds this machine's RAM")
     b.add_argument("-v", "--verbose", action="store_true",
                    help="show every library's output (by default it goes to OUT.work/<stage>/log.txt)")
     b.set_defaults(func=_build)

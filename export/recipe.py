@@ -55,6 +55,7 @@ class BuildOptions:
     fresh: bool = False
     reuse_stale: bool = False  # reuse finished stages even when the edgechat code that ran them has changed
     online: bool = False
+    ram_check: bool = True  # refuse a build whose planned peak memory exceeds this machine's RAM
     threads: int | None = None
     fused: bool = True  # write the fused ONNX Runtime graph and quantize the CPU/CUDA engines from it
     prune: PruneOptions | None = None  # [prune] section: None = keep the model's size
@@ -120,7 +121,8 @@ class BuildOptions:
                     precisions=tuple(a.precision) if a.precision else None, max_context=a.max_context,
                     calibration=a.calibration, eval_samples=a.eval_samples, skip_eval=a.skip_eval or None,
                     fresh=a.fresh or None, reuse_stale=getattr(a, "reuse_stale", False) or None, online=a.online or None,
-                    fused=False if getattr(a, "no_fused", False) else None)
+                    fused=False if getattr(a, "no_fused", False) else None,
+                    ram_check=False if getattr(a, "skip_ram_check", False) else None)
         base = cls.from_toml(a.recipe, **over) if a.recipe else \
             cls(**{k: (Path(v) if k == "output" else v) for k, v in over.items() if v is not None})
         prune, distill = base.prune, base.distill
@@ -151,6 +153,11 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
     from export.stages import run_stage
 
     ref = resolve(opts.model)
+    if opts.ram_check and ref.kind != "hub":  # refuse up front what would run out of memory hours later
+        from export.build_memory import check_fits
+        from export.model_source import describe
+
+        check_fits(describe(opts.model)[1], ref.name)
     work = opts.work
     work.mkdir(parents=True, exist_ok=True)
 

@@ -1,0 +1,38 @@
+"""A build's memory: measured per stage, and refused up front when the plan says it cannot fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+
+
+def test_every_stage_records_its_peak_memory(tiny_bundle):
+    for s in tiny_bundle.manifest.stages:
+        m = s.memory
+        assert m["peak_rss_bytes"] >= m["start_rss_bytes"] > 0, s.name
+        assert m["peak_is_per_stage"], s.name  # Linux: VmHWM reset for each stage
+    stage_json = tiny_bundle.root.with_name(tiny_bundle.root.name + ".work") / "export" / "stage.json"
+    assert '"peak_rss_bytes"' in stage_json.read_text()
+
+
+def test_a_build_that_cannot_fit_is_refused_naming_what_would():
+    from edge.errors import RecipeError
+    from export.build_memory import build_peak_bytes, check_fits, largest_buildable
+    from export.model_source import KNOWN_SIZES
+
+    dims = KNOWN_SIZES["llama-3-8b"]
+    with pytest.raises(RecipeError, match=r"needs about 97\.\d GB .* this machine has 24\.0 GB: it builds models up to "
+                                          r"about 1\.92B parameters"):
+        check_fits(dims, "llama-3-8b", ram=24_000_000_000)
+    small = KNOWN_SIZES["smollm2-135m"]
+    assert check_fits(small, "smollm2", ram=24_000_000_000)["planned_peak_bytes"] == build_peak_bytes(small)
+    assert abs(build_peak_bytes(KNOWN_SIZES["qwen2.5-0.5b"]) - (3.0 * 4 * 494e6 + 1e9)) < 0.02e9
+    assert largest_buildable(1e9) == 0
+
+
+def test_the_cli_refuses_with_one_line_and_exit_2(tmp_path):
+    r = run_cli("export.cli", "build", "llama-3-8b", "-o", str(tmp_path / "x.bundle"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "peak" in r.stderr and "--skip-ram-check" in r.stderr
+    assert not (tmp_path / "x.bundle.work").exists()  # refused before any stage ran
