@@ -106,6 +106,12 @@ def test_recommend_when_nothing_within_the_bound_fits():
     assert rec.plan.precision == "int8-dynamic" and "nothing with expected KL <= 0" in rec.reason
 
 
+def test_recommend_a_shorter_context_when_the_asked_one_fits_nothing():
+    rec = recommend(KNOWN_SIZES["mistral-7b"], load_profile("t4"), PlanOptions(context=32768, batch=4))
+    assert rec.plan.precision == "int8-dynamic" and rec.context == 8192 and "(not 32768)" in rec.reason
+    assert not plan(KNOWN_SIZES["mistral-7b"], load_profile("t4"), "int4-weight", PlanOptions(context=32768, batch=4)).fits
+
+
 def test_default_kl_table_has_a_source_for_every_precision():
     from export.planner import DEFAULT_KL, PRECISIONS
 
