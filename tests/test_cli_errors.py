@@ -1,7 +1,7 @@
 """Every subcommand of both CLIs, given bad input, exits 2 with one line that says what is wrong.
 
 The subcommands and their flags are read from the argparse parsers, so a new subcommand or a new numeric
-flag is covered without touching this file (a new required argument needs a valid value in VALID).
+flag is covered without touching this file (a new required argument needs a valid value in `_valid`).
 Each case runs the CLI as a real subprocess.
 """
 
