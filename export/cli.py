@@ -36,7 +36,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.bundle and context > dims.max_context:
         raise EdgeChatError(f"--context {context} is more than {args.bundle} holds ({dims.max_context} tokens): "
                             "plan within it, or rebuild the bundle with edge-export build --max-context N")
-    opts = PlanOptions(context=context, batch=args.batch, prompt_tokens=min(args.prompt_tokens, context))
+    opts = PlanOptions(context=context, batch=args.batch, prompt_tokens=args.prompt_tokens or min(256, context))
     plans = plan_all(dims, profile, opts, precisions)
     rec = recommend(dims, profile, opts, max_kl=args.max_kl, quality=quality,
                     precisions=[p.precision for p in plans],
@@ -153,7 +153,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=Bounded(int, 1),
                    help="max tokens per sequence (default 2048, or the bundle's context if that is less)")
     p.add_argument("--batch", type=Bounded(int, 1), default=1, help="concurrent sequences (default 1)")
-    p.add_argument("--prompt-tokens", type=Bounded(int, 1), default=256, help="prompt length for the prefill estimate (default 256)")
+    p.add_argument("--prompt-tokens", type=Bounded(int, 1),
+                   help="prompt length for the prefill estimate (default 256, or the context if that is less)")
     p.add_argument("--precision", action="append", help="only these precisions (repeatable; default: all the device supports)")
     p.add_argument("--bundle", help="plan for this bundle: its model, the engines it has and their measured KL")
     p.add_argument("--max-kl", type=Bounded(float, 0), default=DEFAULT_MAX_KL,

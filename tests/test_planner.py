@@ -229,6 +229,7 @@ def test_plan_for_a_bundle_uses_its_measured_kl(tiny_bundle):
     (["plan", "--target", "t4", "--context", "0"], "--context: must be >= 1"),
     (["plan", "--target", "t4", "--context", "4k"], "--context: expected an integer"),
     (["plan", "--target", "t4", "--max-kl", "-0.1"], "--max-kl: must be >= 0"),
+    (["plan", "--target", "t4", "--context", "128", "--prompt-tokens", "300"], "exceeds --context (128)"),
     (["plan", "--target", "t4", "--bundle", "/no/such.bundle"], "does not exist"),
     (["plan", "--target", "t4", "--bundle", "/no/such.bundle", "--model", "7b"], "not both"),
 ])
