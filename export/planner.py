@@ -246,11 +246,11 @@ def recommend(dims: ModelDims, profile: DeviceProfile, opts: PlanOptions, max_kl
             faster = [pl for pl in fitting if pl.decode_tok_s > best.decode_tok_s and not ok(pl.precision)]
             floor_note = " (the floor on GPUs)" if best.precision == floor and profile.is_gpu else ""
             reason = (f"the fastest that {where} with expected KL <= {max_kl:g}{floor_note}: "
-                      f"{best.decode_tok_s:,.0f} tok/s, {why_kl(best.precision)}"
+                      f"≤{best.decode_tok_s:,.0f} tok/s, {why_kl(best.precision)}"
                       + (f"; {faster[0].precision} is faster but {why_kl(faster[0].precision)}" if faster else ""))
             runner = within[1] if len(within) > 1 else (faster[0] if faster else None)
             return Recommendation(best, ctx, reason, runner, "" if runner is None else (
-                f"{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner.precision)}"
+                f"≤{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner.precision)}"
                 + ("" if ok(runner.precision) else f", above --max-kl {max_kl:g}")
                 + (" (the floor on GPUs)" if runner.precision == floor and profile.is_gpu else "")))
         if fitting:
@@ -260,7 +260,7 @@ def recommend(dims: ModelDims, profile: DeviceProfile, opts: PlanOptions, max_kl
             return Recommendation(best, ctx, (
                 f"nothing with expected KL <= {max_kl:g} {where}; this is the best quality that does "
                 f"({why_kl(best.precision)})"), runner,
-                "" if runner is None else f"{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner.precision)}")
+                "" if runner is None else f"≤{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner.precision)}")
         if ctx <= 256:
             break
         ctx //= 2
