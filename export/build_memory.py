@@ -1,11 +1,12 @@
 """Will a build fit this workstation's RAM? Answered before any stage starts, from measured peaks.
 
-The export stage is a build's peak: PyTorch traces the fp32 model into an ONNX graph (optimum's
-exporter holds the model and the graph's weights at once), then the parity check runs it. Weight-only
-quantization streams one tensor at a time and stays near 1x; the load stage ~1.6x. Measured on this
-project's 2-core workstation (stage records of real builds, see docs/models.md):
-Qwen2.5-Coder-0.5B (2.52 GB fp32): export 7.2 GB = 2.86x; a 2.35 GB-fp32 random Llama (tests/test_large_model.py)
-and Qwen2.5-Coder-1.5B are recorded there too. The factor below is the largest ratio seen, rounded up.
+Peak resident memory per stage, as a multiple of the model's fp32 weight bytes, the largest seen in
+this project's real builds (stage records; figures in docs/models.md), rounded up:
+- export: PyTorch traces the fp32 model into an ONNX graph (optimum's exporter holds the model and the
+  graph's weights at once), then the parity check runs it. Qwen2.5-Coder-0.5B (2.52 GB fp32): 7.2 GB = 2.86x.
+- quantize-int8-qdq: ONNX Runtime's quantize_static loads the whole graph, an augmented copy for
+  calibration and the quantized result. Qwen2.5-Coder-0.5B: 9.8 GB = 3.9x.
+Weight-only quantization (int8-dynamic, int4-weight) streams one tensor at a time (~1x), load ~1.6x.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from pathlib import Path
 from edge.bundle import ModelDims
 from edge.errors import RecipeError
 
-PEAK_PER_FP32_BYTE = 3.0  # peak resident memory / fp32 weight bytes, the export stage (measured, see above)
+PEAK_PER_FP32_BYTE = {"export": 3.0, "quantize-int8-qdq": 4.0}  # see above
 BASE_BYTES = 1.0e9  # the interpreter, torch, transformers and ONNX Runtime themselves
 
 
-def build_peak_bytes(dims: ModelDims) -> float:
-    return PEAK_PER_FP32_BYTE * 4 * dims.num_parameters + BASE_BYTES
+def peak_stage(precisions: tuple[str, ...] = ()) -> str:
+    return "quantize-int8-qdq" if "int8-qdq" in precisions else "export"
+
+
+def build_peak_bytes(dims: ModelDims, precisions: tuple[str, ...] = ()) -> float:
+    return PEAK_PER_FP32_BYTE[peak_stage(precisions)] * 4 * dims.num_parameters + BASE_BYTES
 
 
 def machine_ram_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
@@ -33,20 +38,24 @@ def machine_ram_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     return None
 
 
-def largest_buildable(ram: float) -> float:
+def largest_buildable(ram: float, precisions: tuple[str, ...] = ()) -> float:
     """Parameters of the largest model whose build fits `ram` bytes."""
-    return max(0.0, (ram - BASE_BYTES) / (PEAK_PER_FP32_BYTE * 4))
+    return max(0.0, (ram - BASE_BYTES) / (PEAK_PER_FP32_BYTE[peak_stage(precisions)] * 4))
 
 
-def check_fits(dims: ModelDims, name: str, ram: int | None = None) -> dict:
+def check_fits(dims: ModelDims, name: str, precisions: tuple[str, ...] = (), ram: int | None = None) -> dict:
     """Raise a RecipeError before a build that would run out of memory; else the figures it checked."""
     ram = machine_ram_bytes() if ram is None else ram
-    need = build_peak_bytes(dims)
+    need = build_peak_bytes(dims, precisions)
+    stage = peak_stage(precisions)
     if ram is not None and need > ram:
+        alt = (" (without int8-qdq, whose calibration needs the most, up to about "
+               f"{largest_buildable(ram) / 1e9:.2f}B)" if stage != "export" else "")
         raise RecipeError(
             f"building {name} ({dims.num_parameters / 1e9:.2f}B parameters, {4 * dims.num_parameters / 1e9:.1f} GB in "
-            f"fp32) needs about {need / 1e9:.1f} GB of RAM at its peak (the export stage: ~{PEAK_PER_FP32_BYTE:g}x the "
-            f"fp32 weights, measured), and this machine has {ram / 1e9:.1f} GB: it builds models up to about "
-            f"{largest_buildable(ram) / 1e9:.2f}B parameters. Build on a machine with at least {need / 1e9:.0f} GB "
-            "(the bundle then runs on the device as planned), or pass --skip-ram-check to try anyway")
-    return {"planned_peak_bytes": need, "machine_ram_bytes": ram}
+            f"fp32) needs about {need / 1e9:.1f} GB of RAM at its peak (the {stage} stage: "
+            f"~{PEAK_PER_FP32_BYTE[stage]:g}x the fp32 weights, measured), and this machine has {ram / 1e9:.1f} GB: "
+            f"it builds models up to about {largest_buildable(ram, precisions) / 1e9:.2f}B parameters{alt}. Build on a "
+            f"machine with at least {need / 1e9:.0f} GB (the bundle then runs on the device as planned), or pass "
+            "--skip-ram-check to try anyway")
+    return {"planned_peak_bytes": need, "peak_stage": stage, "machine_ram_bytes": ram}

@@ -48,7 +48,9 @@ def _plan(args: argparse.Namespace) -> int:
             "plans": [p.to_dict() | {"expected_kl": quality[p.precision].kl,
                                      "expected_kl_source": quality[p.precision].source} for p in plans],
             "recommendation": rec.to_dict(quality),
-            "workstation_build": {"peak_ram_bytes": build_peak_bytes(dims), "machine_ram_bytes": machine_ram_bytes()},
+            "workstation_build": {"peak_ram_bytes": build_peak_bytes(dims),
+                                  "peak_ram_bytes_with_int8_qdq": build_peak_bytes(dims, ("int8-qdq",)),
+                                  "machine_ram_bytes": machine_ram_bytes()},
         }, indent=2))
         return 0
     print(f"model   {name}: {dims.num_parameters / 1e6:,.1f}M parameters, {dims.num_layers} layers, "
@@ -76,7 +78,8 @@ def _plan(args: argparse.Namespace) -> int:
     if rec.runner_up:
         print(f"runner-up:   {rec.runner_up.precision} — {rec.runner_up_reason}")
     ram = machine_ram_bytes()
-    print(f"building it (edge-export build) peaks at ~{build_peak_bytes(dims) / GB:.1f} GB of RAM on the workstation"
+    print(f"building it (edge-export build) peaks at ~{build_peak_bytes(dims) / GB:.1f} GB of RAM on the workstation "
+          f"(~{build_peak_bytes(dims, ('int8-qdq',)) / GB:.1f} GB with int8-qdq)"
           + (f"; this machine has {ram / GB:.1f} GB" + ("" if build_peak_bytes(dims) <= ram else
              " (too little: build elsewhere)") if ram else ""))
     print("decode tok/s≤ is the memory-bandwidth roofline (bandwidth ÷ bytes read per token at full context); "

@@ -157,7 +157,7 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
         from export.build_memory import check_fits
         from export.model_source import describe
 
-        check_fits(describe(opts.model)[1], ref.name)
+        check_fits(describe(opts.model)[1], ref.name, opts.precisions)
     work = opts.work
     work.mkdir(parents=True, exist_ok=True)
 

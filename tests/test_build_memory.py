@@ -25,6 +25,8 @@ def test_a_build_that_cannot_fit_is_refused_naming_what_would():
     with pytest.raises(RecipeError, match=r"needs about 97\.\d GB .* this machine has 24\.0 GB: it builds models up to "
                                           r"about 1\.92B parameters"):
         check_fits(dims, "llama-3-8b", ram=24_000_000_000)
+    with pytest.raises(RecipeError, match=r"quantize-int8-qdq stage.*without int8-qdq.*up to about 1\.92B"):
+        check_fits(KNOWN_SIZES["smollm2-1.7b"], "smollm2-1.7b", ("int8-dynamic", "int8-qdq"), ram=24_000_000_000)
     small = KNOWN_SIZES["smollm2-135m"]
     assert check_fits(small, "smollm2", ram=24_000_000_000)["planned_peak_bytes"] == build_peak_bytes(small)
     assert abs(build_peak_bytes(KNOWN_SIZES["qwen2.5-0.5b"]) - (3.0 * 4 * 494e6 + 1e9)) < 0.02e9
