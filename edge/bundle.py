@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -32,6 +33,7 @@ from edge.errors import (
     SchemaVersionError,
 )
 
+log = logging.getLogger("edgechat")
 SCHEMA_VERSION = 4
 # 2: an engine may carry its own `io` contract (the fused graph's differs from the plain one's);
 # a version-1 manifest still reads, every engine using the manifest's `io`.
@@ -42,7 +44,25 @@ READS_SCHEMA_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 PARTIAL_TAG = ".partial-"
 
-Verify = Literal["none", "size", "full"]
+Verify = Literal["none", "size", "stamp", "full"]
+# "stamp": hash every file on the first load and record what was verified (size, mtime, ctime, inode, hash) in
+# a state file (verified_stamp_path); later loads re-hash only files whose stat no longer matches their stamp,
+# so a restart stays fast and a changed byte (which changes mtime and ctime) is still caught.
+STATE_DIR_ENV = "EDGECHAT_STATE_DIR"
+
+
+def verified_stamp_path(root: Path) -> Path:
+    """Where the verified stamp of the bundle at `root` is kept: $EDGECHAT_STATE_DIR, else the user's cache
+    ($XDG_CACHE_HOME or ~/.cache)/edgechat/verified/, one file per bundle path."""
+    base = os.environ.get(STATE_DIR_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "edgechat", "verified")
+    key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:20]
+    return Path(base) / f"{key}.json"
+
+
+def _stat_stamp(st: os.stat_result) -> dict:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
+            "dev": st.st_dev}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -244,6 +264,7 @@ class Bundle:
     def __init__(self, root: Path, manifest: Manifest) -> None:
         self.root = root
         self.manifest = manifest
+        self.hashed: list[str] = []  # files whose SHA-256 the last verify() computed (the others: sizes or stamps)
 
     @classmethod
     def open(cls, path: str | os.PathLike, verify: Verify = "size") -> "Bundle":
@@ -267,39 +288,73 @@ class Bundle:
             raise ManifestError(f"{mpath} is not valid JSON ({e}); the bundle is damaged, rebuild it") from None
         bundle = cls(root, Manifest.from_dict(raw))
         if verify != "none":
-            bundle.verify(full=(verify == "full"))
+            bundle.verify(full=(verify == "full"), stamp=(verify == "stamp"))
         return bundle
 
     def path(self, rel: str) -> Path:
         return self.root / rel
 
-    def verify(self, full: bool = True) -> None:
-        """Check every file the manifest lists: presence and size always, SHA-256 when `full`."""
+    def verify(self, full: bool = True, stamp: bool = False) -> None:
+        """Check every file the manifest lists: presence and size always; SHA-256 when `full`, or with `stamp`
+        for each file whose verified stamp (see Verify) is missing or no longer matches its stat."""
         m = self.manifest
         listed = set(m.files)
         needed = {m.tokenizer.file} | {e.file for e in m.engines}
         for rel in sorted(needed - listed):
             raise ManifestError(f"manifest refers to '{rel}' but does not list it under 'files'")
-        for rel, entry in m.files.items():
-            p = self.root / rel
-            if not p.is_file():
-                raise BundleFileMissingError(f"bundle file '{rel}' is missing from {self.root}; re-copy or rebuild")
-            size = p.stat().st_size
-            if size != entry.size:
-                raise HashMismatchError(
-                    f"bundle file '{rel}' has {size} bytes, manifest says {entry.size}: it is truncated or "
-                    "was changed; re-copy or rebuild the bundle"
-                )
-            if full and sha256_file(p) != entry.sha256:
-                raise HashMismatchError(
-                    f"bundle file '{rel}' does not match its SHA-256 in the manifest: it was changed or "
-                    "corrupted; re-copy or rebuild the bundle"
-                )
+        state = verified_stamp_path(self.root) if stamp else None
+        old = _read_stamps(state) if state is not None else {}
+        new: dict[str, dict] = {}
+        self.hashed = []
+        try:
+            for rel, entry in sorted(m.files.items()):
+                p = self.root / rel
+                if not p.is_file():
+                    raise BundleFileMissingError(f"bundle file '{rel}' is missing from {self.root}; re-copy or rebuild")
+                st = p.stat()
+                if st.st_size != entry.size:
+                    raise HashMismatchError(
+                        f"bundle file '{rel}' has {st.st_size} bytes, manifest says {entry.size}: it is truncated or "
+                        "was changed; re-copy or rebuild the bundle"
+                    )
+                seen = {**_stat_stamp(st), "sha256": entry.sha256}
+                if not (full or stamp) or (stamp and old.get(rel) == seen):
+                    new[rel] = old.get(rel, {})
+                    continue
+                self.hashed.append(rel)
+                if sha256_file(p) != entry.sha256:
+                    raise HashMismatchError(
+                        f"bundle file '{rel}' does not match its SHA-256 in the manifest: it was changed or "
+                        "corrupted; re-copy or rebuild the bundle (edge-chat refuses to serve it)"
+                    )
+                new[rel] = seen
+        finally:
+            if state is not None and new != old:
+                _write_stamps(state, self.root, {k: v for k, v in new.items() if v})
 
     def update_manifest(self, manifest: Manifest) -> None:
         """Replace the manifest in place (e.g. after adding an engine), atomically."""
         _write_json_atomic(self.root / MANIFEST, manifest.to_dict())
         self.manifest = manifest
+
+
+def _read_stamps(path: Path) -> dict:
+    try:
+        return dict(json.loads(path.read_text(encoding="utf-8")).get("files", {}))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("ignoring the unreadable verified stamp %s (%s): every file is hashed again", path, e)
+        return {}
+
+
+def _write_stamps(path: Path, root: Path, files: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(path, {"bundle": str(root.resolve()), "files": files})
+    except OSError as e:  # verification itself passed; only the next start's shortcut is lost
+        log.warning("could not record the verified stamp in %s (%s): the next start hashes the bundle again; "
+                    "set %s to a writable folder", path, e, STATE_DIR_ENV)
 
 
 # ----------------------------------------------------------------------------- writing

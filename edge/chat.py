@@ -65,7 +65,9 @@ class Chat:
             self.messages = kept
         self.last_dropped = dropped
         reply = []
-        for ev in self.gen.stream(ids, cfg):
-            reply.append(ev.text)
-            yield ev
-        self.messages.append({"role": "assistant", "content": "".join(reply)})
+        try:
+            for ev in self.gen.stream(ids, cfg):
+                reply.append(ev.text)
+                yield ev
+        finally:  # also when the answer is stopped (Ctrl-C, close()): the history keeps what was said
+            self.messages.append({"role": "assistant", "content": "".join(reply)})

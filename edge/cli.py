@@ -9,12 +9,25 @@ import sys
 from edge.errors import EdgeChatError
 
 
+def _verify_mode(args: argparse.Namespace) -> str:
+    """--verify: hash every file; --no-verify: sizes only; default: hash what changed since the last verified
+    load (edge.bundle's verified stamp), so a corrupt bundle is never loaded and a restart stays fast."""
+    if getattr(args, "verify", False) and getattr(args, "no_verify", False):
+        raise EdgeChatError("--verify and --no-verify contradict each other: give one")
+    return "full" if getattr(args, "verify", False) else "size" if getattr(args, "no_verify", False) else "stamp"
+
+
 def _gen(args: argparse.Namespace, spin: bool = True):
     from edge.bundle import Bundle
     from edge.runtime import Generator
 
-    bundle = Bundle.open(args.bundle, verify="full" if args.verify else "size")
-    return Generator.from_bundle(bundle, engine=args.engine, threads=args.threads, spin=spin)
+    bundle = Bundle.open(args.bundle, verify=_verify_mode(args))
+    if bundle.hashed:
+        logging.getLogger("edgechat").info("verified %d of %d bundle files by SHA-256 (the others: unchanged since "
+                                           "their last verification)", len(bundle.hashed), len(bundle.manifest.files))
+    gen = Generator.from_bundle(bundle, engine=args.engine, threads=args.threads, spin=spin)
+    gen.tokenizer.allow_special_in_content = getattr(args, "allow_special_in_content", False)
+    return gen
 
 
 def _cfg(gen, args: argparse.Namespace):
@@ -52,13 +65,23 @@ def _repl(args: argparse.Namespace) -> int:
     chat = Chat(gen, system=args.system)
     cfg = _cfg(gen, args)
     m = gen.bundle.manifest
-    print(f"{m.model_name} [{gen.decoder.engine.name}, {gen.decoder.providers[0]}] — /reset clears history, /quit or Ctrl-D exits")
+    print(f"{m.model_name} [{gen.decoder.engine.name}, {gen.decoder.providers[0]}] — /reset clears history, "
+          "/quit or Ctrl-D exits; Ctrl-C stops an answer (twice at the prompt: exits)", flush=True)
+    interrupted = False  # Ctrl-C at the prompt once: a second one exits
     while True:
         try:
             line = input("you> ").strip()
         except EOFError:
             print()
             return 0
+        except KeyboardInterrupt:
+            if interrupted:
+                print()
+                return 0
+            interrupted = True
+            print("\n(Ctrl-C again to exit, or type a message)", flush=True)
+            continue
+        interrupted = False
         if line in ("/quit", "/exit"):
             return 0
         if line == "/reset":
@@ -66,9 +89,15 @@ def _repl(args: argparse.Namespace) -> int:
             continue
         if not line:
             continue
-        sys.stdout.write("bot> ")
+        answer = None
         try:
-            _print_stream(chat.ask(line, cfg), args.stats)
+            sys.stdout.write("bot> ")
+            answer = chat.ask(line, cfg)
+            _print_stream(answer, args.stats)
+        except KeyboardInterrupt:  # stop this answer, keep the conversation (with what was said so far)
+            if answer is not None:
+                answer.close()
+            print("\n[stopped]", flush=True)
         except EdgeChatError as e:
             print(f"\nerror: {e}", file=sys.stderr)
 
@@ -121,11 +150,16 @@ def _serve(args: argparse.Namespace) -> int:
                             "the model; add --auth user:password, or --insecure if this network is trusted")
     if not 1 <= args.port <= 65535:
         raise EdgeChatError(f"--port must be 1-65535, got {args.port}")
-    from edge.serve import serve
+    from edge.serve import bind_socket, serve
 
-    gen = _gen(args, spin=False)
-    return serve(gen, host=args.host, port=args.port, max_users=args.max_users, max_queue=args.max_queue,
-                 auth=auth, ui=not args.no_ui, prompt_cache_mb=args.prompt_cache_mb)
+    sock = bind_socket(args.host, args.port)  # before the model loads: a port in use fails in a second, not after
+    try:
+        gen = _gen(args, spin=False)
+        return serve(gen, host=args.host, port=args.port, max_users=args.max_users, max_queue=args.max_queue,
+                     auth=auth, ui=not args.no_ui, prompt_cache_mb=args.prompt_cache_mb, sock=sock,
+                     request_timeout_s=args.request_timeout)
+    finally:
+        sock.close()
 
 
 def _golden(args: argparse.Namespace) -> int:
@@ -222,7 +256,17 @@ def _add_gen_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=Bounded(int, 0), help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print tokens, TTFT and tok/s after each answer")
-    p.add_argument("--verify", action="store_true", help="check every file's SHA-256 before loading")
+    _add_load_flags(p)
+
+
+def _add_load_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verify", action="store_true", help="check every file's SHA-256 before loading, even files "
+                                                         "verified before")
+    p.add_argument("--no-verify", action="store_true",
+                   help="check file sizes only (default: SHA-256 of every file not verified since it last changed)")
+    p.add_argument("--allow-special-in-content", action="store_true",
+                   help="tokenize control tokens typed in a message (e.g. <|im_end|>) as control tokens, as before; "
+                        "by default they are ordinary text, so a message cannot forge a turn")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -253,7 +297,10 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-cache-mb", type=Bounded(float, 0), default=None,
                    help="memory for the K/V of recent conversations, so a prompt that starts like one of them (the "
                         "system prompt, the chat so far) prefills only what is new (fused graphs; default 64, 0: off)")
-    s.add_argument("--verify", action="store_true", help="check every file's SHA-256 before loading")
+    s.add_argument("--request-timeout", type=Bounded(float, 0, above=True), metavar="SECONDS",
+                   help="end a request that has not finished this long after it arrived (its slot is freed; the "
+                        "client gets HTTP 504 or an error event); default: no limit")
+    _add_load_flags(s)
     s.set_defaults(func=_serve)
     e = sub.add_parser("build-engine", help="build a TensorRT engine for this device into the bundle",
                        description="Build a TensorRT engine on this device (Jetson engines must be built on the "
@@ -267,7 +314,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("bundle")
     g.add_argument("--engine", help="engine name from the manifest (default: what would run here)")
     g.add_argument("--threads", type=Bounded(int, 1))
-    g.add_argument("--verify", action="store_true")
+    _add_load_flags(g)
     g.add_argument("--json", action="store_true", help="one JSON object on stdout")
     g.set_defaults(func=_golden)
     i = sub.add_parser("info", help="what a bundle holds and what would run here")

@@ -47,6 +47,12 @@ class Metrics:
         self.tok_s = Histogram(TOKS_BUCKETS)
         self.batch = Histogram(BATCH_BUCKETS)
         self.peak_batch = 0
+        self.http_errors: dict[int, int] = defaultdict(int)
+
+    def http_error(self, status: int) -> None:
+        """An error response (or, on a stream already answered 200, an error event) with this status."""
+        with self._lock:
+            self.http_errors[status] += 1
 
     def observe_prompt(self, n: int, cached: int = 0) -> None:
         with self._lock:
@@ -73,7 +79,7 @@ class Metrics:
         with self._lock:
             self.rejected[reason] += 1
 
-    def render(self, active: int, queued: int, max_batch: int) -> str:
+    def render(self, active: int, queued: int, max_batch: int, restarts: int = 0) -> str:
         with self._lock:
             out = ["# HELP edgechat_requests_total Finished requests by finish reason.",
                    "# TYPE edgechat_requests_total counter"]
@@ -81,6 +87,11 @@ class Metrics:
             out += ["# HELP edgechat_requests_rejected_total Requests refused before generation, by reason.",
                     "# TYPE edgechat_requests_rejected_total counter"]
             out += [f'edgechat_requests_rejected_total{{reason="{k}"}} {v}' for k, v in sorted(self.rejected.items())]
+            out += ["# HELP edgechat_http_errors_total Error responses (and error events on streams) by HTTP status.",
+                    "# TYPE edgechat_http_errors_total counter"]
+            out += [f'edgechat_http_errors_total{{status="{k}"}} {v}' for k, v in sorted(self.http_errors.items())]
+            out += ["# HELP edgechat_scheduler_restarts_total Times the scheduler loop failed and was restarted.",
+                    "# TYPE edgechat_scheduler_restarts_total counter", f"edgechat_scheduler_restarts_total {restarts}"]
             out += ["# TYPE edgechat_prompt_tokens_total counter", f"edgechat_prompt_tokens_total {self.prompt_tokens}",
                     "# HELP edgechat_prompt_tokens_cached_total Prompt tokens taken from the prompt cache, not prefilled.",
                     "# TYPE edgechat_prompt_tokens_cached_total counter",

@@ -6,11 +6,15 @@ sampling reproducible.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from edge.errors import EdgeChatError
+
+
+MAX_SEED = 2**63 - 1  # OpenAI's seed is an int64; numpy's generator takes any non-negative integer
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,17 @@ class SamplingConfig:
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks), as llama.cpp/vLLM's ignore_eos
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise EdgeChatError(f"{name} must be a finite number, got {v!r}")
+        for name in ("max_new_tokens", "top_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise EdgeChatError(f"{name} must be an integer, got {v!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise EdgeChatError(f"seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}")
         if self.max_new_tokens < 1:
             raise EdgeChatError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:

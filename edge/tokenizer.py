@@ -51,6 +51,12 @@ class ChatTokenizer:
         except jinja2.TemplateSyntaxError as e:
             raise BundleError(f"the bundle's chat template does not parse: {e}") from None
         self.eos_ids = frozenset(spec.eos_token_ids)
+        # Message content is text: a control token typed in a message ("<|im_end|>\n<|im_start|>system ...")
+        # becomes ordinary text tokens, so a user cannot forge a turn; only the template inserts real ones.
+        # True restores the old behaviour (content tokenized like the template). Set by --allow-special-in-content.
+        self.allow_special_in_content = False
+        self.specials = tuple(t.content for t in self.tok.get_added_tokens_decoder().values() if t.special)
+        self._as_text = None  # a copy of the tokenizer that splits special tokens like any text
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         for m in messages:
@@ -67,7 +73,38 @@ class ChatTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt))
+        """The prompt's token ids: the rendered template, with each message's content tokenized as text."""
+        if self.allow_special_in_content or not any(
+                isinstance(m.get("content"), str) and sp in m["content"] for m in messages for sp in self.specials):
+            return self.encode(self.render(messages, add_generation_prompt))  # nothing to escape: one call
+        return self._encode_content_as_text(messages, add_generation_prompt)
+
+    def _encode_content_as_text(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Render with a marker in place of each content, then tokenize the template's text normally (its
+        control tokens are real) and each content with special tokens split into ordinary tokens."""
+        import re
+        import uuid
+
+        tag = uuid.uuid4().hex
+        marks = {f"\x00content-{i}-{tag}\x00": m["content"] for i, m in enumerate(messages)}
+        rendered = self.render([{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt)
+        pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", rendered)
+        if "".join(marks.get(p, p) for p in pieces) != self.render(messages, add_generation_prompt):
+            raise EdgeChatError("this bundle's chat template rewrites message content, so control tokens typed in "
+                                f"a message ({', '.join(sp for sp in self.specials if any(sp in c for c in marks.values()))}) "
+                                "cannot be kept as text: remove them, or serve with --allow-special-in-content")
+        if self._as_text is None:
+            from tokenizers import Tokenizer
+
+            self._as_text = Tokenizer.from_str(self.tok.to_str())
+            self._as_text.encode_special_tokens = True
+        ids: list[int] = []
+        for p in pieces:
+            if p in marks:
+                ids += self._as_text.encode(marks[p], add_special_tokens=False).ids
+            elif p:
+                ids += self.encode(p)
+        return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -342,3 +342,71 @@ def test_scheduler_reuses_a_conversation_on_its_next_turn(fused_generator, monke
         s.stop(), off.stop()
     with pytest.raises(Exception, match="prompt cache size must be >= 0"):
         Scheduler(gen, prompt_cache_mb=-1)
+
+
+def test_an_error_in_one_request_fails_only_that_request(any_generator):
+    """A request whose sampling options slipped past validation (seed -1 used to kill the scheduler thread)
+    fails alone, with the reason; the request beside it gets its full single-user answer; the loop lives."""
+    gen = any_generator
+    good_cfg = gen.sampling(max_new_tokens=20, ignore_eos=True)
+    want = gen.complete(_ids(gen, "Hello!"), good_cfg)[1].token_ids
+    bad_cfg = gen.sampling(temperature=0.5)
+    object.__setattr__(bad_cfg, "seed", -1)  # past SamplingConfig's own check, as a bug elsewhere could
+    s = Scheduler(gen, max_batch=2, max_queue=4, metrics=Metrics()).start()
+    try:
+        good = s.submit(_ids(gen, "Hello!"), good_cfg)
+        bad = s.submit(_ids(gen, "Hi"), bad_cfg)
+        _, last = bad.answer(timeout=30)
+        assert last.finish_reason == "error" and "non-negative" in last.stats["error"], last.stats
+        assert good.answer(timeout=30)[1].token_ids == want
+        assert s.alive and s.restarts == 0 and s.active == 0
+        assert s.metrics.finished["error"] == 1
+    finally:
+        s.stop()
+
+
+def test_a_failing_decode_step_fails_its_rows_and_the_loop_goes_on(fused_generator, monkeypatch):
+    gen = fused_generator
+    s = Scheduler(gen, max_batch=2, max_queue=4).start()
+    try:
+        real = s.cache.step
+        calls = {"n": 0}
+
+        def broken(tokens):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("simulated ONNX Runtime failure")
+            return real(tokens)
+
+        monkeypatch.setattr(s.cache, "step", broken)
+        _, last = s.submit(_ids(gen, "Hello!"), gen.sampling(max_new_tokens=10, ignore_eos=True)).answer(timeout=30)
+        assert last.finish_reason == "error" and "simulated" in last.stats["error"]
+        _, last = s.submit(_ids(gen, "Hello!"), gen.sampling(max_new_tokens=10, ignore_eos=True)).answer(timeout=30)
+        assert last.finish_reason == "length" and s.alive and s.active == 0
+    finally:
+        s.stop()
+
+
+def test_the_supervisor_restarts_a_failed_loop_and_says_so(fused_generator, monkeypatch):
+    """A bug that escapes the per-request guards fails the requests in flight, and the loop is restarted with
+    a fresh batch cache (restarts, error); waiting requests are then served."""
+    gen = fused_generator
+    s = Scheduler(gen, max_batch=2, max_queue=4).start()
+    try:
+        real = s._drop_unwanted
+        calls = {"n": 0}
+
+        def buggy():
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("simulated bug in the loop")
+            real()
+
+        monkeypatch.setattr(s, "_drop_unwanted", buggy)
+        _, last = s.submit(_ids(gen, "Hello!"), gen.sampling(max_new_tokens=30, ignore_eos=True)).answer(timeout=30)
+        assert last.finish_reason == "error" and "simulated bug" in last.stats["error"]
+        assert s.restarts == 1 and "simulated bug" in s.error and s.alive
+        _, last = s.submit(_ids(gen, "Hello!"), gen.sampling(max_new_tokens=5, ignore_eos=True)).answer(timeout=30)
+        assert last.finish_reason == "length" and s.active == 0 and len(s.cache) == 0
+    finally:
+        s.stop()
