@@ -90,7 +90,13 @@ def build_ui(service) -> gr.Blocks:
             answer, [history, system, temperature, top_p, max_tokens], [history, chatbot, stats])
         click = send.click(take, [msg, history], [msg, history, chatbot], queue=False).then(
             answer, [history, system, temperature, top_p, max_tokens], [history, chatbot, stats])
+        # Stop cancels the answer's event (its generator closes, which cancels the request and frees the slot)
+        # and says so on the status line, which would otherwise keep "generating…"
         stop.click(None, None, None, cancels=[sub, click])
+        stop.click(lambda: "stopped", None, stats, queue=False, show_progress="hidden")
         clear.click(lambda: ([], [], ""), None, [history, chatbot, stats], queue=False)
+        # the chatbot's own trash icon clears the conversation too, not just the screen (the next turn would
+        # still send the old history)
+        chatbot.clear(lambda: ([], ""), None, [history, stats], queue=False)
     demo.queue(default_concurrency_limit=None)
     return demo

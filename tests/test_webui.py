@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from conftest import ServerProcess
+from edge.tokenizer import ChatTokenizer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
@@ -18,6 +19,10 @@ pytestmark = [
     pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (apt-get install chromium; .ci/run does)"),
 ]
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (python) is not installed: pip install -e '.[dev]'")
+
+
+def _prompt_tokens(server) -> int:
+    return int(re.search(r"^edgechat_prompt_tokens_total (\d+)$", httpx.get(server.url + "/metrics").text, re.M).group(1))
 
 
 def _bot_text(page) -> str:
@@ -62,6 +67,7 @@ def test_page_streams_an_answer_and_stop_really_stops(long_bundle):
             after_stop = _bot_text(page)
             time.sleep(1.0)
             assert _bot_text(page) == after_stop, "text kept coming after Stop"
+            assert page.locator("#stats").inner_text() == "stopped"  # not "generating…" forever
             metrics = httpx.get(server.url + "/metrics").text
             assert re.search(r'^edgechat_requests_total\{finish="cancelled"\} 1$', metrics, re.M), metrics
             assert re.search(r"^edgechat_active_requests 0$", metrics, re.M)
@@ -73,6 +79,17 @@ def test_page_streams_an_answer_and_stop_really_stops(long_bundle):
             page.wait_for_function("document.querySelector('#stats').innerText.includes('tok/s')", timeout=30_000)
             assert page.locator("#chatbot [data-testid='user']").count() == 2
             assert re.search(r"TTFT \d+ ms · [\d.]+ tok/s · 20 tokens · length", page.locator("#stats").inner_text())
+            # the chatbot's own trash icon clears the conversation for real: the next question is sent alone
+            page.locator("#chatbot button[aria-label='Clear']").click()
+            page.wait_for_function("document.querySelectorAll(\"#chatbot [data-testid='user']\").length == 0",
+                                   timeout=10_000)
+            before = _prompt_tokens(server)
+            page.locator("#message textarea").fill("A fresh question?")
+            page.locator("#message textarea").press("Enter")
+            page.wait_for_function("document.querySelector('#stats').innerText.includes('tok/s')", timeout=30_000)
+            assert _prompt_tokens(server) - before == len(
+                ChatTokenizer(long_bundle.path(long_bundle.manifest.tokenizer.file), long_bundle.manifest.tokenizer)
+                .encode_chat([{"role": "user", "content": "A fresh question?"}]))
             page.locator("#clear").click()
             page.wait_for_function("document.querySelectorAll(\"#chatbot [data-testid='user']\").length == 0",
                                    timeout=10_000)
