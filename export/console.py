@@ -46,11 +46,11 @@ def captured(log_path: Path, verbose: bool = False) -> Iterator[TextIO]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     for s in (sys.stdout, sys.stderr):
         s.flush()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
-    term = os.fdopen(os.dup(saved[2]), "w", buffering=1)
-    root = logging.getLogger()
-    old_handlers, old_level = root.handlers[:], root.level
-    with open(log_path, "a", buffering=1) as log:
+    with open(log_path, "a", buffering=1) as log:  # opened first: nothing to undo if it cannot be
+        saved = {fd: os.dup(fd) for fd in (1, 2)}
+        term = os.fdopen(os.dup(saved[2]), "w", buffering=1)
+        root = logging.getLogger()
+        old_handlers, old_level = root.handlers[:], root.level
         handler = logging.StreamHandler(log)
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
         try:
@@ -95,6 +95,7 @@ class Progress:
         self._stop.set()
         if self._thread:
             self._thread.join()
+            self.term.status("")  # clear the line, so what follows starts on a clean one
 
 
 def fmt_seconds(s: float) -> str:

@@ -33,6 +33,7 @@ PRE_TOKENIZERS: dict[str, list[str]] = {
     "qwen2": [QWEN2], "stablelm2": [QWEN2],
     "llama3": [LLAMA3], "llama-bpe": [LLAMA3], "smaug-bpe": [LLAMA3],
 }
+IGNORE_MERGES = {"llama3", "llama-bpe", "smaug-bpe"}
 PROBES = [
     "Hello world! It's 2026-12-04, and I'll pay $1234.56 for 3 apples.",
     "What's the capital of Japan?\nThe capital of Japan is Tokyo.\n\n",
@@ -60,7 +61,9 @@ def reference_tokenizer(gguf: Path):
         return None, f"pre-tokenizer {pre!r} is not in the table of known ones"
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    # llama.cpp looks a whole pre-token up in the vocabulary before merging for Llama 3 (ignore_merges)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                               ignore_merges=pre in IGNORE_MERGES))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

@@ -84,7 +84,6 @@ class GraphWeights:
         self.base = self.path.parent
         self.model = load_graph(self.path)
         self._edits: dict[str, Value] = {}
-        self._frozen: dict | None = None
         self._orig: dict = {}  # records of edited tensors as they were on disk
 
     @property
@@ -118,7 +117,7 @@ class GraphWeights:
         """The tensor as it is on disk, ignoring edits."""
         if name in self._orig:
             return self._read(self._orig[name])
-        return self._read(self._frozen[name] if self._frozen else self.initializer(name))
+        return self._read(self.initializer(name))
 
     def transform(self, name: str, fn: Callable[[np.ndarray], np.ndarray]) -> None:
         """Edit a tensor as a function of its current value (edits compose; computed on save)."""
@@ -174,9 +173,13 @@ class GraphWeights:
         self._edits[name] = value
 
     def remove(self, name: str) -> None:
-        self.model.graph.initializer.remove(self.initializer(name))
+        """Drop a tensor from the graph; a computed edit that reads it (`stored`) still can until the save."""
+        init = self.initializer(name)
+        if name not in self._orig and name not in self._edits:
+            self._orig[name] = type(init)()
+            self._orig[name].CopyFrom(init)
+        self.model.graph.initializer.remove(init)
         self._edits.pop(name, None)
-        self._orig.pop(name, None)
 
     def drop_unused(self) -> None:
         """Remove initializers no node or graph output reads."""
@@ -196,40 +199,47 @@ class GraphWeights:
         data_name = dst.name + ".data"
         tmp_data = dst.with_name(f".{data_name}.partial-{os.getpid()}")
         tmp_graph = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
+        out = type(self.model)()
+        out.CopyFrom(self.model)  # the graph only: records are rewritten on the copy, the original stays readable
         written = 0
-        # reads during the save (a computed tensor reading another) must see the records as they were
-        # before this save rewrote them to point at the new file
-        self._frozen = {}
-        for init in self.model.graph.initializer:
-            self._frozen[init.name] = type(init)()
-            self._frozen[init.name].CopyFrom(init)
         try:
             with open(tmp_data, "wb") as f:
-                for init in self.model.graph.initializer:
+                for init in out.graph.initializer:
                     written += self._write_tensor(f, init, data_name)
-                for t in attribute_tensors(self.model):  # Constant nodes' values (a quantizer may move them out)
+                for t in attribute_tensors(out):  # Constant nodes' values (a quantizer may move them out)
                     written += self._write_tensor(f, t, data_name, editable=False)
-            onnx.save_model(self.model, str(tmp_graph))
+            onnx.save_model(out, str(tmp_graph))
+            # the data first, then the graph: a crash between the two leaves the folder half-written, which
+            # callers only ever do inside a stage's partial folder (never renamed into place unfinished)
             os.replace(tmp_data, dst.parent / data_name)
             os.replace(tmp_graph, dst)
         finally:
-            self._frozen = None
             for t in (tmp_data, tmp_graph):
                 if t.exists():
                     t.unlink()
+        # now point this graph's records at what was written (the same object: callers hold its nodes)
+        for a, b in zip(self.model.graph.initializer, out.graph.initializer):
+            a.CopyFrom(b)
+        for a, b in zip(attribute_tensors(self.model), attribute_tensors(out)):
+            a.CopyFrom(b)
         self.path, self.base, self._edits, self._orig = dst, dst.parent, {}, {}
         return written
 
     def _write_tensor(self, f, init, data_name: str, editable: bool = True) -> int:
         """Append one tensor's bytes to `f` (a small one stays inline) and point `init` at them."""
-        from onnx import TensorProto
+        from onnx import TensorProto, helper
 
         ext = _external(init)
         if editable and init.name in self._edits:
             data = np.ascontiguousarray(self.array(init.name))
+            want = (tuple(init.dims), helper.tensor_dtype_to_np_dtype(init.data_type))
+            if (data.shape, data.dtype) != want:
+                raise ValueError(f"edit of {init.name!r} is {data.dtype}{list(data.shape)}, its record says "
+                                 f"{want[1]}{list(want[0])}")
             chunks, nbytes = [data.reshape(-1).view(np.uint8)], data.nbytes
         elif ext is not None:
-            chunks, nbytes = self._file_chunks(ext), int(ext["length"])
+            nbytes = tensor_nbytes(init)  # "length" is optional in external data records
+            chunks = self._file_chunks(ext, nbytes)
         elif tensor_nbytes(init) <= INLINE_MAX:
             return 0  # a small inline tensor stays as it is
         else:
@@ -253,9 +263,9 @@ class GraphWeights:
             e.key, e.value = k, v
         return nbytes
 
-    def _file_chunks(self, ext: dict[str, str]):
+    def _file_chunks(self, ext: dict[str, str], length: int):
         """The bytes of an external tensor, read in chunks (never the whole file in memory)."""
-        offset, length = int(ext.get("offset", 0)), int(ext["length"])
+        offset = int(ext.get("offset", 0))
         with open(self.base / ext["location"], "rb") as src:
             src.seek(offset)
             left = length

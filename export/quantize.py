@@ -88,6 +88,8 @@ def untie_lm_head(gw: GraphWeights) -> None:
     """Give the LM head its own [hidden, vocab] weight when it is Transpose(embedding), so it can be quantized.
 
     The transposed copy is computed when first read (quantized, or written on save), never held twice."""
+    from onnx import helper
+
     model = gw.model
     inits = gw.names()
     producers = {o: n for n in model.graph.node for o in n.output}
@@ -99,7 +101,8 @@ def untie_lm_head(gw: GraphWeights) -> None:
             src = p.input[0]
             rows, cols = gw.shape(src)
             name = src + ".lm_head_T"
-            gw.set(name, lambda s=src: np.ascontiguousarray(gw.array(s).T), dims=(cols, rows), dtype=np.float32)
+            dtype = helper.tensor_dtype_to_np_dtype(gw.initializer(src).data_type)
+            gw.set(name, lambda s=src: np.ascontiguousarray(gw.array(s).T), dims=(cols, rows), dtype=dtype)
             node.input[1] = name
             if not any(p.output[0] in n.input for n in model.graph.node):
                 model.graph.node.remove(p)
@@ -319,7 +322,7 @@ def smooth(gw: GraphWeights, feeds: list[dict], alpha: float, workdir: Path) -> 
         return 0
     # activation statistics: max |x| per channel over all calibration tokens, from a session over the
     # graph saved with its weights, plus the activations as outputs (a graph-only copy beside it)
-    if gw.edited:
+    if gw.edited or gw.path.parent.resolve() != workdir.resolve():  # never write beside another stage's files
         gw.save(workdir / "stats.onnx")
     aug = type(model)()
     aug.CopyFrom(model)
@@ -330,17 +333,19 @@ def smooth(gw: GraphWeights, feeds: list[dict], alpha: float, workdir: Path) -> 
     del aug
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(str(aug_path), so, providers=["CPUExecutionProvider"])
     names = list(groups)
     amax = {a: None for a in names}
-    for feed in feeds:
-        outs = sess.run(names, feed)
-        for a, o in zip(names, outs):
-            m = np.abs(o).reshape(-1, o.shape[-1]).max(axis=0)
-            amax[a] = m if amax[a] is None else np.maximum(amax[a], m)
-        del outs
-    del sess
-    aug_path.unlink()
+    try:
+        sess = ort.InferenceSession(str(aug_path), so, providers=["CPUExecutionProvider"])
+        for feed in feeds:
+            outs = sess.run(names, feed)
+            for a, o in zip(names, outs):
+                m = np.abs(o).reshape(-1, o.shape[-1]).max(axis=0)
+                amax[a] = m if amax[a] is None else np.maximum(amax[a], m)
+            del outs
+        del sess
+    finally:
+        aug_path.unlink()
     for act, (fold, mms) in groups.items():
         wmax = np.max([np.abs(gw.array(m.input[1])).max(axis=1) for m in mms], axis=0)  # one weight at a time
         s = np.power(np.maximum(amax[act], 1e-5), alpha) / np.power(np.maximum(wmax, 1e-5), 1 - alpha)

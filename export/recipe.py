@@ -19,7 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from edge.bundle import Bundle, StageRecord
-from edge.errors import RecipeError
+from edge.errors import EdgeChatError, RecipeError
 from export.console import fmt_bytes
 from export.distill import DistillOptions
 from export.memory import PeakRSS
@@ -270,8 +270,20 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
         golden = results.get("golden", [])
         extra = {p.name: p for p in sorted(edir.iterdir()) if p.suffix in (".png", ".html", ".md")}
         extra = {f"report/{k}": v for k, v in extra.items()}
-    with PeakRSS() as mem:
-        bundle = package.run(hf_dir, engines, records, opts.output, opts.max_context, golden, extra)
+    from export.console import captured
+    from export.stages import StageError
+
+    log_path = work / "package.log.txt"
+    with PeakRSS() as mem, captured(log_path, verbose):
+        try:
+            bundle = package.run(hf_dir, engines, records, opts.output, opts.max_context, golden, extra)
+        except EdgeChatError as e:
+            raise StageError("package", str(e), log_path) from None
+        except Exception as e:  # the traceback goes to the log; the user gets one error
+            import traceback
+
+            traceback.print_exc()
+            raise StageError("package", f"{type(e).__name__}: {e}", log_path, unexpected=True) from None
     log(f"[package] bundle {bundle.manifest.bundle_id} verified and written to {bundle.root} "
         f"(peak memory {fmt_bytes(mem.peak_bytes)})")
     log(summary(records, bundle))
