@@ -410,3 +410,41 @@ def test_the_supervisor_restarts_a_failed_loop_and_says_so(fused_generator, monk
         assert last.finish_reason == "length" and s.active == 0 and len(s.cache) == 0
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def wide_fused_generator(tmp_path_factory):
+    """A wider tiny model (hidden 256) whose int8 graph gives a prompt's last logits slightly different
+    numbers when that last token runs alone (M=1) than inside the prompt's prefill: what made the old prompt
+    cache change answers (SmolLM2: 5 of 6 greedy answers) and what the 64-wide model does not show."""
+    from conftest import make_tiny_model
+    from edge.bundle import Bundle
+    from edge.runtime import Generator
+    from export.recipe import BuildOptions, build
+
+    src = make_tiny_model(tmp_path_factory.mktemp("wide") / "tiny-llama-wide", hidden=256, intermediate=768)
+    out = tmp_path_factory.mktemp("bundles") / "wide.bundle"
+    build(BuildOptions(output=out, model=str(src), precisions=("int8-dynamic",), max_context=256, eval_samples=2,
+                       calibration_samples=2), log=lambda s: None)
+    return Generator.from_bundle(Bundle.open(out), engine="int8-dynamic", threads=1)
+
+
+def test_a_repeated_prompt_from_the_cache_gets_the_uncached_logits_bit_for_bit(wide_fused_generator):
+    dec = wide_fused_generator.decoder
+    prompt = list(range(10, 53))
+    fresh = dec.new_cache(capacity=64)
+    want = dec.prefill(prompt, fresh)[0]
+    # the hazard is real on this model: the old cache reused all but the last token and ran it alone
+    old = dec.new_cache(capacity=64)
+    dec.forward(np.asarray(prompt[:-1]), old)
+    assert not np.array_equal(dec.forward(np.asarray(prompt[-1:]), old)[0], want)
+    bc = SharedBatchCache(dec, slots=3, capacity=64, prompt_cache_bytes=1 << 22)
+    bc.prefill_rows([prompt])
+    for t in (5, 6, 7):  # the answer's decode steps: never reused
+        bc.step([t])
+    bc.remember(0, prompt)
+    again = bc.prefill_rows([prompt, prompt[:40] + [99, 98, 97, 96, 95]])
+    assert bc.reused == [32, 32]
+    np.testing.assert_array_equal(again[0], want)
+    np.testing.assert_array_equal(again[1], dec.prefill(prompt[:40] + [99, 98, 97, 96, 95],
+                                                        dec.new_cache(capacity=64))[0])
