@@ -71,6 +71,7 @@ def build_ui(service) -> gr.Blocks:
                 yield msgs, show(msgs), f"⚠️ {e}"
                 return
             note = f" · dropped {dropped} old message(s) to fit the context" if dropped else ""
+            yield msgs, show(msgs), "generating…"  # at once: the events show no progress overlay (see below)
             reply, last_yield = "", 0.0
             async for ev in events:
                 reply += ev.text
@@ -87,11 +88,13 @@ def build_ui(service) -> gr.Blocks:
                     yield shown, show(shown), "generating…"
 
         sub = msg.submit(take, [msg, history], [msg, history, chatbot], queue=False).then(
-            answer, [history, system, temperature, top_p, max_tokens], [history, chatbot, stats])
+            answer, [history, system, temperature, top_p, max_tokens], [history, chatbot, stats], show_progress="hidden")
         click = send.click(take, [msg, history], [msg, history, chatbot], queue=False).then(
-            answer, [history, system, temperature, top_p, max_tokens], [history, chatbot, stats])
+            answer, [history, system, temperature, top_p, max_tokens], [history, chatbot, stats], show_progress="hidden")
         # Stop cancels the answer's event (its generator closes, which cancels the request and frees the slot)
-        # and says so on the status line, which would otherwise keep "generating…"
+        # and says so on the status line, which would otherwise keep "generating…". The answer events show no
+        # progress overlay: a cancelled event's overlay reads "Error" (gradio 6), and the status line and the
+        # streaming text already show progress.
         stop.click(None, None, None, cancels=[sub, click])
         stop.click(lambda: "stopped", None, stats, queue=False, show_progress="hidden")
         clear.click(lambda: ([], [], ""), None, [history, chatbot, stats], queue=False)

@@ -344,6 +344,14 @@ def test_scheduler_reuses_a_conversation_on_its_next_turn(fused_generator, monke
         Scheduler(gen, prompt_cache_mb=-1)
 
 
+def _idle(s: Scheduler, seconds: float = 2.0) -> bool:
+    """The last event is emitted just before its row leaves: wait for the scheduler to have no row."""
+    deadline = time.monotonic() + seconds
+    while s.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return s.active == 0
+
+
 def test_an_error_in_one_request_fails_only_that_request(any_generator):
     """A request whose sampling options slipped past validation (seed -1 used to kill the scheduler thread)
     fails alone, with the reason; the request beside it gets its full single-user answer; the loop lives."""
@@ -359,7 +367,7 @@ def test_an_error_in_one_request_fails_only_that_request(any_generator):
         _, last = bad.answer(timeout=30)
         assert last.finish_reason == "error" and "non-negative" in last.stats["error"], last.stats
         assert good.answer(timeout=30)[1].token_ids == want
-        assert s.alive and s.restarts == 0 and s.active == 0
+        assert s.alive and s.restarts == 0 and _idle(s)
         assert s.metrics.finished["error"] == 1
     finally:
         s.stop()
@@ -382,7 +390,7 @@ def test_a_failing_decode_step_fails_its_rows_and_the_loop_goes_on(fused_generat
         _, last = s.submit(_ids(gen, "Hello!"), gen.sampling(max_new_tokens=10, ignore_eos=True)).answer(timeout=30)
         assert last.finish_reason == "error" and "simulated" in last.stats["error"]
         _, last = s.submit(_ids(gen, "Hello!"), gen.sampling(max_new_tokens=10, ignore_eos=True)).answer(timeout=30)
-        assert last.finish_reason == "length" and s.alive and s.active == 0
+        assert last.finish_reason == "length" and s.alive and _idle(s)
     finally:
         s.stop()
 
@@ -407,7 +415,7 @@ def test_the_supervisor_restarts_a_failed_loop_and_says_so(fused_generator, monk
         assert last.finish_reason == "error" and "simulated bug" in last.stats["error"]
         assert s.restarts == 1 and "simulated bug" in s.error and s.alive
         _, last = s.submit(_ids(gen, "Hello!"), gen.sampling(max_new_tokens=5, ignore_eos=True)).answer(timeout=30)
-        assert last.finish_reason == "length" and s.active == 0 and len(s.cache) == 0
+        assert last.finish_reason == "length" and _idle(s) and len(s.cache) == 0
     finally:
         s.stop()
 
