@@ -165,6 +165,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--max-users", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32, help="answer length of the good requests")
+    ap.add_argument("--bad-share", type=float, default=0.25, help="share of bad requests (default 0.25)")
+    ap.add_argument("--hangup-share", type=float, default=0.25, help="share of hang-ups (default 0.25)")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "soak.json"))
     a = ap.parse_args()
@@ -197,7 +199,7 @@ def main() -> int:
         tally = Tally()
         t0 = time.monotonic()
         deadline = t0 + 60 * a.minutes
-        threads = [threading.Thread(target=client_loop, args=(i, url, goods, refs, deadline, tally, (0.5, 0.25),
+        threads = [threading.Thread(target=client_loop, args=(i, url, goods, refs, deadline, tally, (1 - a.bad_share - a.hangup_share, a.bad_share),
                                                                 min(400, context // 2)))
                    for i in range(a.clients)]
         for t in threads:
