@@ -325,3 +325,26 @@ def test_a_stopped_answer_keeps_the_conversation(tiny_generator):
         first = next(answer).text
     answer.close()  # what the REPL does on Ctrl-C
     assert [m["role"] for m in chat.messages] == ["user", "assistant"] and chat.messages[1]["content"] == first
+
+
+def test_an_unexpected_error_is_a_500_error_object_and_counted(tiny_generator, monkeypatch):
+    """In process (the fault has to be injected): an exception nobody expected (here from the tokenizer) is
+    logged and answered with the error object, not a plain-text traceback, and /metrics counts it."""
+    from fastapi.testclient import TestClient
+
+    from edge.server import Service, create_app
+
+    service = Service(tiny_generator, max_users=2)
+    service.scheduler.start()
+    try:
+        client = TestClient(create_app(service, ui=False), raise_server_exceptions=False)
+        monkeypatch.setattr(tiny_generator.tokenizer, "encode_chat", lambda *a, **k: 1 / 0)
+        err = _assert_error_object(client.post("/v1/chat/completions", json={"messages": HI_MESSAGES}), 500)
+        assert err["type"] == "server_error" and "ZeroDivisionError" in err["message"]
+        assert 'edgechat_http_errors_total{status="500"} 1' in client.get("/metrics").text
+        assert client.get("/health").json()["status"] == "ok"
+    finally:
+        service.scheduler.stop()
+
+
+HI_MESSAGES = [{"role": "user", "content": "hi"}]
