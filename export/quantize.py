@@ -159,9 +159,12 @@ def quantize_embedding(gw: GraphWeights) -> int:
             ]
             saved += table_bytes
         else:
-            w = gw.array(base).astype(np.float32, copy=False)
-            scale = np.maximum(np.abs(w).max(axis=1, keepdims=True), 1e-8) / 127.0
-            q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+            w = gw.array(base)
+            q, scale = np.empty(w.shape, np.int8), np.empty((w.shape[0], 1), np.float32)
+            for i in range(0, w.shape[0], 4096):  # a block of rows at a time: no table-sized temporaries
+                blk = w[i:i + 4096].astype(np.float32, copy=False)
+                scale[i:i + 4096] = np.maximum(np.abs(blk).max(axis=1, keepdims=True), 1e-8) / 127.0
+                q[i:i + 4096] = np.clip(np.round(blk / scale[i:i + 4096]), -127, 127)
             del w
             gw.set(base + ".int8", q)
             gw.set(base + ".scale", scale.astype(np.float32))
