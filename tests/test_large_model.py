@@ -8,11 +8,14 @@ int4-weight; each engine then answers through `edge-chat run`. The build's peak 
 
 from __future__ import annotations
 
+import contextlib
 import json
-import resource
+import shutil
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from conftest import ROOT, make_tiny_model, run_cli
@@ -32,14 +35,24 @@ def large_build(tmp_path_factory):
     recipe.write_text(f"[build]\nprecisions = {json.dumps(list(PRECISIONS))}\nmax_context = 256\n"
                       "[quantize]\ncalibration_samples = 4\n[evaluate]\neval_samples = 2\n")
     out = tmp_path_factory.mktemp("bundles") / "large.bundle"
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    r = subprocess.run([sys.executable, "-m", "export.cli", "build", str(src), "-o", str(out), "--recipe", str(recipe)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=3600)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child so far, in bytes
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "Traceback" not in r.stdout + r.stderr
-    return {"src": src, "bundle": out, "weights": weights, "peak": peak if peak > before * 1024 else None,
-            "output": r.stdout + r.stderr}
+    proc = subprocess.Popen([sys.executable, "-m", "export.cli", "build", str(src), "-o", str(out), "--recipe",
+                             str(recipe)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    # an independent look at the build's memory (the stage records come from the process itself; its
+    # getrusage peak is reset by the per-stage measurement, so it is no check): sample RSS from outside
+    peak, ps = 0, psutil.Process(proc.pid)
+    deadline = time.time() + 3600
+    while proc.poll() is None and time.time() < deadline:
+        with contextlib.suppress(psutil.Error):
+            peak = max(peak, ps.memory_info().rss)
+        time.sleep(0.2)
+    if proc.poll() is None:
+        proc.kill()
+    output = proc.stdout.read()
+    assert proc.wait() == 0, output[-5000:]
+    assert "Traceback" not in output
+    yield {"src": src, "bundle": out, "weights": weights, "peak": peak, "output": output}
+    for d in (src.parent, out.parent):  # ~20 GB of graphs: pytest keeps its last runs' temporary folders
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_the_fp32_weights_are_past_protobufs_limit(large_build):
@@ -58,20 +71,21 @@ def test_every_engine_answers_through_the_cli(large_build):
 
 
 def test_peak_memory_is_bounded_by_the_weights(large_build):
-    """Each stage's peak is recorded; the whole build stays within 4x the fp32 weights (+1.5 GB for the
-    interpreter, torch and ONNX Runtime themselves): no stage holds several copies of the model."""
+    """Each stage's peak is recorded; the whole build stays within 4.5x the fp32 weights (+1.5 GB for the
+    interpreter, torch and ONNX Runtime themselves): no stage holds several copies of the model. The
+    bound is the planner's (export ~3x, int8-qdq's calibration ~4x, measured) with some room."""
     m = json.loads((large_build["bundle"] / "manifest.json").read_text())
     w = large_build["weights"]
     stages = {s["name"]: s["memory"]["peak_rss_bytes"] for s in m["stages"]}
     assert set(stages) >= {"load", "export", *(f"quantize-{p}" for p in PRECISIONS), "evaluate"}
-    bound = 4 * w + 1.5e9
+    bound = 4.5 * w + 1.5e9
     for name, peak in stages.items():
         assert peak < bound, f"{name}: peak {peak / 1e9:.2f} GB > {bound / 1e9:.2f} GB for {w / 1e9:.2f} GB of weights"
     # weight-only quantization streams one tensor at a time: far below the graph's size
     for name in ("quantize-int8-dynamic", "quantize-int4-weight"):
         assert stages[name] < 1.5 * w + 1.5e9, f"{name}: {stages[name] / 1e9:.2f} GB"
-    if large_build["peak"] is not None:
-        assert large_build["peak"] < bound
+    assert 0 < large_build["peak"] < bound  # sampled from outside every 0.2 s
+    assert large_build["peak"] >= 0.8 * max(stages.values())  # the records agree with what was seen
     print("peak memory per stage (GB):", {k: round(v / 1e9, 2) for k, v in stages.items()},
           f"weights {w / 1e9:.2f} GB")
 
