@@ -456,3 +456,25 @@ def test_a_repeated_prompt_from_the_cache_gets_the_uncached_logits_bit_for_bit(w
     np.testing.assert_array_equal(again[0], want)
     np.testing.assert_array_equal(again[1], dec.prefill(prompt[:40] + [99, 98, 97, 96, 95],
                                                         dec.new_cache(capacity=64))[0])
+
+
+def test_a_dead_scheduler_thread_is_started_again_by_the_next_request(fused_generator, monkeypatch):
+    """Past the supervisor (a BaseException, which it does not catch): the thread ends; the next submit
+    starts it again and is served, and the restart is counted."""
+    gen = fused_generator
+
+    class Die(BaseException):
+        pass
+
+    s = Scheduler(gen, max_batch=2, max_queue=4)
+    real = s._loop
+    monkeypatch.setattr(s, "_loop", lambda: (_ for _ in ()).throw(Die()))
+    s.start()
+    s._thread.join(5)
+    assert not s.alive
+    monkeypatch.setattr(s, "_loop", real)
+    try:
+        _, last = s.submit(_ids(gen, "Hello!"), gen.sampling(max_new_tokens=5, ignore_eos=True)).answer(timeout=30)
+        assert last.finish_reason == "length" and s.alive and s.restarts == 1
+    finally:
+        s.stop()
