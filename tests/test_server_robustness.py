@@ -236,6 +236,9 @@ def test_port_in_use_is_one_line_and_exit_2_before_the_model_loads(tiny_bundle):
         port = busy.getsockname()[1]
         t = time.monotonic()
         r = run_cli("edge.cli", "serve", str(tiny_bundle.root), "--port", str(port), "--no-ui", timeout=120)
+        # checked first: with a bundle that does not exist either, the port is what is reported
+        first = run_cli("edge.cli", "serve", "/nonexistent.bundle", "--port", str(port), "--no-ui", timeout=120)
+    assert first.returncode == 2 and "already in use" in first.stderr, first.stderr
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip().splitlines() == [f"error: port {port} on 127.0.0.1 is already in use (another edge-chat "
                                              "serve?): stop that server or choose another port with --port"]
@@ -299,14 +302,14 @@ def test_repl_ctrl_c_stops_the_answer_and_keeps_the_conversation(long_bundle):
         # at the prompt: a note; a second one exits. (Python runs its SIGINT handler between bytecodes, so one
         # that lands after the prompt is printed but before input() blocks in read() waits for the next line:
         # give it time to block, as a person's keystroke always does.)
-        time.sleep(0.5)
+        time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
         seen = ""
         while not seen.endswith("Ctrl-C again to exit, or type a message)\nyou> "):
             ch = proc.stdout.read(1)
             assert ch, proc.stderr.read()
             seen += ch
-        time.sleep(0.5)
+        time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         assert "Traceback" not in proc.stderr.read()
