@@ -353,3 +353,36 @@ def test_an_unexpected_error_is_a_500_error_object_and_counted(tiny_generator, m
 
 
 HI_MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def test_health_reports_a_restarted_scheduler_and_the_server_goes_on(tiny_generator, monkeypatch):
+    """In process (the loop's failure has to be injected): the request in flight gets a 500 error object, the
+    supervisor restarts the loop, /health and /metrics say so, and the next request is answered."""
+    from fastapi.testclient import TestClient
+
+    from edge.server import Service, create_app
+
+    service = Service(tiny_generator, max_users=2)
+    s = service.scheduler
+    real, calls = s._drop_unwanted, {"n": 0}
+
+    def buggy():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated bug in the scheduler loop")
+        real()
+
+    monkeypatch.setattr(s, "_drop_unwanted", buggy)
+    s.start()
+    try:
+        client = TestClient(create_app(service, ui=False), raise_server_exceptions=False)
+        body = {"messages": HI_MESSAGES, "max_tokens": 20, "ignore_eos": True}
+        err = _assert_error_object(client.post("/v1/chat/completions", json=body), 500)
+        assert "simulated bug" in err["message"] and err["type"] == "server_error"
+        h = client.get("/health").json()
+        assert h["status"] == "ok" and h["scheduler_restarts"] == 1 and "simulated bug" in h["last_error"], h
+        assert "edgechat_scheduler_restarts_total 1" in client.get("/metrics").text
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
+    finally:
+        s.stop()
