@@ -57,7 +57,7 @@ def _rotary_caches(model, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
     return (freqs.cos() * scale).numpy(), (freqs.sin() * scale).numpy()
 
 
-def write(src: Path, dst: Path, model=None) -> None:
+def write(src: Path, dst: Path, model=None, opset: int = 18) -> None:
     """HF folder -> dst/model.onnx (+ model.onnx.data): the fused fp32 graph.
 
     `model`: the fp32 torch model already loaded from `src` (the export stage's parity reference),
@@ -76,10 +76,10 @@ def write(src: Path, dst: Path, model=None) -> None:
     for f in dst.glob("model.onnx*"):
         f.unlink()
     with TensorFile(dst / "model.onnx.data") as data:
-        _write(model, cfg, dst, data)
+        _write(model, cfg, dst, data, opset)
 
 
-def _write(model, cfg: dict, dst: Path, data: "TensorFile") -> None:
+def _write(model, cfg: dict, dst: Path, data: "TensorFile", opset: int) -> None:
     import onnx
     import torch
     from onnx import TensorProto, helper
@@ -186,6 +186,6 @@ def _write(model, cfg: dict, dst: Path, data: "TensorFile") -> None:
             outputs.append(helper.make_tensor_value_info(present.format(i=i), TensorProto.FLOAT,
                                                          [io.batch_axis, KV, "present_sequence_length", D]))
     graph = helper.make_graph(nodes, "edgechat-fused-decoder", inputs, outputs, inits)
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)],
                               producer_name="edgechat", ir_version=8)
     onnx.save_model(proto, str(dst / "model.onnx"))  # the graph alone: its weights are in model.onnx.data
