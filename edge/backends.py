@@ -77,18 +77,17 @@ def decide(manifest: Manifest, m: Machine, engine: str | None = None) -> Choice:
     """The backend for this bundle on this machine. `engine` forces one manifest engine by name."""
     engines = manifest.engines
     if engine:
-        e = manifest.engine(engine)
-        engines = [e]
+        engines = [manifest.engine(engine)]
     skipped: list[str] = []
     trt = [e for e in engines if e.fingerprint.format == "tensorrt"]
     if not trt:
         skipped.append("TensorRT: the bundle has no TensorRT engine"
                        + (" (build one on this device: edge-chat build-engine BUNDLE)" if m.has_gpu else ""))
-    for e in trt:
-        why = engine_mismatch(e.fingerprint, m)
+    for t in trt:
+        why = engine_mismatch(t.fingerprint, m)
         if why is None:
-            return Choice("tensorrt", e.name, (), skipped)
-        skipped.append(f"TensorRT '{e.name}': {why}")
+            return Choice("tensorrt", t.name, (), skipped)
+        skipped.append(f"TensorRT '{t.name}': {why}")
 
     providers = set(m.ort_providers)
     if not m.onnxruntime:

@@ -7,6 +7,8 @@ only it is present (older Jetson images).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from edge.errors import EdgeChatError, MissingDependencyError
@@ -71,7 +73,7 @@ class PyCuda:
 
         self.drv = drv
         self.stream = drv.Stream()
-        self._allocs: dict[int, object] = {}
+        self._allocs: dict[int, Any] = {}
 
     def malloc(self, nbytes: int) -> int:
         a = self.drv.mem_alloc(max(nbytes, 1))

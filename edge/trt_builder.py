@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edge.bundle import Bundle, EngineEntry, FileEntry, Fingerprint, sha256_file
 from edge.errors import BundleError
@@ -22,6 +23,9 @@ from edge.io_contract import DecoderIO
 from edge.machine import Machine
 from edge.profiles import DeviceProfile, load_profile
 from edge.trt_settings import BuilderSettings, builder_settings, check_build_ram, mem_available_gb
+
+if TYPE_CHECKING:  # mypy checks the TensorRT calls against tensorrt-stubs (scripts/typecheck.sh)
+    import tensorrt as trt
 
 log = logging.getLogger("edgechat")
 SOURCE_GRAPH = {"fp16": ("fp16", "fp32"), "fp32": ("fp32",), "bf16": ("bf16", "fp32"), "int8-qdq": ("int8-qdq",)}
@@ -86,7 +90,10 @@ def plan_build(bundle: Bundle, profile: DeviceProfile | str, precision: str = "f
     return BuildPlan(bundle, prof, source, settings, trt, need, have)
 
 
-def _network(trt, builder, logger, onnx_path: Path, strongly_typed: bool):
+def _network(builder: "trt.Builder", logger: "trt.ILogger", onnx_path: Path,
+             strongly_typed: bool) -> "tuple[trt.INetworkDefinition, trt.OnnxParser]":
+    import tensorrt as trt
+
     flags = 0
     if strongly_typed:
         flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
@@ -102,13 +109,15 @@ def build_engine(plan: BuildPlan, machine: Machine, recheck_golden: bool = True)
     """Build, write into the bundle, fingerprint, re-ask the golden prompts. Needs TensorRT and a GPU."""
     from edge.trt_runtime import import_tensorrt
 
-    trt = import_tensorrt()
+    import_tensorrt()  # the one-line "pip install / apt install" error when it is missing
+    import tensorrt as trt
+
     s = plan.settings
     if plan.tensorrt_version.split(".")[0] != trt.__version__.split(".")[0]:
         log.warning("settings were planned for TensorRT %s; building with %s", plan.tensorrt_version, trt.__version__)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network, _parser = _network(trt, builder, logger, plan.bundle.path(plan.source.file), s.strongly_typed)
+    network, _parser = _network(builder, logger, plan.bundle.path(plan.source.file), s.strongly_typed)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, s.workspace_bytes)
     config.builder_optimization_level = s.optimization_level
@@ -117,7 +126,7 @@ def build_engine(plan: BuildPlan, machine: Machine, recheck_golden: bool = True)
     for sp in s.profiles:
         p = builder.create_optimization_profile()
         for name, (lo, opt, hi) in sp.shapes.items():
-            p.set_shape(name, lo, opt, hi)
+            p.set_shape(name, trt.Dims(list(lo)), trt.Dims(list(opt)), trt.Dims(list(hi)))
         config.add_optimization_profile(p)
     cache_path = Path(s.timing_cache)
     cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")

@@ -31,14 +31,28 @@ def import_tensorrt():
             "tensorrt", "building or running TensorRT engines",
             "on Jetson: sudo apt install python3-libnvinfer (JetPack ships TensorRT); on x86: "
             "pip install tensorrt (needs NVIDIA's package index)") from None
+    if not hasattr(trt, "Builder"):  # e.g. only tensorrt-stubs installed: an empty namespace package
+        raise MissingDependencyError(
+            "tensorrt", "building or running TensorRT engines",
+            f"'import tensorrt' found {list(getattr(trt, '__path__', [])) or trt} without TensorRT's Python "
+            "bindings (type stubs alone?): install TensorRT itself") from None
     return trt
+
+
+def _shape(dims) -> tuple[int, ...]:
+    """A TensorRT Dims as a tuple (Dims indexes like a tuple; the stubs do not declare it iterable)."""
+    return tuple(int(dims[i]) for i in range(len(dims)))
 
 
 class TensorRTDecoder(Decoder):
     """A TensorRT engine behind the Decoder interface."""
 
+    engine: EngineEntry | None = None  # the manifest entry, when loaded from a bundle
+
     def __init__(self, path: str | os.PathLike, dims: ModelDims, io: DecoderIO, name: str | None = None) -> None:
-        trt = import_tensorrt()
+        import_tensorrt()
+        import tensorrt as trt
+
         self.trt = trt
         self.dims, self.io = dims, io
         self.name = name or os.path.basename(str(path))
@@ -61,6 +75,9 @@ class TensorRTDecoder(Decoder):
         self.present_names = io.present_names(dims.num_layers)
         self._kv_dtype = np.dtype(trt.nptype(self.engine_.get_tensor_dtype(self.past_names[0])))
         self._logits_dtype = np.dtype(trt.nptype(self.engine_.get_tensor_dtype(io.logits)))
+        # the engine's own input types (TensorRT 10 keeps the graph's INT64 ids; an engine may declare INT32)
+        self._in_dtype = {n: np.dtype(trt.nptype(self.engine_.get_tensor_dtype(n)))
+                          for n in (io.input_ids, io.attention_mask, io.position_ids)}
 
     @classmethod
     def from_entry(cls, bundle: Bundle, entry: EngineEntry) -> "TensorRTDecoder":
@@ -84,18 +101,19 @@ class TensorRTDecoder(Decoder):
         ctx = self.contexts[1 if seq == 1 and past_len >= 1 and len(self.contexts) > 1 else 0]
         keep = []  # host inputs must live until the copy is done
         for name, arr in ((self.io.input_ids, ids), (self.io.attention_mask, mask), (self.io.position_ids, positions)):
-            d = DeviceArray.from_numpy(self.cuda, np.ascontiguousarray(arr, dtype=np.int64))
+            d = DeviceArray.from_numpy(self.cuda, np.ascontiguousarray(arr, dtype=self._in_dtype[name]))
             keep.append(d)
-            ctx.set_input_shape(name, d.shape)
-            ctx.set_tensor_address(name, d.ptr)
+            self._bind_input(ctx, name, d, batch, seq, past_len)
         for name, val in zip(self.past_names, past):
-            ctx.set_input_shape(name, val.shape)
-            ctx.set_tensor_address(name, val.ptr)
-        logits = DeviceArray(self.cuda, tuple(ctx.get_tensor_shape(self.io.logits)), self._logits_dtype)
+            if val.dtype != self._kv_dtype:
+                raise BundleError(f"{self.name}: past '{name}' is {val.dtype} but the engine takes {self._kv_dtype} "
+                                  "(a cache made for another engine?)")
+            self._bind_input(ctx, name, val, batch, seq, past_len)
+        logits = DeviceArray(self.cuda, _shape(ctx.get_tensor_shape(self.io.logits)), self._logits_dtype)
         ctx.set_tensor_address(self.io.logits, logits.ptr)
         present = []
         for name in self.present_names:
-            d = DeviceArray(self.cuda, tuple(ctx.get_tensor_shape(name)), self._kv_dtype)
+            d = DeviceArray(self.cuda, _shape(ctx.get_tensor_shape(name)), self._kv_dtype)
             ctx.set_tensor_address(name, d.ptr)
             present.append(d)
         if not ctx.execute_async_v3(self.cuda.stream_handle):
@@ -103,3 +121,13 @@ class TensorRTDecoder(Decoder):
                               f"{past[0].shape[2] if past else 0} (outside the engine's shape profiles?)")
         out = logits.numpy()  # synchronizes the stream
         return out.astype(np.float32, copy=False), present
+
+    def _bind_input(self, ctx, name: str, d: DeviceArray, batch: int, seq: int, past_len: int) -> None:
+        """TensorRT answers a shape outside the context's optimization profile with False (and a logged
+        error), not an exception: say which input and what the engine was built for."""
+        if not ctx.set_input_shape(name, d.shape):
+            lo, _, hi = (_shape(x) for x in self.engine_.get_tensor_profile_shape(name, self.contexts.index(ctx)))
+            raise BundleError(f"{self.name}: '{name}' shape {d.shape} (batch {batch} x {seq} tokens after {past_len}) "
+                              f"is outside the engine's shape profile {lo}..{hi}; rebuild the engine with a larger "
+                              "--max-context / --max-batch")
+        ctx.set_tensor_address(name, d.ptr)

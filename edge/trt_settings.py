@@ -81,7 +81,7 @@ def shape_profiles(dims: ModelDims, io: DecoderIO, max_batch: int, max_context: 
     def with_kv(tokens: dict, batch: tuple[int, int, int], past: tuple[int, int, int]) -> dict:
         shapes = dict(tokens)
         for name in io.past_names(dims.num_layers):
-            shapes[name] = tuple((b, kvh, p, hd) for b, p in zip(batch, past))  # type: ignore[assignment]
+            shapes[name] = tuple((b, kvh, p, hd) for b, p in zip(batch, past))
         return shapes
 
     pb, pp = (1, 1, 1), (0, 0, max_context - chunk)
@@ -104,7 +104,7 @@ def workspace_bytes(profile: DeviceProfile) -> int:
 
 def timing_cache_path(gpu_sm: str, trt_version: str, root: str | os.PathLike | None = None) -> Path:
     """One persistent timing cache per GPU architecture and TensorRT version (reused across builds)."""
-    base = Path(root or os.environ.get("EDGECHAT_CACHE", Path.home() / ".cache" / "edgechat"))
+    base = Path(root) if root else Path(os.environ.get("EDGECHAT_CACHE") or Path.home() / ".cache" / "edgechat")
     return base / "tensorrt" / f"timing-sm{gpu_sm.replace('.', '')}-trt{trt_version}.cache"
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
@@ -57,11 +58,14 @@ def check(model_or_path) -> CompatReport:
     """Inspect a graph (onnx.ModelProto or path; external weights are not loaded unless needed)."""
     from onnx import numpy_helper
 
-    model, read = model_or_path, numpy_helper.to_array
+    model = model_or_path
+    read: Callable[[Any], np.ndarray] = numpy_helper.to_array
     if isinstance(model_or_path, (str, os.PathLike)):  # the graph alone; only the Q/DQ scales are read
+        from pathlib import Path
+
         from export.onnx_weights import GraphWeights
 
-        gw = GraphWeights(model_or_path)
+        gw = GraphWeights(Path(model_or_path))
         model, read = gw.model, lambda init: gw.array(init.name)
     g = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in STANDARD_DOMAINS), 0)

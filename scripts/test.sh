@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/system-deps.sh
 bash scripts/setup.sh
+bash scripts/typecheck.sh   # mypy: the TensorRT/CUDA modules against TensorRT's type stubs
 exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
