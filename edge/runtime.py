@@ -11,6 +11,7 @@ the Gradio page and the HTTP API only consume it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -98,6 +99,8 @@ class KVCache:
 
 class Decoder:
     """One ONNX decoder graph in an InferenceSession (from a bundle, or a bare file during export)."""
+
+    prefill_chunk = PREFILL_CHUNK  # most prompt tokens one plain-graph call takes (a TensorRT engine: its profile's)
 
     def __init__(self, path: str | os.PathLike, dims: ModelDims, io: DecoderIO, threads: int | None = None,
                  providers: list[str] | None = None, name: str | None = None, spin: bool = True) -> None:
@@ -277,7 +280,7 @@ class Decoder:
         logits = None
         start = 0
         while start < len(ids):
-            end = next_boundary(cache.length) - cache.length if self.io.fused else PREFILL_CHUNK
+            end = next_boundary(cache.length) - cache.length if self.io.fused else self.prefill_chunk
             logits = self.forward(ids[start:start + end], cache)
             start += end
         assert logits is not None, "empty prompt"
@@ -317,15 +320,28 @@ class Generator:
         from edge.backends import decide
         from edge.machine import detect
 
-        choice = decide(m, detect(), engine)
+        here = detect()
+        choice = decide(m, here, engine)
+        dec: Decoder | None = None
+        failed: list[str] = []
+        dropped: set[str] = set()
+        while choice.backend == "tensorrt":  # an engine whose fingerprint matches can still fail to load
+            from edge.trt_runtime import TensorRTDecoder
+
+            try:
+                dec = TensorRTDecoder.from_entry(bundle, m.engine(choice.engine))
+                break
+            except EdgeChatError as e:
+                if engine:  # asked for by name: no fallback
+                    raise
+                failed.append(f"TensorRT '{choice.engine}': it did not load here: {e}")
+                dropped.add(choice.engine)
+                choice = decide(dataclasses.replace(m, engines=[x for x in m.engines if x.name not in dropped]), here)
+        choice = dataclasses.replace(choice, skipped=failed + choice.skipped)
         for line in choice.skipped:
             (log.warning if line.startswith("TensorRT '") else log.info)("skipped %s", line)
         log.info("running %s", choice.describe())
-        if choice.backend == "tensorrt":
-            from edge.trt_runtime import TensorRTDecoder
-
-            dec = TensorRTDecoder.from_entry(bundle, m.engine(choice.engine))
-        else:
+        if dec is None:
             dec = Decoder.from_bundle(bundle, choice.engine, threads, list(choice.providers), spin)
         gen = cls(tok, dec, m.generation, bundle)
         gen.choice = choice

@@ -96,6 +96,27 @@ def fused_generator(tiny_bundle):
     return gen
 
 
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """TensorRT 10.3 and an SM 8.7 GPU, as on an Orin, for this test only: the strict stand-ins in
+    tests/fake_tensorrt on sys.modules["tensorrt"] and cuda-python's runtime/driver modules."""
+    import cuda.bindings
+
+    import fake_tensorrt  # tests/ is on sys.path (conftest's folder)
+    from fake_tensorrt import cuda as fcuda
+
+    dev = fcuda.Device(name="Orin (fake)", sm="8.7", memory_bytes=8 << 30)
+    monkeypatch.setattr(fcuda, "DEVICE", dev)
+    monkeypatch.setattr(fake_tensorrt, "__version__", "10.3.0")
+    for name, mod in fake_tensorrt.installed_modules().items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(cuda.bindings, "runtime", fcuda.runtime, raising=False)
+    monkeypatch.setattr(cuda.bindings, "driver", fcuda.driver, raising=False)
+    monkeypatch.setenv("EDGECHAT_CACHE", str(tmp_path / "cache"))
+    fake_tensorrt.LOG.clear()
+    return dev
+
+
 def assert_batched_steps_equal_alone(dec, prompts: list[list[int]], tokens: list[int], capacity: int, atol: float,
                                      steps: int = 3) -> None:
     """Prefill each prompt into a SharedBatchCache row, decode `steps` batched steps (row i always fed

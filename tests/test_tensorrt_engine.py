@@ -1,0 +1,333 @@
+"""The TensorRT build and decode code run end to end against a strict TensorRT stand-in on CPU
+(tests/fake_tensorrt: TensorRT's Python API over ONNX Runtime, and cuda-python over host memory).
+
+What this shows: `edge-chat build-engine` writes an engine, its fingerprint and the manifest and re-asks
+the golden prompts; `edge-chat run` decodes with TensorRTDecoder; greedy tokens equal ONNX Runtime CPU's
+on the same graph (fp32 and int8-qdq) over several prefill chunks and past the profiles' opt shapes; and
+each rule TensorRT enforces (profile ranges, unset addresses, dtypes, SM, version, memory) is refused by the
+stand-in and turned by EdgeChat into the documented error or fallback. What it cannot show: TensorRT's
+own numerics (an FP16 build computes in fp32 here) and speed; scripts/gpu_check.sh does that on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from edge.bundle import Bundle
+from edge.errors import BundleError
+
+PROFILE = "orin-nano-8gb"
+
+
+@pytest.fixture
+def bundle_copy(tiny_bundle, tmp_path):
+    dst = tmp_path / "b.bundle"
+    shutil.copytree(tiny_bundle.root, dst)
+    return dst
+
+
+def _errors() -> list[str]:
+    import fake_tensorrt
+
+    return [m for s, m in fake_tensorrt.LOG if s <= fake_tensorrt.Logger.ERROR]
+
+
+def _build(path, precision: str, recheck: bool = False, **kw):
+    from edge.machine import detect
+    from edge.trt_builder import build_engine, plan_build
+
+    bundle = Bundle.open(path)
+    here = detect()
+    return build_engine(plan_build(bundle, PROFILE, precision, tensorrt_version=here.tensorrt, available_gb=8.0, **kw),
+                        here, recheck_golden=recheck)
+
+
+def test_stand_in_is_what_the_probe_sees(fake_gpu):
+    from edge.backends import engine_mismatch
+    from edge.bundle import Fingerprint
+    from edge.machine import detect
+
+    m = detect()
+    assert (m.gpu_sm, m.gpu_name, m.tensorrt, m.tensorrt_source) == ("8.7", "Orin (fake)", "10.3.0", "python")
+    assert engine_mismatch(Fingerprint(format="tensorrt", precision="fp16", gpu_sm="8.7", tensorrt_version="10.3.0"), m) is None
+
+
+# ----------------------------------------------------------------------------- build + run through the CLI
+
+
+@pytest.mark.parametrize("precision, source", [("fp32", "fp32"), ("int8-qdq", "int8-qdq"), ("fp16", "fp32")])
+def test_build_engine_cli_writes_engine_fingerprint_manifest_and_golden(fake_gpu, bundle_copy, capsys, precision,
+                                                                         source):
+    from edge.cli import main
+
+    assert main(["build-engine", str(bundle_copy), "--profile", PROFILE, "--precision", precision]) == 0, \
+        capsys.readouterr().err
+    out = capsys.readouterr().out
+    name = f"trt-{precision}-sm87"
+    assert f"built    engines/{name}/model.engine" in out
+    b = Bundle.open(bundle_copy, verify="full")  # the new file is in the manifest with its SHA-256
+    e = b.manifest.engine(name)
+    fp = e.fingerprint
+    assert (fp.format, fp.precision, fp.tensorrt_version, fp.gpu_sm, fp.gpu_name) == \
+        ("tensorrt", precision, "10.3.0", "8.7", "Orin (fake)")
+    assert set(fp.shapes) == {"prefill", "decode"}
+    assert e.quality["built_from"] == source and e.quality["device_profile"] == PROFILE
+    same, asked = e.quality["golden_same_as_source"].split("/")
+    assert same == asked and int(asked) >= 3  # the stand-in computes in fp32: the source graph's answers
+    assert b.path(e.file).read_bytes().startswith(b"FAKETRT1")
+    flags = "FP16" if precision == "fp16" else None
+    import fake_tensorrt
+    import json as _json
+
+    blob = b.path(e.file).read_bytes()
+    header = _json.loads(blob[16:16 + int.from_bytes(blob[8:16], "little")])
+    assert header["flags"] == ([flags] if flags else [])
+    assert header["profiles"][0]["input_ids"] == [[1, 1], [1, 64], [1, 256]]
+    assert not _errors(), fake_tensorrt.LOG
+
+
+def test_run_decodes_with_the_tensorrt_engine(fake_gpu, bundle_copy, capsys, tiny_generator):
+    from edge.cli import main
+    from edge.runtime import Generator
+    from edge.trt_runtime import TensorRTDecoder
+
+    _build(bundle_copy, "fp32")
+    gen = Generator.from_bundle(Bundle.open(bundle_copy))
+    assert isinstance(gen.decoder, TensorRTDecoder) and gen.choice.backend == "tensorrt"
+    assert main(["run", str(bundle_copy), "What is the capital of Japan?", "--max-new-tokens", "12",
+                 "--temperature", "0"]) == 0
+    trt_text = capsys.readouterr().out
+    ids = tiny_generator.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of Japan?"}])
+    cpu_text, _ = tiny_generator.complete(ids, tiny_generator.sampling(max_new_tokens=12, temperature=0))
+    assert trt_text.strip() == cpu_text.strip()
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8-qdq"])
+def test_greedy_tokens_equal_onnxruntime_over_chunks_and_past_opt(fake_gpu, bundle_copy, monkeypatch, precision):
+    """Prefill in 24-token chunks (the engine's prefill profile, read back by the decoder) and decode past
+    both profiles' opt shapes: the same greedy tokens as ONNX Runtime on CPU running the same graph."""
+    import fake_tensorrt
+    from edge import trt_settings
+    from edge.runtime import Generator
+    from edge.sampling import SamplingConfig
+    from edge.trt_runtime import TensorRTDecoder
+
+    monkeypatch.setattr(trt_settings, "PREFILL_CHUNK", 24)
+    entry = _build(bundle_copy, precision)
+    bundle = Bundle.open(bundle_copy)
+    ort = Generator.from_bundle(bundle, engine=precision, providers=["CPUExecutionProvider"], threads=1)
+    dec = TensorRTDecoder.from_entry(bundle, entry)
+    assert dec.prefill_chunk == 24
+    trt = Generator(ort.tokenizer, dec, bundle.manifest.generation, bundle)
+    calls = []
+    real = fake_tensorrt.IExecutionContext.execute_async_v3
+
+    def spy(ctx, stream):
+        calls.append((ctx.profile, ctx.shapes[dec.io.input_ids], ctx.shapes[dec.past_names[0]][2]))
+        return real(ctx, stream)
+
+    monkeypatch.setattr(fake_tensorrt.IExecutionContext, "execute_async_v3", spy)
+    ids = ort.tokenizer.encode_chat([{"role": "user", "content": "Tell me a fun fact about the ocean, the stars "
+                                                                 "and octopuses, and what you like to read."}])
+    assert len(ids) > 2 * 24
+    cfg = SamplingConfig(max_new_tokens=80, ignore_eos=True)
+    want = ort.complete(ids, cfg)[1].token_ids
+    got = trt.complete(ids, cfg)[1].token_ids
+    assert got == want
+    prefill = [c for c in calls if c[0] == 0]
+    decode = [c for c in calls if c[0] == 1]
+    assert len(prefill) == -(-len(ids) // 24) and all(c[1][1] <= 24 for c in prefill)
+    opt_past = entry.fingerprint.shapes["decode"][dec.past_names[0]][1][2]
+    # one decode step per generated token (the loop also runs the step after the last one, whose logits go unused)
+    assert len(decode) == len(got) and max(c[2] for c in decode) > opt_past
+    assert not _errors()
+
+
+# ----------------------------------------------------------------------------- strictness: stand-in + EdgeChat
+
+
+def _decoder(bundle_copy, precision="fp32"):
+    from edge.trt_runtime import TensorRTDecoder
+
+    entry = _build(bundle_copy, precision)
+    return TensorRTDecoder.from_entry(Bundle.open(bundle_copy), entry)
+
+
+def test_shape_outside_the_profile(fake_gpu, bundle_copy):
+    dec = _decoder(bundle_copy)
+    ctx = dec.contexts[0]
+    assert ctx.set_input_shape(dec.io.input_ids, (1, 257)) is False  # the stand-in: False + a logged error
+    assert "does not satisfy any optimization profiles" in _errors()[-1]
+    ids = np.zeros((1, 257), np.int64)
+    with pytest.raises(BundleError, match=r"'input_ids' shape \(1, 257\) .* outside the engine's shape profile "
+                                          r"\(1, 1\)\.\.\(1, 256\); rebuild the engine with a larger --max-context"):
+        dec.run(ids, np.ones((1, 257), np.int64), np.arange(257)[None], dec.new_cache().values)
+    cache = dec.new_cache(batch=5)  # the decode profile takes up to 4 sequences on an Orin Nano
+    dec.prefill([5, 6, 7], c1 := dec.new_cache())
+    past = [dec.to_ortvalue(np.repeat(v.numpy(), 5, axis=0)) for v in c1.values]
+    with pytest.raises(BundleError, match=r"batch 5 x 1 tokens after 3\) is outside"):
+        dec.run(np.zeros((5, 1), np.int64), np.ones((5, 4), np.int64), np.full((5, 1), 3), past)
+    del cache
+
+
+def test_unset_tensor_address(fake_gpu, bundle_copy, monkeypatch):
+    dec = _decoder(bundle_copy)
+    ctx = dec.contexts[0]
+    stream = dec.cuda.stream_handle
+    for name in dec.io.input_names(dec.dims.num_layers)[:3]:
+        ctx.set_input_shape(name, (1, 4))
+    for name in dec.past_names:
+        ctx.set_input_shape(name, (1, dec.dims.num_kv_heads, 0, dec.dims.head_dim))
+    assert ctx.execute_async_v3(stream) is False
+    assert "Address is not set for input tensor input_ids" in _errors()[-1]
+    real = type(ctx).set_tensor_address  # EdgeChat's run with one output left unbound: its error, not garbage
+    monkeypatch.setattr(type(ctx), "set_tensor_address",
+                        lambda self, name, ptr: True if name == dec.io.logits else real(self, name, ptr))
+    with pytest.raises(BundleError, match="TensorRT failed to run .* batch 1 x 3 tokens after 0"):
+        dec.prefill([5, 6, 7], dec.new_cache())
+    assert "Address is not set for output tensor logits" in _errors()[-1]
+
+
+def test_dtype_mismatch(fake_gpu, bundle_copy):
+    from edge.cuda_mem import CudaError, DeviceArray
+
+    dec = _decoder(bundle_copy)
+    cache = dec.new_cache()
+    dec.prefill([5, 6, 7], cache)
+    half = [DeviceArray.from_numpy(dec.cuda, v.numpy().astype(np.float16)) for v in cache.values]
+    with pytest.raises(BundleError, match="past 'past_key_values.0.key' is float16 but the engine takes float32"):
+        dec.run(np.array([[8]]), np.ones((1, 4), np.int64), np.array([[3]]), half)
+    # the stand-in itself, given the fp16 buffers anyway: the kernel reads past them and the stream faults
+    ctx = dec.contexts[1]
+    for name, val in zip(dec.past_names, half):
+        ctx.set_input_shape(name, val.shape)
+        ctx.set_tensor_address(name, val.ptr)
+    keep = []
+    for name, arr in ((dec.io.input_ids, [[8]]), (dec.io.attention_mask, [[1] * 4]), (dec.io.position_ids, [[3]])):
+        keep.append(d := DeviceArray.from_numpy(dec.cuda, np.array(arr, np.int64)))
+        ctx.set_input_shape(name, d.shape)
+        ctx.set_tensor_address(name, d.ptr)
+    for name in [dec.io.logits, *dec.present_names]:
+        keep.append(d := DeviceArray(dec.cuda, tuple(ctx.get_tensor_shape(name)), np.float32))
+        ctx.set_tensor_address(name, d.ptr)
+    assert ctx.execute_async_v3(dec.cuda.stream_handle) is True  # enqueued; the fault shows at the next sync
+    with pytest.raises(CudaError, match="cudaErrorIllegalAddress"):
+        dec.cuda.sync()
+
+
+def _lie_in_fingerprint(path, name, **changes):
+    b = Bundle.open(path)
+    m = b.manifest
+    engines = [dataclasses.replace(e, fingerprint=dataclasses.replace(e.fingerprint, **changes)) if e.name == name
+               else e for e in m.engines]
+    b.update_manifest(dataclasses.replace(m, engines=engines))
+
+
+@pytest.mark.parametrize("change", ["sm", "version"])
+def test_engine_for_another_gpu_or_tensorrt_falls_back(fake_gpu, bundle_copy, monkeypatch, change):
+    import fake_tensorrt
+    from edge.runtime import Generator
+    from edge.trt_runtime import TensorRTDecoder
+
+    entry = _build(bundle_copy, "fp32")
+    if change == "sm":
+        fake_gpu.sm, fake_gpu.name, words = "7.5", "Tesla T4 (fake)", "expecting compute 75 got compute 87"
+        fp = {"gpu_sm": "7.5"}  # an engine copied from an Orin with a wrong fingerprint
+    else:
+        monkeypatch.setattr(fake_tensorrt, "__version__", "10.3.1")
+        words, fp = "Version tag does not match", {"tensorrt_version": "10.3.1"}
+    # the fingerprint check alone skips it (the chain's first step)
+    gen = Generator.from_bundle(Bundle.open(bundle_copy))
+    assert gen.choice.backend == "onnxruntime-cpu" and "TensorRT 'trt-fp32-sm87'" in gen.choice.skipped[0]
+    # an engine whose fingerprint says it fits: TensorRT refuses the plan; EdgeChat says so and falls back
+    _lie_in_fingerprint(bundle_copy, entry.name, **fp)
+    with pytest.raises(BundleError, match="built by another TensorRT version or for another GPU; rebuild it here"):
+        TensorRTDecoder.from_entry(Bundle.open(bundle_copy), entry)
+    assert words in _errors()[-1]
+    gen = Generator.from_bundle(Bundle.open(bundle_copy))
+    assert gen.choice.backend == "onnxruntime-cpu" and not isinstance(gen.decoder, TensorRTDecoder)
+    assert gen.choice.skipped[0].startswith("TensorRT 'trt-fp32-sm87': it did not load here")
+    with pytest.raises(BundleError, match="rebuild it here"):  # asked for by name: no silent fallback
+        Generator.from_bundle(Bundle.open(bundle_copy), engine=entry.name)
+
+
+def test_version_compatible_engine_runs_on_a_later_tensorrt(fake_gpu, bundle_copy, monkeypatch):
+    import fake_tensorrt
+    from edge.runtime import Generator
+    from edge.trt_runtime import TensorRTDecoder
+
+    entry = _build(bundle_copy, "fp32", version_compatible=True)
+    monkeypatch.setattr(fake_tensorrt, "__version__", "10.8.0")
+    gen = Generator.from_bundle(Bundle.open(bundle_copy))
+    assert isinstance(gen.decoder, TensorRTDecoder) and gen.decoder.engine.name == entry.name
+    monkeypatch.setattr(fake_tensorrt, "__version__", "11.0.0")
+    assert fake_tensorrt.Runtime(fake_tensorrt.Logger()).deserialize_cuda_engine(
+        Bundle.open(bundle_copy).path(entry.file).read_bytes()) is None
+
+
+def test_build_out_of_device_memory_leaves_the_bundle_as_it_was(fake_gpu, bundle_copy, capsys):
+    from edge.cli import main
+
+    before = Bundle.open(bundle_copy).manifest
+    fake_gpu.memory_bytes = 64 << 20  # less than the workspace limit plus the weights
+    assert main(["build-engine", str(bundle_copy), "--profile", PROFILE, "--precision", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert "TensorRT failed to build trt-fp32-sm87" in err and "lower --max-context or --max-batch" in err
+    assert "OutOfMemory" in _errors()[-1]
+    after = Bundle.open(bundle_copy, verify="full")
+    assert after.manifest.engines == before.engines and not (bundle_copy / "engines/trt-fp32-sm87").exists()
+
+
+def test_parser_and_builder_refusals(fake_gpu, bundle_copy):
+    """What TensorRT refuses before a build: ONNX Runtime contrib ops, precision flags on a strongly typed
+    network, a profile that does not match the network (the stand-in is checked, so it cannot pass what
+    TensorRT would not)."""
+    import fake_tensorrt as trt
+    from edge.trt_builder import _network
+
+    logger = trt.Logger()
+    builder = trt.Builder(logger)
+    with pytest.raises(BundleError, match="parser rejected model.onnx: .*No importer registered for op: "):
+        _network(builder, logger, Bundle.open(bundle_copy).path("engines/int8-dynamic/model.onnx"), False)
+    network, _ = _network(builder, logger, Bundle.open(bundle_copy).path("engines/int8-qdq/model.onnx"), True)
+    config = builder.create_builder_config()
+    config.set_flag(trt.BuilderFlag.FP16)
+    assert builder.build_serialized_network(network, config) is None
+    assert "Precision flags are not allowed with a strongly typed network" in _errors()[-1]
+    config = builder.create_builder_config()
+    assert builder.build_serialized_network(network, config) is None
+    assert "no optimization profile has been defined" in _errors()[-1]
+    p = builder.create_optimization_profile()
+    for t in network.inputs:
+        p.set_shape(t.name, [1, 3, 0, 16] if "past" in t.name else [1, 1], [1, 3, 0, 16] if "past" in t.name else
+                    [1, 1], [1, 3, 0, 16] if "past" in t.name else [1, 1])
+    config.add_optimization_profile(p)
+    assert builder.build_serialized_network(network, config) is None  # 3 KV heads; the graph has 2
+    assert "does not match the network's dimensions" in _errors()[-1]
+    bad = builder.create_optimization_profile()
+    bad.set_shape("input_ids", [1, 8], [1, 4], [1, 16])
+    assert config.add_optimization_profile(bad) == -1
+
+
+def test_device_buffers_and_cuda_errors(fake_gpu):
+    from edge.cuda_mem import CudaError, DeviceArray, open_cuda
+
+    cuda = open_cuda()
+    a = DeviceArray.from_numpy(cuda, np.arange(6, dtype=np.float32).reshape(2, 3))
+    b = DeviceArray(cuda, (2, 3), np.float32)
+    cuda.dtod(b.ptr, a.ptr, a.nbytes)
+    np.testing.assert_array_equal(b.numpy(), np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert DeviceArray(cuda, (0, 4), np.float32).numpy().shape == (0, 4)
+    with pytest.raises(CudaError, match="copy to GPU failed: cudaErrorInvalidValue"):
+        cuda.htod(b.ptr, np.zeros(100, np.float32))  # past the allocation
+    fake_gpu.memory_bytes = fake_gpu.used + 10
+    with pytest.raises(CudaError, match="cudaMalloc failed: cudaErrorMemoryAllocation"):
+        DeviceArray(cuda, (1024,), np.float32)
