@@ -50,7 +50,40 @@ def _export_optimum(src: Path, dst: Path, opts: ExportOptions) -> None:
     cfg = json.loads((src / "config.json").read_text())
     spec = arch_spec((cfg.get("architectures") or ["LlamaForCausalLM"])[0])
     main_export(str(src), output=str(dst), task=spec.optimum_task, opset=opts.opset, device="cpu",
-                do_validation=False, no_post_process=False)
+                do_validation=False, no_post_process=True)  # its tied-weight pass serialises the whole graph:
+    # past 2 GB it fails (ByteSize), so tie_lm_head does the same job one tensor at a time
+
+
+def tie_lm_head(path: Path) -> bool:
+    """Store a tied LM head once: when the head MatMul's weight is exactly the embedding table transposed,
+    read it as Transpose(embedding) (what optimum's post-processing writes, without its 2 GB limit).
+
+    The quantize stage recognises that pattern and stores one INT8 table for both. True if it tied."""
+    from onnx import helper
+
+    from export.onnx_weights import GraphWeights
+
+    gw = GraphWeights(path)
+    g = gw.model.graph
+    inits, outs = gw.names(), {o.name for o in g.output}
+    head = next((n for n in g.node if n.op_type == "MatMul" and n.input[1] in inits and n.output[0] in outs), None)
+    table = next((n.input[0] for n in g.node if n.op_type == "Gather" and n.input[0] in inits
+                  and len(gw.shape(n.input[0])) == 2), None)
+    if head is None or table is None or gw.shape(head.input[1]) != gw.shape(table)[::-1]:
+        return False
+    w, e = gw.array(head.input[1]), gw.array(table)
+    same = all(np.array_equal(w[:, i:i + 4096], e[i:i + 4096].T) for i in range(0, e.shape[0], 4096))
+    del w, e
+    if not same:
+        return False
+    old = head.input[1]
+    g.node.insert(list(g.node).index(head), helper.make_node("Transpose", [table], [table + "_T"],
+                                                             name="/lm_head/TransposeTied", perm=[1, 0]))
+    head.input[1] = table + "_T"
+    if not any(old in n.input for n in g.node):
+        gw.remove(old)
+    gw.save(path)
+    return True
 
 
 EXPORTERS: dict[str, Callable[[Path, Path, ExportOptions], None]] = {"optimum": _export_optimum}
@@ -63,6 +96,9 @@ def run(src: Path, dst: Path, opts: ExportOptions = ExportOptions()) -> dict:
         if (tmp / name).exists():
             shutil.move(str(tmp / name), dst / name)
     shutil.rmtree(tmp, ignore_errors=True)
+    tied = tie_lm_head(dst / "model.onnx")
+    if tied and (dst / "model.onnx_data").exists():  # the exporter's data file, now rewritten as model.onnx.data
+        (dst / "model.onnx_data").unlink()
     # The PyTorch reference answers every parity prompt first; the fused graph is written from the same
     # loaded model; then the model is freed before any ONNX Runtime session loads its copy of the weights,
     # so the stage never holds torch's and ORT's weights at once.
@@ -76,7 +112,7 @@ def run(src: Path, dst: Path, opts: ExportOptions = ExportOptions()) -> dict:
         if not why:
             fused_graph.write(src, dst / FUSED_DIR, model=refs.model, opset=opts.opset)
     refs.release()
-    metrics = check_parity(src, dst / "model.onnx", opts, refs=refs)
+    metrics = check_parity(src, dst / "model.onnx", opts, refs=refs) | {"lm_head_tied": tied}
     if opts.fused:
         if why:
             metrics["fused"] = {"written": False, "reason": why}

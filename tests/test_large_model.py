@@ -1,6 +1,6 @@
 """Slow tier: a model past protobuf's 2 GB limit builds to every quantized engine, in bounded memory.
 
-A random-init Llama with 2 wide layers (hidden 4096, MLP 18432: 587M parameters, 2.35 GB of fp32
+A random-init Llama with 2 wide layers (hidden 4096, MLP 20480, tied embedding: 588M parameters, 2.35 GB of fp32
 weights) goes through `edge-export build` as a user runs it, with int8-dynamic, int8-qdq and
 int4-weight; each engine then answers through `edge-chat run`. The build's peak resident memory
 (the kernel's figure for the whole process) is held to a bound derived from the weights.
@@ -22,7 +22,7 @@ from conftest import ROOT, make_tiny_model, run_cli
 
 pytestmark = pytest.mark.slow
 
-HIDDEN, INTERMEDIATE, LAYERS = 4096, 18432, 2
+HIDDEN, INTERMEDIATE, LAYERS = 4096, 20480, 2
 PRECISIONS = ("int8-dynamic", "int8-qdq", "int4-weight")
 
 
