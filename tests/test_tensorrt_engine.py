@@ -331,3 +331,68 @@ def test_device_buffers_and_cuda_errors(fake_gpu):
     fake_gpu.memory_bytes = fake_gpu.used + 10
     with pytest.raises(CudaError, match="cudaMalloc failed: cudaErrorMemoryAllocation"):
         DeviceArray(cuda, (1024,), np.float32)
+
+
+def test_pycuda_backend_where_only_pycuda_is_installed(fake_gpu, bundle_copy, monkeypatch):
+    """Older Jetson images have pycuda and no cuda-python: the same decode through edge.cuda_mem.PyCuda."""
+    import importlib.util
+
+    from fake_tensorrt import cuda as fcuda
+
+    for name, mod in (("pycuda", fcuda.pycuda), ("pycuda.driver", fcuda.pycuda_driver),
+                      ("pycuda.autoinit", fcuda.pycuda_autoinit)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cuda" else
+                        (object() if name == "pycuda" else real_find(name, *a)))
+    dec = _decoder(bundle_copy)
+    assert type(dec.cuda).__name__ == "PyCuda"
+    cache = dec.new_cache()
+    logits = dec.prefill([5, 6, 7, 8], cache)
+    assert logits.shape == (1, dec.dims.vocab_size) and cache.values[0].shape[2] == 4
+    a = dec.to_ortvalue(np.ones((1, 2, 3, 16)))
+    b = type(a)(dec.cuda, a.shape, a.dtype)
+    dec.cuda.dtod(b.ptr, a.ptr, a.nbytes)
+    assert b.numpy().sum() == 96
+    dec.cuda.free(b.ptr)
+    dec.cuda.free(b.ptr)  # a second free of the same pointer is ignored (DeviceArray.__del__ frees once more)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("cuda", "pycuda") else
+                        real_find(name, *a))
+    from edge.cuda_mem import open_cuda
+    from edge.errors import MissingDependencyError
+
+    with pytest.raises(MissingDependencyError, match="pip install cuda-python"):
+        open_cuda()
+
+
+def test_plan_summary_and_compat_report_in_process(fake_gpu, bundle_copy, capsys):
+    """The dry run and the compatibility report as data (the CLI test above runs them in a subprocess)."""
+    from edge.cli import main
+    from export import trt_compat
+
+    assert main(["build-engine", str(bundle_copy), "--profile", PROFILE, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    import json as _json
+
+    plan = _json.loads(out[out.index("{"):])
+    assert plan["engine"] == "trt-fp16-sm87" and plan["settings"]["profiles"][0]["name"] == "prefill"
+    rep = trt_compat.check(Bundle.open(bundle_copy).path("engines/int8-qdq/model.onnx")).to_dict()
+    assert rep["compatible"] and rep["opset"] == 18
+
+
+def test_tensorrt_missing_or_only_stubs_is_one_clear_error(monkeypatch, tmp_path):
+    """No tensorrt: the install line. A `tensorrt` that is only a folder (tensorrt-stubs installed into the
+    environment makes one: tensorrt/__init__.pyi, no __init__.py) imports as an empty namespace package."""
+    import types
+
+    from edge.errors import MissingDependencyError
+    from edge.trt_runtime import import_tensorrt
+
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # import raises ImportError
+    with pytest.raises(MissingDependencyError, match="python3-libnvinfer"):
+        import_tensorrt()
+    empty = types.ModuleType("tensorrt")
+    empty.__path__ = [str(tmp_path / "site-packages/tensorrt")]
+    monkeypatch.setitem(sys.modules, "tensorrt", empty)
+    with pytest.raises(MissingDependencyError, match="without TensorRT's Python bindings \\(type stubs alone\\?\\)"):
+        import_tensorrt()

@@ -195,3 +195,64 @@ def _driver() -> types.ModuleType:
 
 runtime = _runtime()
 driver = _driver()
+
+
+def _pycuda() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
+    """pycuda's `driver` calls EdgeChat makes (older Jetson images have only pycuda), on the same device.
+    pycuda raises on errors where cuda-python returns codes."""
+    pkg = types.ModuleType("pycuda")
+    pkg.__path__ = []  # a package, so `import pycuda.driver` works
+    drv = types.ModuleType("pycuda.driver")
+    autoinit = types.ModuleType("pycuda.autoinit")
+
+    class LogicError(RuntimeError):
+        pass
+
+    class MemoryError_(RuntimeError):
+        pass
+
+    class DeviceAllocation:
+        def __init__(self, ptr: int) -> None:
+            self.ptr = ptr
+
+        def __int__(self) -> int:
+            return self.ptr
+
+        def free(self) -> None:
+            if _device().free(self.ptr):
+                raise LogicError("cuMemFree failed: invalid argument")
+
+    class Stream:
+        def __init__(self) -> None:
+            _, s = runtime.cudaStreamCreate()
+            self.handle = int(s)
+
+        def synchronize(self) -> None:
+            err = _device().stream_error(self.handle)
+            if err:
+                raise LogicError(f"cuStreamSynchronize failed: {err.name}")
+
+    def mem_alloc(nbytes):
+        err, ptr = _device().malloc(int(nbytes))
+        if err:
+            raise MemoryError_("cuMemAlloc failed: out of memory")
+        return DeviceAllocation(ptr)
+
+    def _copy(dst, src, nbytes, kind, stream):
+        err, = runtime.cudaMemcpyAsync(int(dst), int(src), nbytes, kind, stream.handle)
+        if err:
+            raise LogicError(f"cuMemcpy failed: {err.name}")
+
+    drv.LogicError, drv.MemoryError, drv.DeviceAllocation, drv.Stream, drv.mem_alloc = (
+        LogicError, MemoryError_, DeviceAllocation, Stream, mem_alloc)
+    drv.memcpy_htod_async = lambda dst, src, stream: _copy(dst, src.ctypes.data, src.nbytes,
+                                                           cudaMemcpyKind.cudaMemcpyHostToDevice, stream)
+    drv.memcpy_dtoh_async = lambda dst, src, stream: _copy(dst.ctypes.data, src, dst.nbytes,
+                                                           cudaMemcpyKind.cudaMemcpyDeviceToHost, stream)
+    drv.memcpy_dtod_async = lambda dst, src, size, stream: _copy(dst, src, size,
+                                                                 cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream)
+    pkg.driver, pkg.autoinit = drv, autoinit
+    return pkg, drv, autoinit
+
+
+pycuda, pycuda_driver, pycuda_autoinit = _pycuda()
