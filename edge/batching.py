@@ -144,6 +144,11 @@ class Scheduler:
         if prompt_cache_mb < 0:
             raise EdgeChatError(f"the prompt cache size must be >= 0 MB (0 turns it off), got {prompt_cache_mb}")
         self.gen = gen
+        limit = gen.decoder.max_batch
+        if limit is not None and max_batch > limit:
+            log.warning("serving at most %d users at once: engine %s decodes at most %d sequences per step "
+                        "(rebuild it with --max-batch %d for more)", limit, gen.decoder.name, limit, max_batch)
+            max_batch = limit
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.metrics = metrics

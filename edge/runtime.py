@@ -101,6 +101,7 @@ class Decoder:
     """One ONNX decoder graph in an InferenceSession (from a bundle, or a bare file during export)."""
 
     prefill_chunk = PREFILL_CHUNK  # most prompt tokens one plain-graph call takes (a TensorRT engine: its profile's)
+    max_batch: int | None = None  # most sequences one decode step takes (None: any; a TensorRT engine: its profile's)
 
     def __init__(self, path: str | os.PathLike, dims: ModelDims, io: DecoderIO, threads: int | None = None,
                  providers: list[str] | None = None, name: str | None = None, spin: bool = True) -> None:

@@ -77,6 +77,8 @@ class TensorRTDecoder(Decoder):
         self._logits_dtype = np.dtype(trt.nptype(self.engine_.get_tensor_dtype(io.logits)))
         # the prompt chunk the prefill profile (0) takes at most: Decoder.prefill cuts prompts to it
         self.prefill_chunk = _shape(self.engine_.get_tensor_profile_shape(io.input_ids, 0)[2])[1]
+        # and the batch the decode profile (the last) takes at most: the scheduler keeps to it
+        self.max_batch = _shape(self.engine_.get_tensor_profile_shape(io.input_ids, len(self.contexts) - 1)[2])[0]
         # the engine's own input types (TensorRT 10 keeps the graph's INT64 ids; an engine may declare INT32)
         self._in_dtype = {n: np.dtype(trt.nptype(self.engine_.get_tensor_dtype(n)))
                           for n in (io.input_ids, io.attention_mask, io.position_ids)}

@@ -396,3 +396,52 @@ def test_tensorrt_missing_or_only_stubs_is_one_clear_error(monkeypatch, tmp_path
     monkeypatch.setitem(sys.modules, "tensorrt", empty)
     with pytest.raises(MissingDependencyError, match="without TensorRT's Python bindings \\(type stubs alone\\?\\)"):
         import_tensorrt()
+
+
+def test_batched_decode_rows_equal_rows_alone(fake_gpu, bundle_copy):
+    """The scheduler's plain-graph BatchCache on the TensorRT decoder: rows of different lengths, right-aligned
+    and masked, decoded together through the decode profile give each row's logits decoded alone."""
+    from edge.batch_cache import BatchCache, batch_cache
+
+    dec = _decoder(bundle_copy)
+    assert isinstance(batch_cache(dec, 4), BatchCache)
+    prompts, tokens = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20, 21]], [30, 31, 32]
+    bc = BatchCache(dec)
+    for p in prompts:
+        row = bc.new_row(len(p))
+        dec.prefill(p, row)
+        bc.add(row)
+    steps = [bc.step(tokens) for _ in range(3)]
+    bc.remove([1])
+    after = bc.step([tokens[0], tokens[2]])
+    for i, p in enumerate(prompts):
+        alone = dec.new_cache()
+        dec.prefill(p, alone)
+        for k, step in enumerate(steps):
+            np.testing.assert_allclose(step[i], dec.forward(np.array([[tokens[i]]]), alone)[0], atol=1e-4, rtol=0,
+                                       err_msg=f"row {i}, step {k}")
+        if i != 1:
+            np.testing.assert_allclose(after[0 if i == 0 else 1], dec.forward(np.array([[tokens[i]]]), alone)[0],
+                                       atol=1e-4, rtol=0)
+    with pytest.raises(BundleError, match=r"batch 5 x 1 tokens .* outside the engine's shape profile"):
+        for p in [[40, 41]] * 2:  # the Orin Nano profile's decode batch is at most 4
+            row = bc.new_row(2)
+            dec.prefill(p, row)
+            bc.add(row)
+        bc.add(row)
+        bc.step([1] * len(bc))
+
+
+def test_scheduler_keeps_to_the_engines_decode_batch(fake_gpu, bundle_copy, caplog):
+    """`edge-chat serve --max-users 8` (the default) with an engine built for 4 sequences per step: the
+    scheduler serves 4 at once and says why, rather than failing the 5th user's step."""
+    from edge.batching import Scheduler
+    from edge.runtime import Generator
+
+    _build(bundle_copy, "fp32")
+    gen = Generator.from_bundle(Bundle.open(bundle_copy))
+    assert gen.decoder.max_batch == 4 and gen.decoder.prefill_chunk == 256
+    with caplog.at_level("WARNING", logger="edgechat"):
+        s = Scheduler(gen, max_batch=8)
+    assert s.max_batch == 4 and "rebuild it with --max-batch 8" in caplog.text
+    assert Scheduler(gen, max_batch=2).max_batch == 2
