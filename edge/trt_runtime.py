@@ -9,6 +9,7 @@ Imports `tensorrt` lazily, so this module loads anywhere; it runs where TensorRT
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -79,6 +80,11 @@ class TensorRTDecoder(Decoder):
         self.prefill_chunk = _shape(self.engine_.get_tensor_profile_shape(io.input_ids, 0)[2])[1]
         # and the batch the decode profile (the last) takes at most: the scheduler keeps to it
         self.max_batch = _shape(self.engine_.get_tensor_profile_shape(io.input_ids, len(self.contexts) - 1)[2])[0]
+        # an engine built with a shorter --max-context than the model's: the generation loop stops there
+        # (finish "length") instead of the next step failing outside the profile
+        context = _shape(self.engine_.get_tensor_profile_shape(io.attention_mask, len(self.contexts) - 1)[2])[1]
+        if context < dims.max_context:
+            self.dims = dataclasses.replace(dims, max_context=context)
         # the engine's own input types (TensorRT 10 keeps the graph's INT64 ids; an engine may declare INT32)
         self._in_dtype = {n: np.dtype(trt.nptype(self.engine_.get_tensor_dtype(n)))
                           for n in (io.input_ids, io.attention_mask, io.position_ids)}

@@ -445,3 +445,20 @@ def test_scheduler_keeps_to_the_engines_decode_batch(fake_gpu, bundle_copy, capl
         s = Scheduler(gen, max_batch=8)
     assert s.max_batch == 4 and "rebuild it with --max-batch 8" in caplog.text
     assert Scheduler(gen, max_batch=2).max_batch == 2
+
+
+def test_engine_built_for_a_shorter_context_ends_answers_there(fake_gpu, bundle_copy):
+    """--max-context 64 on a 256-token model: the decoder reports the engine's context, so a long answer
+    ends with finish "length" at 64 tokens and a longer prompt is refused up front, not failed mid-step."""
+    from edge.errors import ContextOverflowError
+    from edge.runtime import Generator
+    from edge.sampling import SamplingConfig
+
+    _build(bundle_copy, "fp32", max_context=64)
+    gen = Generator.from_bundle(Bundle.open(bundle_copy))
+    assert gen.max_context == 64 and gen.decoder.dims.max_context == 64
+    ids = gen.tokenizer.encode_chat([{"role": "user", "content": "Tell me a fun fact."}])
+    text, last = gen.complete(ids, SamplingConfig(max_new_tokens=200, ignore_eos=True))
+    assert last.finish_reason == "length" and len(ids) + len(last.token_ids) == 64
+    with pytest.raises(ContextOverflowError, match="the context holds 64"):
+        list(gen.tokens(list(range(3, 70)), SamplingConfig(max_new_tokens=4)))
