@@ -462,3 +462,17 @@ def test_engine_built_for_a_shorter_context_ends_answers_there(fake_gpu, bundle_
     assert last.finish_reason == "length" and len(ids) + len(last.token_ids) == 64
     with pytest.raises(ContextOverflowError, match="the context holds 64"):
         list(gen.tokens(list(range(3, 70)), SamplingConfig(max_new_tokens=4)))
+
+
+def test_invalid_optimization_profile_is_an_error_not_ignored(fake_gpu, bundle_copy):
+    from edge.machine import detect
+    from edge.trt_builder import build_engine, plan_build
+    from edge.trt_settings import ShapeProfile
+
+    plan = plan_build(Bundle.open(bundle_copy), PROFILE, "fp32", tensorrt_version="10.3.0", available_gb=8.0)
+    prefill, decode = plan.settings.profiles
+    bad = ShapeProfile("prefill", prefill.shapes | {"input_ids": ((1, 8), (1, 4), (1, 16))})
+    plan = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, profiles=(bad, decode)))
+    with pytest.raises(BundleError, match="TensorRT refused the 'prefill' optimization profile"):
+        build_engine(plan, detect(), recheck_golden=False)
+    assert "min <= opt <= max violated for 'input_ids'" in _errors()[-1]
