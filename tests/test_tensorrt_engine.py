@@ -476,3 +476,21 @@ def test_invalid_optimization_profile_is_an_error_not_ignored(fake_gpu, bundle_c
     with pytest.raises(BundleError, match="TensorRT refused the 'prefill' optimization profile"):
         build_engine(plan, detect(), recheck_golden=False)
     assert "min <= opt <= max violated for 'input_ids'" in _errors()[-1]
+
+
+def test_prompt_whose_last_chunk_starts_past_context_minus_chunk(fake_gpu, bundle_copy, monkeypatch):
+    """A prompt's chunks start at multiples of the chunk; when the context is not a multiple of it the last
+    chunk starts after context - chunk (here 240 > 256 - 24), which the prefill profile must take."""
+    from edge import trt_settings
+    from edge.runtime import Generator
+    from edge.sampling import SamplingConfig
+    from edge.trt_runtime import TensorRTDecoder
+
+    monkeypatch.setattr(trt_settings, "PREFILL_CHUNK", 24)
+    entry = _build(bundle_copy, "fp32")
+    bundle = Bundle.open(bundle_copy)
+    ort = Generator.from_bundle(bundle, engine="fp32", providers=["CPUExecutionProvider"], threads=1)
+    trt = Generator(ort.tokenizer, TensorRTDecoder.from_entry(bundle, entry), bundle.manifest.generation, bundle)
+    prompt = [int(x) for x in np.random.default_rng(0).integers(3, 390, 250)]
+    cfg = SamplingConfig(max_new_tokens=4, ignore_eos=True)
+    assert trt.complete(prompt, cfg)[1].token_ids == ort.complete(prompt, cfg)[1].token_ids
