@@ -105,6 +105,14 @@ def test_run_decodes_with_the_tensorrt_engine(fake_gpu, bundle_copy, capsys, tin
     ids = tiny_generator.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of Japan?"}])
     cpu_text, _ = tiny_generator.complete(ids, tiny_generator.sampling(max_new_tokens=12, temperature=0))
     assert trt_text.strip() == cpu_text.strip()
+    assert main(["info", str(bundle_copy)]) == 0
+    assert "here     would run 'trt-fp32-sm87' with TensorRT engine" in capsys.readouterr().out
+    assert main(["golden", str(bundle_copy), "--json"]) == 0
+    import json as _json
+
+    res = _json.loads(capsys.readouterr().out)
+    assert res["engine"] == "trt-fp32-sm87" and res["same_as_reference"].split("/")[0] == \
+        res["same_as_reference"].split("/")[1]
 
 
 # ----------------------------------------------------------------------------- parity
