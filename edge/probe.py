@@ -29,6 +29,16 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def cpu_name(root: Path = Path("/")) -> str:
+    """The CPU's model name, for the machine line of a benchmark's report."""
+    import platform
+
+    for line in (_read(root / "proc/cpuinfo") or "").splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def cpu_flags(root: Path = Path("/")) -> set[str]:
     """The CPU's feature flags (x86 `flags`, Arm `Features` in /proc/cpuinfo); empty where unreadable.
     ONNX Runtime picks its kernels by them, and some kernels' results depend on the batch size."""

@@ -34,6 +34,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from edge.probe import cpu_name  # noqa: E402
 # 55 tokens with SmolLM2's chat template (system prompt included)
 PROMPT = [{"role": "user", "content": "Tell me about the history of the city of Kyoto, its temples and gardens, "
                                       "and why so many people like to visit it in the autumn months."}]
@@ -54,16 +55,6 @@ def read_bandwidth_gbs(threads: int, size_mb: int = 1024, reps: int = 5) -> floa
             list(pool.map(np.sum, parts))
             best = max(best, a.nbytes / (time.perf_counter() - t))
     return best / 1e9
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def peak_rss_mb() -> float:

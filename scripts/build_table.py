@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -23,12 +22,12 @@ from edge.bundle import Bundle  # noqa: E402
 
 
 def machine() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
-    mem = next(int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal"))
     import os
 
-    return f"{cpu}, {os.cpu_count()} cores, {mem / 1024 ** 2:.0f} GiB"
+    from edge.probe import cpu_name
+
+    mem = next(int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal"))
+    return f"{cpu_name()}, {os.cpu_count()} cores, {mem / 1024 ** 2:.0f} GiB"
 
 
 def rows(path: Path) -> dict:

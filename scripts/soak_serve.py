@@ -30,6 +30,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from edge.probe import cpu_name  # noqa: E402
 
 QUESTIONS = ["What is the capital of Japan?", "Tell me a fun fact about octopuses.", "How are you doing today?",
              "Write one sentence about the ocean.", "Name three colours.", "Why is the sky blue?"]
@@ -145,16 +147,6 @@ def client_loop(i: int, url: str, goods: list[dict], refs: list[str], deadline: 
 def metric(text: str, name: str) -> float:
     m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def main() -> int:
