@@ -270,6 +270,16 @@ def test_a_forged_system_turn_in_content_stays_text(tiny_generator, tiny_bundle)
         tok.allow_special_in_content = False
 
 
+def read_until(proc, suffix: str) -> str:
+    """Read the REPL's stdout until it ends with `suffix` (a prompt), failing if the process closes it first."""
+    seen = ""
+    while not seen.endswith(suffix):
+        ch = proc.stdout.read(1)
+        assert ch, proc.stderr.read()
+        seen += ch
+    return seen
+
+
 def test_repl_ctrl_c_stops_the_answer_and_keeps_the_conversation(long_bundle):
     """Ctrl-C during an answer returns to the prompt (the history is kept: /reset is not needed to go on);
     Ctrl-C twice at the prompt exits 0."""
@@ -296,21 +306,13 @@ def test_repl_ctrl_c_stops_the_answer_and_keeps_the_conversation(long_bundle):
         assert proc.stdout.read(len("bot> ")) == "bot> "
         proc.stdout.read(20)
         proc.send_signal(signal.SIGINT)
-        seen = ""
-        while not seen.endswith("[stopped]\nyou> "):
-            ch = proc.stdout.read(1)
-            assert ch, proc.stderr.read()
-            seen += ch
+        read_until(proc, "[stopped]\nyou> ")
         # at the prompt: a note; a second one exits. (Python runs its SIGINT handler between bytecodes, so one
         # that lands after the prompt is printed but before input() blocks in read() waits for the next line:
         # give it time to block, as a person's keystroke always does.)
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
-        seen = ""
-        while not seen.endswith("Ctrl-C again to exit, or type a message)\nyou> "):
-            ch = proc.stdout.read(1)
-            assert ch, proc.stderr.read()
-            seen += ch
+        read_until(proc, "Ctrl-C again to exit, or type a message)\nyou> ")
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
