@@ -65,6 +65,20 @@ def tensor_nbytes(init) -> int:
     return int(np.prod(init.dims, dtype=np.int64)) * dtype.itemsize
 
 
+def append_external(f, t, chunks, nbytes: int, location: str) -> None:
+    """Append a tensor's bytes to the open data file `f` at a page boundary and make `t` a record of them."""
+    from onnx import TensorProto
+
+    f.write(b"\0" * ((-f.tell()) % ALIGN))
+    offset = f.tell()
+    for c in chunks:
+        f.write(c)
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(nbytes))):
+        e = t.external_data.add()
+        e.key, e.value = k, v
+
+
 def graph_bytes(path: Path) -> int:
     """Bytes of a graph on disk: the .onnx file and every external data file it names."""
     model = load_graph(path)
@@ -158,9 +172,7 @@ class GraphWeights:
         names = self.names()
         if name in names:
             init = self.initializer(name)
-            if name not in self._orig and name not in self._edits:  # keep where its stored value is
-                self._orig[name] = type(init)()
-                self._orig[name].CopyFrom(init)
+            self._keep_stored(init)
             init.ClearField("external_data")
             init.ClearField("raw_data")
             init.data_location = TensorProto.DEFAULT
@@ -175,11 +187,15 @@ class GraphWeights:
     def remove(self, name: str) -> None:
         """Drop a tensor from the graph; a computed edit that reads it (`stored`) still can until the save."""
         init = self.initializer(name)
-        if name not in self._orig and name not in self._edits:
-            self._orig[name] = type(init)()
-            self._orig[name].CopyFrom(init)
+        self._keep_stored(init)
         self.model.graph.initializer.remove(init)
         self._edits.pop(name, None)
+
+    def _keep_stored(self, init) -> None:
+        """Before a record is rewritten or removed: remember where its stored value is, for `stored`."""
+        if init.name not in self._orig and init.name not in self._edits:
+            self._orig[init.name] = type(init)()
+            self._orig[init.name].CopyFrom(init)
 
     def drop_unused(self) -> None:
         """Remove initializers no node or graph output reads."""
@@ -252,15 +268,7 @@ class GraphWeights:
             init.data_location = TensorProto.DEFAULT
             init.raw_data = b"".join(bytes(c) for c in chunks)
             return 0
-        pad = (-f.tell()) % ALIGN
-        f.write(b"\0" * pad)
-        offset = f.tell()
-        for c in chunks:
-            f.write(c)
-        init.data_location = TensorProto.EXTERNAL
-        for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(nbytes))):
-            e = init.external_data.add()
-            e.key, e.value = k, v
+        append_external(f, init, chunks, nbytes, data_name)
         return nbytes
 
     def _file_chunks(self, ext: dict[str, str], length: int):
@@ -302,11 +310,5 @@ class TensorFile:
         t.name = name
         t.dims.extend(array.shape)
         t.data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
-        self._f.write(b"\0" * ((-self._f.tell()) % ALIGN))
-        offset = self._f.tell()
-        self._f.write(array.reshape(-1).view(np.uint8))
-        t.data_location = TensorProto.EXTERNAL
-        for k, v in (("location", self.path.name), ("offset", str(offset)), ("length", str(array.nbytes))):
-            e = t.external_data.add()
-            e.key, e.value = k, v
+        append_external(self._f, t, [array.reshape(-1).view(np.uint8)], array.nbytes, self.path.name)
         return t
