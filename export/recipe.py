@@ -19,10 +19,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from edge.bundle import Bundle, StageRecord
-from edge.errors import EdgeChatError, RecipeError
+from edge.errors import RecipeError
 from export.console import fmt_bytes
 from export.distill import DistillOptions
-from export.memory import PeakRSS
 from export.prune import PruneOptions
 
 BUILD_PRECISIONS = ("fp32", "int8-dynamic", "int8-qdq", "int4-weight")
@@ -270,20 +269,10 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
         golden = results.get("golden", [])
         extra = {p.name: p for p in sorted(edir.iterdir()) if p.suffix in (".png", ".html", ".md")}
         extra = {f"report/{k}": v for k, v in extra.items()}
-    from export.console import captured
-    from export.stages import StageError
+    from export.stages import guarded
 
-    log_path = work / "package.log.txt"
-    with PeakRSS() as mem, captured(log_path, verbose):
-        try:
-            bundle = package.run(hf_dir, engines, records, opts.output, opts.max_context, golden, extra)
-        except EdgeChatError as e:
-            raise StageError("package", str(e), log_path) from None
-        except Exception as e:  # the traceback goes to the log; the user gets one error
-            import traceback
-
-            traceback.print_exc()
-            raise StageError("package", f"{type(e).__name__}: {e}", log_path, unexpected=True) from None
+    with guarded("package", work / "package.log.txt", verbose, progress=False) as mem:
+        bundle = package.run(hf_dir, engines, records, opts.output, opts.max_context, golden, extra)
     log(f"[package] bundle {bundle.manifest.bundle_id} verified and written to {bundle.root} "
         f"(peak memory {fmt_bytes(mem.peak_bytes)})")
     log(summary(records, bundle))

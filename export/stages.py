@@ -9,6 +9,7 @@ so a half-run stage is never mistaken for a finished one.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -18,7 +19,7 @@ import time
 import traceback
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from edge.bundle import StageRecord
 from edge.errors import EdgeChatError
@@ -119,19 +120,9 @@ def run_stage(work: Path, name: str, params: dict, fn: Callable[[Path], dict], f
     tmp = work / f".{name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    log_path = tmp / LOG
     t0 = time.perf_counter()
-    with PeakRSS() as mem:
-        with captured(log_path, verbose) as stream, Progress(Terminal(stream), f"[{name}] running"):
-            try:
-                metrics = fn(tmp) or {}
-            except KeyboardInterrupt:
-                raise
-            except EdgeChatError as e:
-                raise StageError(name, str(e), log_path) from None
-            except Exception as e:  # a bug or a third-party failure: the traceback goes to the log only
-                traceback.print_exc()
-                raise StageError(name, f"{type(e).__name__}: {e}", log_path, unexpected=True) from None
+    with guarded(name, tmp / LOG, verbose) as mem:
+        metrics = fn(tmp) or {}
     rec = StageRecord(name=name, params=_jsonable(params), seconds=round(time.perf_counter() - t0, 2),
                       tool_versions=tool_versions() | ({CODE_KEY: now} if now else {}), metrics=_jsonable(metrics),
                       finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), memory=mem.to_dict())
@@ -143,6 +134,23 @@ def run_stage(work: Path, name: str, params: dict, fn: Callable[[Path], dict], f
 
 
 LOG = "log.txt"  # a stage's captured third-party output, inside its folder
+
+
+@contextlib.contextmanager
+def guarded(name: str, log_path: Path, verbose: bool = False, progress: bool = True) -> Iterator[PeakRSS]:
+    """Run a build step with its output in `log_path`, its peak memory measured (the yielded PeakRSS), and
+    any failure turned into one StageError (the traceback of an unexpected one goes to the log only)."""
+    with PeakRSS() as mem, captured(log_path, verbose) as stream:
+        with Progress(Terminal(stream), f"[{name}] running") if progress else contextlib.nullcontext():
+            try:
+                yield mem
+            except KeyboardInterrupt:
+                raise
+            except EdgeChatError as e:
+                raise StageError(name, str(e), log_path) from None
+            except Exception as e:  # a bug or a third-party failure
+                traceback.print_exc()
+                raise StageError(name, f"{type(e).__name__}: {e}", log_path, unexpected=True) from None
 
 
 class StageError(EdgeChatError):
