@@ -188,6 +188,11 @@ class Manifest:
         have = ", ".join(e.name for e in self.engines) or "none"
         raise ManifestError(f"bundle has no engine named '{name}' (it has: {have})")
 
+    def engine_bytes(self, name: str) -> int:
+        """An engine's bytes: every listed file in its folder (the graph and its external weights)."""
+        folder = self.engine(name).file.rsplit("/", 1)[0] + "/"
+        return sum(f.size for rel, f in self.files.items() if rel.startswith(folder))
+
     def engine_io(self, entry: EngineEntry) -> dict:
         """The input/output contract `entry`'s graph follows (edge.io_contract.DecoderIO as a dict)."""
         return entry.io or self.io

@@ -59,6 +59,11 @@ def _meminfo(root: Path) -> dict[str, int]:
     return out
 
 
+def mem_total_bytes(root: Path = Path("/")) -> int | None:
+    """This machine's RAM (MemTotal), or None where /proc/meminfo cannot be read."""
+    return _meminfo(root).get("MemTotal")
+
+
 def _tensorrt(root: Path) -> tuple[str | None, str | None]:
     """(version, how it was found). The Python module first, then the C++ header JetPack installs."""
     if importlib.util.find_spec("tensorrt") is not None:

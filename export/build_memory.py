@@ -20,8 +20,6 @@ larger models (tests/test_build_memory.py checks each measured build is within i
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from edge.bundle import ModelDims
 from edge.errors import RecipeError
 
@@ -37,14 +35,10 @@ def build_peak_bytes(dims: ModelDims, precisions: tuple[str, ...] = ()) -> float
     return PEAK_PER_FP32_BYTE[peak_stage(precisions)] * 4 * dims.num_parameters + BASE_BYTES
 
 
-def machine_ram_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+def machine_ram_bytes() -> int | None:
+    from edge.probe import mem_total_bytes
+
+    return mem_total_bytes()
 
 
 def largest_buildable(ram: float, precisions: tuple[str, ...] = ()) -> float:

@@ -12,6 +12,7 @@ def _plan(args: argparse.Namespace) -> int:
     from edge.errors import EdgeChatError
     from edge.profiles import load_profile
     from export.build_memory import build_peak_bytes, machine_ram_bytes
+    from export.console import table
     from export.planner import GB, QUALITY_ORDER, PlanOptions, bundle_quality, default_quality, plan_all, recommend
 
     profile = load_profile(args.target)
@@ -68,11 +69,7 @@ def _plan(args: argparse.Namespace) -> int:
                      f"{p.overhead_gb:.2f} GB", f"{p.total_gb:.2f} GB", f"{p.usable_gb:.1f} GB", build,
                      "yes" if p.fits else "NO", f"{p.decode_tok_s:,.0f}", _secs(p.prefill_s), _secs(p.answer_s),
                      "?" if kl is None else f"{kl:.3g}"])
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+    print(table(rows, cols))
     best = rec.plan
     print(f"\nrecommended: {best.precision + ' at context ' + str(rec.context) if best else 'none'} — {rec.reason}")
     if rec.runner_up:

@@ -292,7 +292,7 @@ def summary(records: list[StageRecord], bundle: Bundle) -> str:
     erows = []
     for e in bundle.manifest.engines:
         q = e.quality
-        size = sum(f.size for k, f in bundle.manifest.files.items() if k.startswith(f"engines/{e.name}/"))
+        size = bundle.manifest.engine_bytes(e.name)
         kl, d = q.get("kl_to_fp32"), q.get("perplexity_delta_pct")
         erows.append([e.name, fmt_bytes(size), "-" if kl is None else f"{kl:.4f}", "-" if d is None else f"{d:+.2f}%",
                       q.get("golden_passed", "-"), "-" if "decode_tok_s" not in q else f"{q['decode_tok_s']:.0f}"])

@@ -24,10 +24,9 @@ from edge.bundle import Bundle  # noqa: E402
 def machine() -> str:
     import os
 
-    from edge.probe import cpu_name
+    from edge.probe import cpu_name, mem_total_bytes
 
-    mem = next(int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal"))
-    return f"{cpu_name()}, {os.cpu_count()} cores, {mem / 1024 ** 2:.0f} GiB"
+    return f"{cpu_name()}, {os.cpu_count()} cores, {(mem_total_bytes() or 0) / 1024 ** 3:.0f} GiB"
 
 
 def rows(path: Path) -> dict:

@@ -79,9 +79,7 @@ def test_capital_of_japan(smol_bundle, engine):
 
 def test_int8_dynamic_size_and_agreement(smol_bundle):
     m = smol_bundle.manifest
-    from test_quantize import engine_bytes
-
-    ratio = engine_bytes(m, "int8-dynamic") / engine_bytes(m, "fp32")  # graphs and their external weights
+    ratio = m.engine_bytes("int8-dynamic") / m.engine_bytes("fp32")  # graphs and their external weights
     assert 0.2 < ratio <= 0.30
     q = m.engine("int8-dynamic").quality
     assert q["top1_agreement"] >= 0.90

@@ -16,18 +16,13 @@ def _graph(bundle, name):
     return onnx.load(str(bundle.path(bundle.manifest.engine(name).file)))
 
 
-def engine_bytes(manifest, name: str) -> int:
-    """An engine's bytes on disk: its graph and its external weights (every file of its folder)."""
-    return sum(f.size for rel, f in manifest.files.items() if rel.startswith(f"engines/{name}/"))
-
-
 def test_int8_graphs_are_smaller_and_run(tiny_bundle):
     q = tiny_bundle.manifest
-    fp32 = engine_bytes(q, "fp32")
+    fp32 = q.engine_bytes("fp32")  # graphs and their external weights
     # tiny model: graph constants dominate; int8-qdq keeps the LM head float by design, and with 2 layers
     # its float first-and-last down_proj are all of them
     for name, bound in (("int8-dynamic", 0.6), ("int8-qdq", 0.85)):
-        assert engine_bytes(q, name) < bound * fp32
+        assert q.engine_bytes(name) < bound * fp32
         assert q.engine(name).quality["top1_agreement"] > 0.5
         assert np.isfinite(q.engine(name).quality["perplexity"])
 
