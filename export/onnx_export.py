@@ -61,12 +61,12 @@ def tie_lm_head(path: Path) -> bool:
     The quantize stage recognises that pattern and stores one INT8 table for both. True if it tied."""
     from onnx import helper
 
-    from export.onnx_weights import GraphWeights
+    from export.onnx_weights import GraphWeights, lm_head_matmul
 
     gw = GraphWeights(path)
     g = gw.model.graph
-    inits, outs = gw.names(), {o.name for o in g.output}
-    head = next((n for n in g.node if n.op_type == "MatMul" and n.input[1] in inits and n.output[0] in outs), None)
+    inits = gw.names()
+    head = lm_head_matmul(gw.model)
     table = next((n.input[0] for n in g.node if n.op_type == "Gather" and n.input[0] in inits
                   and len(gw.shape(n.input[0])) == 2), None)
     if head is None or table is None or gw.shape(head.input[1]) != gw.shape(table)[::-1]:

@@ -90,6 +90,19 @@ def graph_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in files if f.is_file())
 
 
+def weight_matmuls(model) -> list:
+    """MatMul nodes whose B input is a constant 2-D weight (the only ones we quantize)."""
+    inits = {i.name: i for i in model.graph.initializer}
+    return [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits
+            and len(inits[n.input[1]].dims) == 2]
+
+
+def lm_head_matmul(model):
+    """The weight MatMul node that writes the graph's logits output (the LM head), by graph structure."""
+    outs = {o.name for o in model.graph.output}
+    return next((n for n in weight_matmuls(model) if n.output[0] in outs), None)
+
+
 class GraphWeights:
     """A graph loaded without its weights, with per-tensor reads and edits, saved by streaming."""
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from edge.errors import RecipeError
-from export.onnx_weights import GraphWeights, graph_bytes
+from export.onnx_weights import GraphWeights, graph_bytes, lm_head_matmul, weight_matmuls
 
 log = logging.getLogger("edgechat")
 MODES = ("int8-dynamic", "int8-qdq", "int4-weight")
@@ -75,13 +75,6 @@ class QuantizeOptions:
 # Every edit goes through export.onnx_weights.GraphWeights: the graph in memory, the weights read one
 # tensor at a time from disk and streamed into one external data file on save, so a model of any size
 # (past protobuf's 2 GB) quantizes in memory bounded by its largest tensor plus the quantized output.
-
-
-def weight_matmuls(model) -> list:
-    """MatMul nodes whose B input is a constant 2-D weight (the only ones we quantize)."""
-    inits = {i.name: i for i in model.graph.initializer}
-    return [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits
-            and len(inits[n.input[1]].dims) == 2]
 
 
 def untie_lm_head(gw: GraphWeights) -> None:
@@ -205,12 +198,6 @@ def _int8_dynamic(gw: GraphWeights, src: Path, dst: Path, opts: QuantizeOptions,
     return []
 
 
-def lm_head_matmul(model) -> str | None:
-    """The weight MatMul that writes the graph's logits output (the LM head), by graph structure."""
-    outs = {o.name for o in model.graph.output}
-    return next((n.name for n in weight_matmuls(model) if n.output[0] in outs), None)
-
-
 def _nbits(gw: GraphWeights, bits: int, accuracy_level: int = 4, symmetric: bool = True,
            special: dict[str, tuple[int, int]] | None = None) -> None:
     """MatMulNBits over every weight MatMul, block 32; the `special` ones (name -> (bits, block size))
@@ -247,9 +234,7 @@ def _nbits(gw: GraphWeights, bits: int, accuracy_level: int = 4, symmetric: bool
         attrs = dict(K=k, N=n, bits=b, block_size=block) | ({"accuracy_level": accuracy_level} if accuracy_level else {})
         q = helper.make_node("MatMulNBits", inputs, list(node.output), name=node.name + f"_Q{b}",
                              domain="com.microsoft", **attrs)
-        idx = list(model.graph.node).index(node)
-        model.graph.node.remove(node)
-        model.graph.node.insert(idx, q)
+        node.CopyFrom(q)  # in place: the graph keeps its order
     gw.drop_unused()
 
 
@@ -421,7 +406,7 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
     if opts.mode == "int8-dynamic":
         metrics["block16_nodes"] = _int8_dynamic(gw, dst / "prepared.onnx", out, opts, dims.num_layers)
     elif opts.mode == "int4-weight":
-        head = lm_head_matmul(gw.model)
+        head = getattr(lm_head_matmul(gw.model), "name", None)
         special = {head: (opts.int4_lm_head_bits, 32)} if head and opts.int4_lm_head_bits != 4 else {}
         _nbits(gw, bits=4, symmetric=opts.int4_symmetric, special=special)
         metrics["lm_head_bits"] = opts.int4_lm_head_bits if head else None
