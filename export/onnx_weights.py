@@ -17,6 +17,8 @@ from typing import Callable, Union
 
 import numpy as np
 
+from edge.errors import EdgeChatError
+
 Value = Union[np.ndarray, Callable[[], np.ndarray]]
 INLINE_MAX = 1024  # tensors up to this many bytes stay inside the graph proto (as onnx.save's size_threshold)
 ALIGN = 4096  # external tensors start on page boundaries, so ONNX Runtime can memory-map them
@@ -169,6 +171,9 @@ class GraphWeights:
         count = int(np.prod(init.dims, dtype=np.int64))
         with open(self.base / ext["location"], "rb") as f:
             a = np.fromfile(f, dtype=dtype, count=count, offset=int(ext.get("offset", 0)))
+        if a.size != count:
+            raise EdgeChatError(f"{self.base / ext['location']} ends before the tensor {init.name!r} it should hold "
+                                "(a truncated or half-copied file): build again with --fresh")
         return a.reshape(tuple(init.dims))
 
     # ------------------------------------------------------------------ edits
@@ -293,7 +298,8 @@ class GraphWeights:
             while left:
                 chunk = src.read(min(COPY_CHUNK, left))
                 if not chunk:
-                    raise OSError(f"{self.base / ext['location']} ends before the tensor it should hold")
+                    raise EdgeChatError(f"{self.base / ext['location']} ends before the tensor it should hold "
+                                        "(a truncated or half-copied file): build again with --fresh")
                 left -= len(chunk)
                 yield chunk
 

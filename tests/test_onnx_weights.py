@@ -9,6 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from edge.errors import EdgeChatError
 from export.onnx_weights import GraphWeights, graph_bytes
 
 
@@ -80,3 +81,16 @@ def test_a_removed_tensor_still_feeds_a_pending_computed_edit(tmp_path, weights)
     x = np.ones((1, 64), np.float32)
     np.testing.assert_allclose(run(tmp_path / "out.onnx", x), x @ (w * 3) + c, rtol=1e-5, atol=1e-4)
     assert "W" not in GraphWeights(tmp_path / "out.onnx").names()
+
+
+def test_a_truncated_weights_file_is_a_clear_error(tmp_path, weights):
+    w, c = weights
+    matmul_graph(tmp_path / "m.onnx", w, c)
+    with open(tmp_path / "orig.bin", "r+b") as f:
+        f.truncate(1000)
+    gw = GraphWeights(tmp_path / "m.onnx")
+    with pytest.raises(EdgeChatError, match="orig.bin ends before the tensor 'W'.*build again with --fresh"):
+        gw.array("W")
+    with pytest.raises(EdgeChatError, match="ends before the tensor it should hold"):
+        gw.save(tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()
