@@ -58,28 +58,32 @@ class ChatTokenizer:
         self.specials = tuple(t.content for t in self.tok.get_added_tokens_decoder().values() if t.special)
         self._as_text = None  # a copy of the tokenizer that splits special tokens like any text
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The template's text; `tools` (OpenAI function tools) are passed only to a template that takes them
+        (edge.tools decides)."""
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise EdgeChatError(f"each message needs 'role' and 'content', got {m!r}")
         return self.template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.spec.bos_token or "", eos_token=self.spec.eos_token or "",
-            **self.spec.special_tokens,
+            **self.spec.special_tokens, **({"tools": tools} if tools else {}),
         )
 
     def encode(self, text: str) -> list[int]:
         # The template already contains the special tokens: add none (as apply_chat_template does).
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """The prompt's token ids: the rendered template, with each message's content tokenized as text."""
         if self.allow_special_in_content or not any(
                 isinstance(m.get("content"), str) and sp in m["content"] for m in messages for sp in self.specials):
-            return self.encode(self.render(messages, add_generation_prompt))  # nothing to escape: one call
-        return self._encode_content_as_text(messages, add_generation_prompt)
+            return self.encode(self.render(messages, add_generation_prompt, tools))  # nothing to escape: one call
+        return self._encode_content_as_text(messages, add_generation_prompt, tools)
 
-    def _encode_content_as_text(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def _encode_content_as_text(self, messages: list[dict], add_generation_prompt: bool,
+                                tools: list[dict] | None = None) -> list[int]:
         """Render with a marker in place of each content, then tokenize the template's text normally (its
         control tokens are real) and each content with special tokens split into ordinary tokens."""
         import re
@@ -87,9 +91,9 @@ class ChatTokenizer:
 
         tag = uuid.uuid4().hex
         marks = {f"\x00content-{i}-{tag}\x00": m["content"] for i, m in enumerate(messages)}
-        rendered = self.render([{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt)
+        rendered = self.render([{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt, tools)
         pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", rendered)
-        if "".join(marks.get(p, p) for p in pieces) != self.render(messages, add_generation_prompt):
+        if "".join(marks.get(p, p) for p in pieces) != self.render(messages, add_generation_prompt, tools):
             raise EdgeChatError("this bundle's chat template rewrites message content, so control tokens typed in "
                                 f"a message ({', '.join(sp for sp in self.specials if any(sp in c for c in marks.values()))}) "
                                 "cannot be kept as text: remove them, or serve with --allow-special-in-content")
