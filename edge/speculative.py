@@ -1,0 +1,207 @@
+"""Speculative decoding: guess k tokens cheaply, let the target check them all in one call.
+
+At batch 1 a decode step is bound by reading the weights, not by arithmetic, so the target scoring
+k + 1 positions in one call costs little more than scoring one. A drafter proposes k tokens; the target
+runs [pending] + draft and returns logits at every position; we keep the longest prefix of the draft the
+target agrees with, plus one token of the target's own (the correction, or a bonus when all k agree).
+The rejected tokens' K/V is rolled back (for the fused in-place cache that is just the cache length).
+
+Greedy: a drafted token is kept only if it is what the target would have picked there, so the output is
+the target's greedy output (computed in wider calls: the test suite checks it is token for token the same).
+Sampled: speculative sampling (Leviathan et al. 2023, Chen et al. 2023): keep draft token x with
+probability min(1, p(x) / q(x)), on rejection draw from max(p - q, 0) renormalised, so every emitted
+token is distributed exactly as the target's p. A prompt-lookup draft is a point mass (q(x) = 1).
+
+Draft-free drafter: prompt lookup (n-gram): the last n tokens seen before, earlier in the prompt or the
+answer, are followed by what followed them then. It costs no model and helps when answers quote their
+input (summaries, code edits, extraction); on free prose it rarely drafts and then costs nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from edge.sampling import SamplingConfig
+
+
+class Drafter(Protocol):
+    def __call__(self, seq: list[int], k: int) -> list[int]:
+        """Up to k guesses for the tokens after `seq` (may be fewer, or none)."""
+        ...
+
+
+def lookup_draft(seq: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Prompt lookup: the k tokens that followed the latest earlier occurrence of seq's last n tokens
+    (longest n first). Numpy, so a long prompt costs a few vectorised compares, not a Python scan."""
+    a = np.asarray(seq, dtype=np.int64)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if k < 1 or len(a) <= n:
+            continue
+        windows = np.lib.stride_tricks.sliding_window_view(a[:-1], n)  # every n-gram except the tail itself
+        hits = np.flatnonzero((windows == a[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return a[start:start + k].tolist()
+    return []
+
+
+class AdaptiveK:
+    """Pick k from the running acceptance rate.
+
+    With per-token acceptance rate a, a draft of k yields (1 - a^(k+1)) / (1 - a) tokens per verify call,
+    and a call of k + 1 tokens costs about 1 + step_cost * k single steps (weights are read once; the extra
+    positions cost compute). k maximises tokens per cost, so it grows while drafts are accepted and falls to
+    1 when they are not."""
+
+    def __init__(self, k_max: int = 8, k_min: int = 1, step_cost: float = 0.1, rate: float = 0.5,
+                 smoothing: float = 0.3) -> None:
+        self.k_max, self.k_min, self.step_cost, self.rate, self.smoothing = k_max, k_min, step_cost, rate, smoothing
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.rate += self.smoothing * (accepted / drafted - self.rate)
+
+    @property
+    def k(self) -> int:
+        a = min(self.rate, 0.999)
+        gain = [(1 - a ** (k + 1)) / (1 - a) / (1 + self.step_cost * k) for k in range(self.k_min, self.k_max + 1)]
+        return self.k_min + int(np.argmax(gain))
+
+
+def target_probs(logits: np.ndarray, cfg: SamplingConfig, seen: np.ndarray | None = None) -> np.ndarray:
+    """The distribution `edge.sampling.Sampler` draws from, as a dense vector (temperature, top-k, top-p,
+    repetition penalty), for accept/reject. Ties at the top-p cut are ordered by id, as the Sampler does."""
+    x = np.asarray(logits, dtype=np.float32).copy()
+    if cfg.repetition_penalty != 1.0 and seen is not None and len(seen):
+        idx = np.unique(seen)
+        v = x[idx]
+        x[idx] = np.where(v > 0, v / cfg.repetition_penalty, v * cfg.repetition_penalty)
+    p = np.exp((x - x.max()) * np.float32(1.0 / cfg.temperature)).astype(np.float64)
+    if (0 < cfg.top_k < p.size) or cfg.top_p < 1.0:
+        order = np.lexsort((np.arange(p.size), -x))  # highest first, ties by id
+        keep = order[:cfg.top_k] if 0 < cfg.top_k < p.size else order
+        if cfg.top_p < 1.0:
+            cum = np.cumsum(p[keep])
+            keep = keep[: int(np.searchsorted(cum, cfg.top_p * cum[-1])) + 1]
+        mask = np.zeros(p.size, bool)
+        mask[keep] = True
+        p = np.where(mask, p, 0.0)
+    return p / p.sum()
+
+
+def accept_sampled(p: np.ndarray, draft: list[int], rng: np.random.Generator,
+                   q: np.ndarray | None = None) -> list[int]:
+    """Speculative sampling. p: [len(draft) + 1, vocab] target distributions at each drafted position and
+    one past; q: the drafter's distributions [len(draft), vocab], None for a point-mass draft. Returns the
+    accepted draft tokens plus one token drawn from the target (residual on rejection, p at the end)."""
+    out: list[int] = []
+    for i, x in enumerate(draft):
+        qx = 1.0 if q is None else float(q[i, x])
+        if rng.random() * qx < p[i, x]:  # accept with probability min(1, p/q)
+            out.append(x)
+            continue
+        resid = p[i].copy()
+        if q is None:
+            resid[x] = 0.0
+        else:
+            resid = np.maximum(resid - q[i], 0.0)
+        out.append(int(rng.choice(resid.size, p=resid / resid.sum())))
+        return out
+    out.append(int(rng.choice(p.shape[1], p=p[len(draft)])))
+    return out
+
+
+def rollback(decoder, cache, length: int) -> None:
+    """Forget the cache past `length` tokens. The fused in-place buffers are only read up to the cache length,
+    so the stale columns are overwritten by the next call; a plain graph's past tensors are cut."""
+    if length >= cache.length:
+        return
+    if not decoder.io.fused:
+        cache.values = [decoder.to_device(v.numpy()[:, :, :length]) for v in cache.values]
+    cache.length = length
+
+
+@dataclass
+class SpecStats:
+    calls: int = 0  # target calls after the prefill
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def as_dict(self) -> dict:
+        return {"target_calls": self.calls, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": self.acceptance}
+
+
+def speculative_tokens(decoder, prompt_ids: list[int], cfg: SamplingConfig, eos_ids: set[int] | list[int],
+                       max_context: int, drafter: Drafter = lookup_draft, policy: AdaptiveK | None = None,
+                       stats: SpecStats | None = None, cancel: threading.Event | None = None) -> Iterator[int]:
+    """Token ids after the prompt, as `Generator.tokens` yields them (same stop rules: EOS not yielded,
+    max_new_tokens, end of context), each target call checking a draft."""
+    from edge.sampling import Sampler
+
+    policy = policy or AdaptiveK()
+    stats = stats if stats is not None else SpecStats()
+    sampler = Sampler(cfg)  # greedy picks (with repetition penalty) exactly as the plain loop does
+    rng = np.random.default_rng(cfg.seed)
+    eos = set(eos_ids)
+    budget = min(cfg.max_new_tokens, max_context - len(prompt_ids))  # the plain loop's limits
+    cache = decoder.new_cache(capacity=len(prompt_ids) + cfg.max_new_tokens + policy.k_max + 1)
+    seq = list(prompt_ids)
+    logits = decoder.prefill(prompt_ids, cache)[0]
+    pending = pick(sampler, cfg, logits[None], [], seq, rng)[0]
+    emitted = 0
+    while True:
+        if pending in eos and not cfg.ignore_eos:
+            return
+        yield pending
+        seq.append(pending)
+        emitted += 1
+        if emitted >= budget or (cancel is not None and cancel.is_set()):
+            return
+        k = min(policy.k, budget - emitted, max_context - cache.length - 1)
+        draft = drafter(seq, k)[:k] if k > 0 else []
+        base = cache.length
+        out = decoder.forward(np.array([[pending] + draft]), cache, last_only=not draft)
+        stats.calls += 1
+        rows = out[0] if draft else out
+        new = pick(sampler, cfg, rows, draft, seq, rng)
+        if draft:
+            policy.update(len(draft), len(new) - 1)
+            stats.drafted += len(draft)
+            stats.accepted += len(new) - 1
+            rollback(decoder, cache, base + len(new))  # pending + the accepted drafts
+        for tok in new[:-1]:  # accepted drafts: emitted like any token (EOS and limits checked)
+            if tok in eos and not cfg.ignore_eos:
+                return
+            yield tok
+            seq.append(tok)
+            emitted += 1
+            if emitted >= budget or (cancel is not None and cancel.is_set()):
+                return
+        pending = new[-1]
+
+
+def pick(sampler, cfg: SamplingConfig, rows: np.ndarray, draft: list[int], seq: list[int],
+         rng: np.random.Generator) -> list[int]:
+    """Check a draft against the target's logits rows ([len(draft) + 1, vocab]): the kept drafts + one token."""
+    penal = cfg.repetition_penalty != 1.0
+    if cfg.greedy:
+        out: list[int] = []
+        for i in range(len(draft) + 1):
+            seen = np.asarray(seq + out) if penal else None
+            t = sampler(rows[i], seen)
+            out.append(t)
+            if i == len(draft) or t != draft[i]:
+                return out
+        return out
+    p = np.stack([target_probs(rows[i], cfg, np.asarray(seq + draft[:i]) if penal else None)
+                  for i in range(len(draft) + 1)])
+    return accept_sampled(p, draft, rng)

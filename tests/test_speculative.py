@@ -1,0 +1,192 @@
+"""Speculative decoding (edge.speculative): greedy output is the plain greedy output token for token,
+sampled output is distributed as the target's, and a rollback leaves the cache as a fresh prefill would."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge.generate import Generator
+from edge.sampling import SamplingConfig
+from edge.speculative import (AdaptiveK, SpecStats, accept_sampled, lookup_draft, rollback, speculative_tokens,
+                              target_probs)
+
+PROMPTS = [[{"role": "user", "content": "What is the capital of Japan? The capital of Japan is"}],
+           [{"role": "user", "content": "Hello! How are you doing today? Hello! How are you"}]]
+
+
+class FixedK:
+    """Always draft exactly k tokens (the adaptive policy would settle on few with a random model)."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.k_max = k, k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+def plain(gen: Generator, ids: list[int], cfg: SamplingConfig) -> list[int]:
+    return list(gen.stream(ids, cfg))[-1].token_ids
+
+
+def spec(gen: Generator, ids: list[int], cfg: SamplingConfig, **kw) -> list[int]:
+    return list(speculative_tokens(gen.decoder, ids, cfg, gen.tokenizer.eos_ids, gen.max_context, **kw))
+
+
+def oracle(answer: list[int], prompt_len: int, wrong_every: int):
+    """A drafter that knows the plain answer but gets every `wrong_every`-th guess wrong: exercises long
+    accepted runs and rejections at every draft position."""
+    calls = [0]
+
+    def draft(seq: list[int], k: int) -> list[int]:
+        at = len(seq) - prompt_len
+        guess = answer[at:at + k]
+        calls[0] += 1
+        if guess and calls[0] % wrong_every == 0:
+            j = calls[0] % len(guess)
+            guess[j] = (guess[j] + 1) % 300
+        return guess
+
+    return draft
+
+
+def test_lookup_draft_finds_latest_ngram():
+    assert lookup_draft([5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6], 3) == [7, 9, 5]  # latest "5 6" is followed by 7 9 5
+    assert lookup_draft([1, 2, 3, 1, 2], 2) == [3, 1]
+    assert lookup_draft([1, 2, 3], 4) == []  # nothing repeats
+    assert lookup_draft([4, 4], 3) == [4]
+
+
+def test_adaptive_k_follows_acceptance():
+    pol = AdaptiveK(k_max=8)
+    for _ in range(20):
+        pol.update(pol.k, pol.k)
+    assert pol.k == 8
+    for _ in range(20):
+        pol.update(pol.k, 0)
+    assert pol.k == 1
+
+
+@pytest.mark.parametrize("engine", ["int8-dynamic", "fp32"])  # fused in-place cache, plain growing cache
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_identical_for_every_k(tiny_bundle, engine, k):
+    gen = Generator.from_bundle(tiny_bundle, engine=engine, threads=1)
+    cfg = SamplingConfig(max_new_tokens=40, ignore_eos=True)
+    for msgs in PROMPTS:
+        ids = gen.tokenizer.encode_chat(msgs)
+        want = plain(gen, ids, cfg)
+        stats = SpecStats()
+        got = spec(gen, ids, cfg, drafter=oracle(want, len(ids), wrong_every=3), policy=FixedK(k), stats=stats)
+        assert got == want, f"{engine} k={k}"
+        assert stats.accepted > 0 and stats.accepted < stats.drafted  # both paths ran
+        assert spec(gen, ids, cfg, policy=FixedK(k)) == want  # prompt lookup
+
+
+def test_greedy_identical_with_eos_and_penalty(fused_generator):
+    gen = fused_generator
+    ids = gen.tokenizer.encode_chat(PROMPTS[1])
+    for cfg in (SamplingConfig(max_new_tokens=60), SamplingConfig(max_new_tokens=30, repetition_penalty=1.3)):
+        want = plain(gen, ids, cfg)
+        assert spec(gen, ids, cfg, drafter=oracle(want, len(ids), 2), policy=FixedK(4)) == want
+        assert spec(gen, ids, cfg) == want
+
+
+def test_context_end_same_as_plain(tiny_bundle):
+    gen = Generator.from_bundle(tiny_bundle, engine="int8-dynamic", threads=1)
+    ids = gen.tokenizer.encode_chat(PROMPTS[0])
+    ids = (ids * 20)[: gen.max_context - 7]  # 7 tokens of room: the answer ends at the context, as plain's does
+    cfg = SamplingConfig(max_new_tokens=50, ignore_eos=True)
+    want = plain(gen, ids, cfg)
+    assert len(want) == 7
+    assert spec(gen, ids, cfg, drafter=oracle(want, len(ids), 5), policy=FixedK(8)) == want
+
+
+@pytest.mark.parametrize("engine", ["int8-dynamic", "fp32"])
+def test_rollback_equals_fresh_prefill(tiny_bundle, engine):
+    gen = Generator.from_bundle(tiny_bundle, engine=engine, threads=1)
+    d = gen.decoder
+    ids = gen.tokenizer.encode_chat(PROMPTS[0])
+    cache = d.new_cache(capacity=len(ids) + 16)
+    d.prefill(ids, cache)
+    fed = [17, 42, 99, 123, 7]
+    d.forward(np.array([fed]), cache, last_only=False)  # verify 5 tokens, keep 2
+    rollback(d, cache, len(ids) + 2)
+    fresh = d.new_cache(capacity=len(ids) + 16)
+    d.prefill(ids + fed[:2], fresh)
+    n = len(ids) + 2
+    assert cache.length == fresh.length == n
+
+    def kv(c):
+        return [(a if c.arrays is not None else v.numpy())[:, :, :n] for a, v in
+                zip(c.arrays or [None] * len(c.values), c.values)]
+
+    for a, b in zip(kv(cache), kv(fresh)):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+    step = np.array([[55]])  # and the next step reads only what was kept
+    np.testing.assert_allclose(d.forward(step, cache), d.forward(step, fresh), atol=1e-4, rtol=0)
+
+
+def chi_square_ok(counts: np.ndarray, probs: np.ndarray, draws: int) -> tuple[float, float]:
+    """Pearson's statistic over bins expecting >= 5 draws (the rest pooled), and its 0.1% critical value
+    (Wilson-Hilferty approximation; no scipy on the device)."""
+    exp = probs * draws
+    big = exp >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(exp[big], exp[~big].sum())
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    z = 3.09  # one-sided 99.9%
+    crit = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+    return stat, crit
+
+
+def test_accept_sampled_matches_target(fused_generator):
+    """Point-mass drafts (prompt lookup) and a draft model's q: the first emitted token follows p exactly."""
+    gen = fused_generator
+    ids = gen.tokenizer.encode_chat(PROMPTS[0])
+    cache = gen.decoder.new_cache(capacity=len(ids) + 4)
+    logits = gen.decoder.prefill(ids, cache)[0]
+    cfg = SamplingConfig(temperature=1.0, top_k=20, seed=0)
+    p0 = target_probs(logits, cfg)
+    p = np.stack([p0, np.roll(p0, 3)])
+    rng = np.random.default_rng(1234)
+    q = (0.5 * rng.dirichlet(np.full(p0.size, 0.3)) + 0.5 * np.roll(p0, 1))[None]  # overlaps p, not equal
+    likely = int(np.argmax(p0))
+    draws = 20000
+    for name, draw in (("lookup, likely", lambda: ([likely], None)),
+                       ("lookup, 4th", lambda: ([int(np.argsort(p0)[-4])], None)),
+                       ("draft model", lambda: ([int(rng.choice(p0.size, p=q[0]))], q))):  # x ~ q, as the theorem needs
+        counts = np.bincount([accept_sampled(p, d, rng, qq)[0] for d, qq in (draw() for _ in range(draws))],
+                             minlength=p0.size)
+        stat, crit = chi_square_ok(counts, p0, draws)
+        assert stat < crit, f"{name}: chi-square {stat:.1f} >= {crit:.1f}"
+    # and the test can fail: a sampler that always keeps the draft is far off
+    counts = np.bincount([likely] * 20000, minlength=p0.size)
+    assert chi_square_ok(counts, p0, 20000)[0] > chi_square_ok(counts, p0, 20000)[1]
+
+
+def test_speculative_sampling_end_to_end_matches_target(fused_generator):
+    """Second answer token through speculative_tokens (drafted, so accept/reject decides it) against its exact
+    marginal sum_t1 p(t1) p(t2 | t1), computed with the target."""
+    gen = fused_generator
+    d = gen.decoder
+    ids = gen.tokenizer.encode_chat(PROMPTS[1])
+    cfg0 = SamplingConfig(temperature=1.0, top_k=3, max_new_tokens=2, ignore_eos=True)
+    c = d.new_cache(capacity=len(ids) + 4)
+    p1 = target_probs(d.prefill(ids, c)[0], cfg0)
+    marginal = np.zeros_like(p1)
+    for t1 in np.flatnonzero(p1):
+        c = d.new_cache(capacity=len(ids) + 4)
+        marginal += p1[t1] * target_probs(d.prefill(ids + [int(t1)], c)[0], cfg0)
+    common = int(np.argmax(marginal))
+    draws = 1500
+    seconds = []
+    for s in range(draws):
+        cfg = SamplingConfig(temperature=1.0, top_k=3, max_new_tokens=2, ignore_eos=True, seed=s)
+        out = spec(gen, ids, cfg, drafter=lambda seq, k: [common], policy=FixedK(1))
+        seconds.append(out[1])
+    counts = np.bincount(seconds, minlength=p1.size)
+    stat, crit = chi_square_ok(counts, marginal, draws)
+    assert stat < crit, f"chi-square {stat:.1f} >= {crit:.1f}"
