@@ -178,6 +178,8 @@ class Matcher:
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """A copy of a logits row with every forbidden token at -inf (a longer row's tail, too)."""
         ok = self.allowed()
+        if not ok.any():  # cannot happen with a sound grammar (EOS is allowed at its end): fail this answer only
+            raise GrammarError("constrained decoding failed: the grammar allows no next token")
         out = np.full(logits.shape, -np.inf, dtype=np.float32)
         n = min(len(ok), logits.shape[-1])
         out[:n] = np.where(ok[:n], logits[:n], -np.inf)
