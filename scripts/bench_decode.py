@@ -1,25 +1,29 @@
 #!/usr/bin/env python
-"""Decode speed, side by side in one run: our runtime vs transformers generate, llama.cpp
-(llama-cpp-python) and onnxruntime-genai when installed; same model, same prompt tokens, same threads.
+"""Decode speed against the peers, in one interleaved run: our engines (plain and with prompt-lookup
+speculative decoding), onnxruntime-genai int8/int4 (built by its own model builder, run in its own venv)
+and llama.cpp Q8_0/Q4_0/Q4_K_M of the same weights (llama-bench); same prompt length, same threads.
 
-Each row runs in its own process (so its peak RSS is its own and no thread pool leaks between rows):
-TTFT (prefill + first token), decode tok/s (median of --runs after a warm-up, 128 greedy tokens,
-EOS ignored), peak RSS, and the fraction of the memory-bandwidth roofline (measured read bandwidth /
-bytes of weights read per token). Prints a table and writes JSON.
+Every row runs in its own process, once per round, rows in the same order each round (A B C A B C ...),
+so a slow minute on this shared machine hits every row, not one. Per row: TTFT (prefill of the chat prompt),
+decode tok/s (128 greedy tokens, EOS ignored, after a warm-up in the same process), peak RSS, the fraction
+of the bandwidth roofline (measured read bandwidth / weight bytes read per token); the median over rounds
+and the spread (min-max). Ratios are taken within each round, then the median. The load average before
+each row is recorded: other work on the machine makes absolute figures noisy. Prints tables, writes JSON.
 
+  bash scripts/peers-setup.sh                                   # once: llama.cpp tools + genai venv
   .venv/bin/python scripts/bench_decode.py smollm2.bundle
-  .venv/bin/python scripts/bench_decode.py smollm2.bundle --concurrency 8   # + the same engines through the server
+  .venv/bin/python scripts/bench_decode.py smollm2.bundle --concurrency 8   # + the engines through the server
 
-llama.cpp rows: Q8_0 and Q4_0 GGUFs of the same weights, made here from the GGUF the model came from
-(dequantized to F32, then quantized by llama.cpp itself; cached under ~/.cache/edgechat/gguf), plus
-that GGUF as shipped. onnxruntime-genai rows: its model builder on the same HF folder (the build's
-load stage). Missing runtimes are skipped with the command that installs them.
+llama.cpp: Q8_0, Q4_0 and Q4_K_M made by llama-quantize from an F32 GGUF of the weights the bundle was
+built from (cached under ~/.cache/edgechat/gguf), timed by llama-bench (pp of the prompt length at depth 0
+for TTFT, tg 128 at depth = prompt length for decode). onnxruntime-genai: its model builder on a Hugging
+Face folder of the same weights (the build's load stage, else made here). A missing peer is skipped with
+the command that makes it.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -38,7 +42,10 @@ from edge.probe import cpu_name  # noqa: E402
 # 55 tokens with SmolLM2's chat template (system prompt included)
 PROMPT = [{"role": "user", "content": "Tell me about the history of the city of Kyoto, its temples and gardens, "
                                       "and why so many people like to visit it in the autumn months."}]
-CACHE = Path(os.environ.get("EDGECHAT_CACHE", Path.home() / ".cache" / "edgechat")) / "gguf"
+CACHE = Path(os.environ.get("EDGECHAT_CACHE", Path.home() / ".cache" / "edgechat"))
+PEERS = Path(os.environ.get("EDGECHAT_PEERS", CACHE / "peers"))
+LLAMA_BIN = Path(os.environ.get("EDGECHAT_LLAMA_BIN", PEERS / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin"))
+GENAI_PYTHON = Path(os.environ.get("EDGECHAT_GENAI_PYTHON", PEERS / "genai-venv" / "bin" / "python"))
 
 
 def read_bandwidth_gbs(threads: int, size_mb: int = 1024, reps: int = 5) -> float:
@@ -90,31 +97,38 @@ def files_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.parent.glob(path.name + "*"))
 
 
-def timed(prefill, step, new: int, runs: int) -> dict:
-    """prefill() -> first token; step(tok) -> next token. Median TTFT and decode rate after one warm-up."""
-    ttfts, rates = [], []
-    for r in range(runs + 1):
+def timed(prefill, step, new: int) -> dict:
+    """prefill() -> first token; step(tok) -> next token. One warm-up answer, then one timed answer."""
+    for warm in (True, False):
         t0 = time.perf_counter()
-        tok = prefill()
+        tokens = [prefill()]
         t1 = time.perf_counter()
         for _ in range(new - 1):
-            tok = step(tok)
+            tokens.append(step(tokens[-1]))
         t2 = time.perf_counter()
-        if r:
-            ttfts.append(t1 - t0)
-            rates.append((new - 1) / (t2 - t1))
-    return {"ttft_ms": statistics.median(ttfts) * 1000, "decode_tok_s": statistics.median(rates)}
+    return {"ttft_ms": (t1 - t0) * 1000, "decode_tok_s": (new - 1) / (t2 - t1), "tokens": tokens}
 
 
 # ----------------------------------------------------------------------------- one row each (in a child process)
 
 
-def row_edgechat(spec: dict) -> dict:
+def _generator(spec: dict):
     from edge.bundle import Bundle
-    from edge.runtime import Generator
+    from edge.generate import Generator
 
     b = Bundle.open(spec["bundle"])
-    g = Generator.from_bundle(b, engine=spec["engine"], threads=spec["threads"])
+    return b, Generator.from_bundle(b, engine=spec["engine"], threads=spec["threads"])
+
+
+def _engine_facts(b, engine: str) -> dict:
+    e = b.manifest.engine(engine)
+    return {"weight_bytes": onnx_bytes_read_per_token(b.path(e.file)), "file_bytes": files_bytes(b.path(e.file)),
+            "graph": e.fingerprint.variant, "precision": e.fingerprint.precision}
+
+
+def row_edgechat(spec: dict) -> dict:
+    """Our decoder, one token per call (the plain greedy loop)."""
+    b, g = _generator(spec)
     d, ids, new = g.decoder, spec["prompt_ids"], spec["new"]
     state = {}
 
@@ -122,10 +136,28 @@ def row_edgechat(spec: dict) -> dict:
         state["cache"] = d.new_cache(capacity=len(ids) + new)
         return int(np.argmax(d.prefill(ids, state["cache"])[0]))
 
-    r = timed(prefill, lambda t: int(np.argmax(d.forward(np.array([[t]]), state["cache"])[0])), new, spec["runs"])
-    e = b.manifest.engine(spec["engine"])
-    return r | {"weight_bytes": onnx_bytes_read_per_token(b.path(e.file)), "file_bytes": files_bytes(b.path(e.file)),
-                "graph": e.fingerprint.variant, "precision": e.fingerprint.precision}
+    r = timed(prefill, lambda t: int(np.argmax(d.forward(np.array([[t]]), state["cache"])[0])), new)
+    return r | _engine_facts(b, spec["engine"])
+
+
+def row_edgechat_lookup(spec: dict) -> dict:
+    """Our decoder with prompt-lookup speculative decoding (edge.speculative), greedy."""
+    from edge.sampling import SamplingConfig
+    from edge.speculative import AdaptiveK, SpecStats, speculative_tokens
+
+    b, g = _generator(spec)
+    cfg = SamplingConfig(max_new_tokens=spec["new"], ignore_eos=True)
+    for warm in (True, False):
+        stats = SpecStats()
+        t0 = time.perf_counter()
+        it = speculative_tokens(g.decoder, spec["prompt_ids"], cfg, g.tokenizer.eos_ids, g.max_context,
+                                policy=AdaptiveK(k_max=spec.get("k_max", 8)), stats=stats)
+        tokens = [next(it)]
+        t1 = time.perf_counter()
+        tokens += list(it)
+        t2 = time.perf_counter()
+    return {"ttft_ms": (t1 - t0) * 1000, "decode_tok_s": (len(tokens) - 1) / (t2 - t1), "tokens": tokens,
+            "speculative": stats.as_dict()} | _engine_facts(b, spec["engine"])
 
 
 def row_transformers(spec: dict) -> dict:
@@ -148,34 +180,15 @@ def row_transformers(spec: dict) -> dict:
         state["past"] = out.past_key_values
         return int(out.logits[0, -1].argmax())
 
-    r = timed(prefill, step, spec["new"], spec["runs"])
-    return r | {"weight_bytes": sum(p.numel() * p.element_size() for p in m.parameters())}
-
-
-def row_llama_cpp(spec: dict) -> dict:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=spec["gguf"], n_threads=spec["threads"], n_threads_batch=spec["threads"], n_ctx=512,
-                n_batch=512, verbose=False)
-    ids = spec["prompt_ids"]
-
-    def prefill():
-        llm.reset()
-        llm.eval(ids)
-        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
-
-    def step(t):
-        llm.eval([t])
-        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
-
-    r = timed(prefill, step, spec["new"], spec["runs"])
-    return r | {"weight_bytes": Path(spec["gguf"]).stat().st_size}
+    return timed(prefill, step, spec["new"]) | {"weight_bytes": sum(p.numel() * p.element_size() for p in m.parameters())}
 
 
 def row_genai(spec: dict) -> dict:
+    """onnxruntime-genai's own generator loop (runs in the genai venv's interpreter)."""
     import onnxruntime_genai as og
 
-    model = og.Model(spec["model_dir"])
+    cfg = og.Config(spec["model_dir"])
+    model = og.Model(cfg)
     ids, new = spec["prompt_ids"], spec["new"]
     state = {}
 
@@ -191,89 +204,108 @@ def row_genai(spec: dict) -> dict:
         state["g"].generate_next_token()
         return int(state["g"].get_next_tokens()[0])
 
-    r = timed(prefill, step, new, spec["runs"])
-    return r | {"weight_bytes": files_bytes(Path(spec["model_dir"]) / "model.onnx")}
+    return timed(prefill, step, new) | {"weight_bytes": onnx_bytes_read_per_token(Path(spec["model_dir"]) / "model.onnx"),
+                                        "genai_version": og.__version__}
 
 
-ROWS = {"edgechat": row_edgechat, "transformers": row_transformers, "llama.cpp": row_llama_cpp, "genai": row_genai}
+ROWS = {"edgechat": row_edgechat, "edgechat-lookup": row_edgechat_lookup, "transformers": row_transformers,
+        "genai": row_genai}
+
+
+def run_llama_bench(spec: dict) -> dict:
+    """llama.cpp's own harness: pp<prompt> at depth 0 (TTFT) and tg<new> at depth <prompt> (decode)."""
+    n = len(spec["prompt_ids"])
+    cmd = [str(LLAMA_BIN / "llama-bench"), "-m", spec["gguf"], "-t", str(spec["threads"]), "-p", str(n), "-n",
+           str(spec["new"]), "-d", f"0,{n}", "-r", "1", "-o", "json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        return {"error": (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1][:300]}
+    tests = json.loads(p.stdout)
+    pp = next(t for t in tests if t["n_prompt"] == n and t["n_gen"] == 0 and t.get("n_depth", 0) == 0)
+    tg = next(t for t in tests if t["n_gen"] == spec["new"] and t.get("n_depth", n) == n)
+    return {"ttft_ms": 1000 * n / pp["avg_ts"], "decode_tok_s": tg["avg_ts"], "weight_bytes": tg["model_size"],
+            "build": f"{tests[0].get('build_commit', '?')} ({tests[0].get('cpu_info', '')})"}
 
 
 def run_row(spec: dict) -> dict:
-    """Run one row in a fresh process; its own peak RSS comes back with it."""
-    p = subprocess.run([sys.executable, __file__, "--_row", json.dumps(spec)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=3600)
+    """Run one row in a fresh process (its own peak RSS comes back with it)."""
+    if spec["kind"] == "llama.cpp":
+        return run_llama_bench(spec)
+    python = str(GENAI_PYTHON) if spec["kind"] == "genai" else sys.executable
+    p = subprocess.run([python, __file__, "--_row", json.dumps(spec)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=3600)
     lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
     if p.returncode != 0 or not lines:
         return {"error": (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1][:300]}
     return json.loads(lines[-1])
 
 
-# ----------------------------------------------------------------------------- competitors' model files
+# ----------------------------------------------------------------------------- the peers' model files
 
 
-class quiet_stderr:
-    """Silence C-level writes to fd 2 (and Python's) for a block."""
-
-    def __enter__(self):
-        sys.stderr.flush()
-        self.saved = os.dup(2)
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 2)
-        os.close(null)
-
-    def __exit__(self, *exc):
-        os.dup2(self.saved, 2)
-        os.close(self.saved)
+def hf_folder(bundle) -> Path | None:
+    """A Hugging Face folder of the bundle's weights: the build's load stage, else made here once from the
+    manifest's source (export.load, in a child process: it needs torch and transformers)."""
+    work = Path(str(bundle.root) + ".work") / "load"
+    if (work / "config.json").is_file():
+        return work
+    source = bundle.manifest.source or ""
+    if not source.startswith("gguf:"):
+        return None
+    out = CACHE / "bench" / bundle.manifest.bundle_id / "hf"
+    if not (out / "config.json").is_file():
+        print(f"  making a Hugging Face folder of {source} (once, cached in {out})", flush=True)
+        code = ("import sys; from pathlib import Path; from export.load import run; from export.model_source import resolve; "
+                "run(resolve(sys.argv[1]), Path(sys.argv[2]))")
+        subprocess.run([sys.executable, "-c", code, source[len("gguf:"):], str(out)], cwd=ROOT, check=True,
+                       capture_output=True)
+    return out
 
 
 def gguf_variants(src: Path) -> dict[str, Path]:
-    """Q8_0 and Q4_0 of the weights in `src`, made by llama.cpp from an F32 copy (cached by source name)."""
-    import ctypes
-
+    """Q8_0, Q4_0 and Q4_K_M of the weights in `src`, made by llama-quantize from an F32 copy (cached)."""
     import gguf
-    import llama_cpp
     from gguf.quants import dequantize
 
-    out = CACHE / src.stem
-    want = {"Q8_0": (out / "q8_0.gguf", 7), "Q4_0": (out / "q4_0.gguf", 2)}  # llama_ftype MOSTLY_Q8_0 / MOSTLY_Q4_0
-    if all(p.is_file() for p, _ in want.values()):
-        return {k: p for k, (p, _) in want.items()}
+    out = CACHE / "gguf" / src.stem
+    want = {q: out / f"{q.lower()}.gguf" for q in ("Q8_0", "Q4_0", "Q4_K_M")}
+    if all(p.is_file() for p in want.values()):
+        return want
     out.mkdir(parents=True, exist_ok=True)
-    f32 = out / "f32.gguf.partial"
-    r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(str(f32), r.get_field(gguf.Keys.General.ARCHITECTURE).contents())
-    for f in r.fields.values():
-        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
-            continue
-        vt = f.types[0]
-        val = 0 if f.name == gguf.Keys.General.FILE_TYPE else f.contents()  # 0 = ALL_F32
-        w.add_key_value(f.name, val, vt, sub_type=f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
-    for t in r.tensors:
-        w.add_tensor(t.name, dequantize(t.data, t.tensor_type).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    print(f"  making llama.cpp Q8_0 / Q4_0 of {src.name} (once, cached in {out})", flush=True)
-    for name, (path, ftype) in want.items():
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype, params.nthread = ftype, os.cpu_count() or 1
-        tmp = path.with_suffix(".partial")
-        with quiet_stderr():  # llama.cpp prints a line per tensor
-            rc = llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(), ctypes.byref(params))
-        if rc != 0:
-            raise RuntimeError(f"llama.cpp could not quantize {src.name} to {name}")
-        tmp.rename(path)
-    f32.unlink()
-    return {k: p for k, (p, _) in want.items()}
+    f32 = out / "f32.gguf"
+    if not f32.is_file():
+        r = gguf.GGUFReader(src)
+        w = gguf.GGUFWriter(str(f32) + ".partial", r.get_field(gguf.Keys.General.ARCHITECTURE).contents())
+        for f in r.fields.values():
+            if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
+                continue
+            vt = f.types[0]
+            val = 0 if f.name == gguf.Keys.General.FILE_TYPE else f.contents()  # 0 = ALL_F32
+            w.add_key_value(f.name, val, vt, sub_type=f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
+        for t in r.tensors:
+            w.add_tensor(t.name, dequantize(t.data, t.tensor_type).astype(np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        Path(str(f32) + ".partial").rename(f32)
+    print(f"  making llama.cpp {', '.join(want)} of {src.name} with llama-quantize (once, cached in {out})", flush=True)
+    for q, path in want.items():
+        if not path.is_file():
+            p = subprocess.run([str(LLAMA_BIN / "llama-quantize"), str(f32), str(path) + ".partial", q],
+                               capture_output=True, text=True)
+            if p.returncode != 0:
+                raise RuntimeError(f"llama-quantize {q} failed: {p.stderr.strip().splitlines()[-1:]}")
+            Path(str(path) + ".partial").rename(path)
+    return want
 
 
 def genai_model(hf_dir: Path, precision: str) -> tuple[Path | None, str]:
-    """onnxruntime-genai's model builder on the same HF folder, CPU, cached next to the bundle's work folder."""
+    """onnxruntime-genai's model builder on the same HF folder, CPU, in the genai venv (cached beside it)."""
     out = hf_dir.parent / f"genai-{precision}"
     if (out / "genai_config.json").is_file():
         return out, ""
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out), "-p",
+    cmd = [str(GENAI_PYTHON), "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out), "-p",
            precision, "-e", "cpu", "-c", str(out / "hf-cache")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=os.environ | {"HF_HUB_OFFLINE": "1"})
     if p.returncode != 0:
@@ -300,14 +332,74 @@ def serve_rows(bundle: str, engines: list[str], users: int, threads: int) -> dic
     return rows
 
 
+# ----------------------------------------------------------------------------- the run
+
+
+def peers(b, a, skipped: list[str]) -> dict[str, dict]:
+    """Row specs for the peers that are set up here; what is missing goes to `skipped` with its fix."""
+    specs: dict[str, dict] = {}
+    hf_dir = None if a.no_genai and not a.with_transformers else hf_folder(b)
+    if a.with_transformers and hf_dir:
+        specs["transformers fp32"] = {"kind": "transformers", "hf_dir": str(hf_dir)}
+    if a.no_genai:
+        pass
+    elif not GENAI_PYTHON.is_file():
+        skipped.append(f"onnxruntime-genai: no {GENAI_PYTHON} (bash scripts/peers-setup.sh genai)")
+    elif hf_dir is None:
+        skipped.append("onnxruntime-genai: the bundle's weights are not in a Hugging Face folder here")
+    else:
+        for prec in ("int8", "int4"):
+            mdir, err = genai_model(hf_dir, prec)
+            if mdir:
+                specs[f"onnxruntime-genai {prec}"] = {"kind": "genai", "model_dir": str(mdir)}
+            else:
+                skipped.append(f"onnxruntime-genai {prec}: model builder failed: {err}")
+    source = b.manifest.source or ""
+    gguf_src = Path(source[len("gguf:"):]) if source.startswith("gguf:") else None
+    if a.no_llama_cpp:
+        pass
+    elif not (LLAMA_BIN / "llama-bench").is_file() or not (LLAMA_BIN / "llama-quantize").is_file():
+        skipped.append(f"llama.cpp: no llama-bench/llama-quantize in {LLAMA_BIN} (bash scripts/peers-setup.sh llama)")
+    elif gguf_src is None or not gguf_src.is_file():
+        skipped.append("llama.cpp: the bundle was not built from a GGUF, so there is no same-weights GGUF to compare")
+    else:
+        for q, path in gguf_variants(gguf_src).items():
+            specs[f"llama.cpp {q}"] = {"kind": "llama.cpp", "gguf": str(path)}
+    return specs
+
+
+def summarize(per_round: list[dict]) -> dict:
+    """Median and spread over rounds of one row's figures."""
+    ok = [r for r in per_round if "error" not in r]
+    if not ok:
+        return {"error": per_round[-1].get("error", "failed")}
+    out = dict(ok[-1])
+    out.pop("tokens", None)
+    for key in ("decode_tok_s", "ttft_ms", "rss_mb"):
+        vals = [r[key] for r in ok if key in r]
+        if vals:
+            out[key] = statistics.median(vals)
+            out[key + "_range"] = [min(vals), max(vals)]
+    out["rounds"] = len(ok)
+    return out
+
+
+RATIOS = [("edgechat int8-dynamic + lookup", "onnxruntime-genai int8"), ("edgechat int8-dynamic + lookup", "llama.cpp Q8_0"),
+          ("edgechat int8-dynamic", "onnxruntime-genai int8"), ("edgechat int8-dynamic", "llama.cpp Q8_0"),
+          ("edgechat int4-weight", "onnxruntime-genai int4"), ("edgechat int4-weight", "llama.cpp Q4_0"),
+          ("edgechat int4-weight", "llama.cpp Q4_K_M"), ("edgechat int8-dynamic + lookup", "edgechat int8-dynamic")]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle", nargs="?")
-    ap.add_argument("--engines", nargs="*", help="bundle engines to time (default: all ONNX engines)")
+    ap.add_argument("--engines", nargs="*", help="bundle engines to time (default: int8-dynamic and int4-weight)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (every row once per round)")
+    ap.add_argument("--no-lookup", action="store_true", help="skip the prompt-lookup speculative rows")
+    ap.add_argument("--with-transformers", action="store_true", help="add transformers fp32 (slow)")
+    ap.add_argument("--no-genai", action="store_true")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--concurrency", type=int, help="also serve the INT8 and INT4 engines to this many clients")
     ap.add_argument("--out", default="bench-results/decode.json")
@@ -319,77 +411,77 @@ def main() -> int:
         return 0
     if not a.bundle:
         ap.error("the bundle folder is required")
+    if a.rounds < 1:
+        ap.error("--rounds must be >= 1")
 
     from edge.bundle import Bundle
     from edge.tokenizer import ChatTokenizer
 
     b = Bundle.open(a.bundle)
     m = b.manifest
-    engines = a.engines or [e.name for e in m.engines if e.fingerprint.format == "onnx"]
+    names = [e.name for e in m.engines if e.fingerprint.format == "onnx"]
+    engines = a.engines or [e for e in ("int8-dynamic", "int4-weight") if e in names] or names
     prompt_ids = ChatTokenizer(b.path(m.tokenizer.file), m.tokenizer).encode_chat(PROMPT)
-    base = {"threads": a.threads, "new": a.new_tokens, "runs": a.runs, "prompt_ids": prompt_ids}
+    base = {"threads": a.threads, "new": a.new_tokens, "prompt_ids": prompt_ids}
     bw = read_bandwidth_gbs(a.threads)
     cpu = cpu_name()
-    print(f"machine: {cpu}, {os.cpu_count()} CPUs, read bandwidth {bw:.1f} GB/s; threads {a.threads}, prompt "
-          f"{len(prompt_ids)} tokens, {a.new_tokens} greedy tokens, median of {a.runs} after a warm-up")
-    specs: dict[str, dict] = {f"edgechat {e}": {"kind": "edgechat", "bundle": str(b.root), "engine": e} for e in engines}
-    hf_dir = Path(str(b.root) + ".work") / "load"
-    skipped = []
-    if a.no_transformers:
-        pass
-    elif hf_dir.is_dir():
-        specs["transformers fp32"] = {"kind": "transformers", "hf_dir": str(hf_dir)}
-    else:
-        skipped.append(f"transformers: {hf_dir} not found (it is the build's load stage)")
-    if importlib.util.find_spec("onnxruntime_genai") and hf_dir.is_dir():
-        for prec in ("int8", "int4", "fp32"):
-            mdir, err = genai_model(hf_dir, prec)
-            if mdir:
-                specs[f"onnxruntime-genai {prec}"] = {"kind": "genai", "model_dir": str(mdir)}
-            else:
-                skipped.append(f"onnxruntime-genai {prec}: model builder failed: {err}")
-    else:
-        skipped.append("onnxruntime-genai: not installed (pip install onnxruntime-genai; not on every index)")
-    source = json.loads((hf_dir / "edgechat_source.json").read_text()).get("source", "") if hf_dir.is_dir() else ""
-    gguf_src = Path(source[len("gguf:"):]) if source.startswith("gguf:") else None  # the GGUF the bundle was built from
-    if a.no_llama_cpp:
-        pass
-    elif not importlib.util.find_spec("llama_cpp"):
-        skipped.append("llama.cpp: pip install llama-cpp-python (compiles from source, a few minutes)")
-    else:
-        if gguf_src is None or not gguf_src.is_file():
-            skipped.append("llama.cpp: the bundle was not built from a GGUF, so there is no same-weights GGUF to compare")
-        else:
-            for q, path in gguf_variants(gguf_src).items():
-                specs[f"llama.cpp {q}"] = {"kind": "llama.cpp", "gguf": str(path)}
-            specs[f"llama.cpp {gguf_src.stem.split('.')[-1]} (as shipped)"] = {"kind": "llama.cpp", "gguf": str(gguf_src)}
+    load0 = os.getloadavg()
+    print(f"machine: {cpu}, {os.cpu_count()} CPUs, read bandwidth {bw:.1f} GB/s, load average {load0[0]:.2f} "
+          f"(other work on this machine adds noise); threads {a.threads}, prompt {len(prompt_ids)} tokens, "
+          f"{a.new_tokens} greedy tokens, {a.rounds} interleaved rounds", flush=True)
+    specs: dict[str, dict] = {}
+    for e in engines:
+        specs[f"edgechat {e}"] = {"kind": "edgechat", "bundle": str(b.root), "engine": e}
+        if not a.no_lookup and e == "int8-dynamic":
+            specs[f"edgechat {e} + lookup"] = {"kind": "edgechat-lookup", "bundle": str(b.root), "engine": e}
+    skipped: list[str] = []
+    specs |= peers(b, a, skipped)
     for s in skipped:
         print(f"  skipped {s}")
-    rows = {}
-    for name, spec in specs.items():
-        rows[name] = run_row(base | spec)
-        print(f"  measured {name}" + (f": ERROR {rows[name]['error']}" if "error" in rows[name] else ""), flush=True)
+    rounds: dict[str, list[dict]] = {k: [] for k in specs}
+    loads: list[dict] = []
+    for r in range(a.rounds):
+        for name, spec in specs.items():
+            load = os.getloadavg()[0]
+            res = run_row(base | spec)
+            res["load_avg_1m"] = load
+            rounds[name].append(res)
+            loads.append({"round": r, "row": name, "load_avg_1m": load})
+            msg = f"ERROR {res['error']}" if "error" in res else f"{res['decode_tok_s']:.1f} tok/s"
+            print(f"  round {r + 1}/{a.rounds} {name}: {msg} (load {load:.2f})", flush=True)
+    rows = {k: summarize(v) for k, v in rounds.items()}
     ok = {k: r for k, r in rows.items() if "error" not in r}
-    ref = ok.get("transformers fp32", {}).get("decode_tok_s")
-    print(f"\n{'runtime':34s} {'TTFT ms':>8s} {'decode tok/s':>13s} {'vs HF':>6s} {'MB/token':>9s} {'roofline':>9s} "
+    print(f"\n{'runtime':34s} {'TTFT ms':>8s} {'decode tok/s':>13s} {'spread':>13s} {'MB/token':>9s} {'roofline':>9s} "
           f"{'peak RSS':>9s}")
     for name, r in ok.items():
         r["roofline_tok_s"] = bw * 1e9 / r["weight_bytes"]
         r["roofline_fraction"] = r["decode_tok_s"] / r["roofline_tok_s"]
-        r["vs_transformers"] = r["decode_tok_s"] / ref if ref else None
-        vs = f"{r['vs_transformers']:.2f}x" if ref else "-"
-        print(f"{name:34s} {r['ttft_ms']:8.0f} {r['decode_tok_s']:13.1f} {vs:>6s} {r['weight_bytes'] / 1e6:9.0f} "
-              f"{100 * r['roofline_fraction']:8.0f}% {r['rss_mb']:8.0f}M")
+        lo, hi = r["decode_tok_s_range"]
+        rss = f"{r['rss_mb']:8.0f}M" if "rss_mb" in r else "-"
+        print(f"{name:34s} {r['ttft_ms']:8.0f} {r['decode_tok_s']:13.1f} {f'{lo:.0f}-{hi:.0f}':>13s} "
+              f"{r['weight_bytes'] / 1e6:9.0f} {100 * r['roofline_fraction']:8.0f}% {rss:>9s}")
+    # output identity: the speculative answer against the plain one, every round
+    identical = None
+    plain, spec = rounds.get("edgechat int8-dynamic", []), rounds.get("edgechat int8-dynamic + lookup", [])
+    if plain and spec:
+        identical = all("tokens" in p and "tokens" in s and p["tokens"] == s["tokens"] for p, s in zip(plain, spec))
+        acc = rows["edgechat int8-dynamic + lookup"].get("speculative", {})
+        print(f"\nprompt lookup on int8-dynamic: output identical to plain greedy in every round: {identical}; "
+              f"acceptance {acc.get('acceptance', 0):.2f} ({acc.get('accepted', 0)} of {acc.get('drafted', 0)} drafted), "
+              f"{acc.get('target_calls', 0)} target calls for {a.new_tokens} tokens")
     ratios = {}
-    for ours, theirs in (("edgechat int8-dynamic", "onnxruntime-genai int8"), ("edgechat int8-dynamic", "llama.cpp Q8_0"),
-                         ("edgechat int4-weight", "onnxruntime-genai int4"), ("edgechat int4-weight", "llama.cpp Q4_0")):
-        if ours in ok and theirs in ok:
-            ratios[f"{ours} / {theirs}"] = {"decode": ok[ours]["decode_tok_s"] / ok[theirs]["decode_tok_s"],
-                                            "ttft": ok[ours]["ttft_ms"] / ok[theirs]["ttft_ms"]}
+    for ours, theirs in RATIOS:
+        pairs = [(x, y) for x, y in zip(rounds.get(ours, []), rounds.get(theirs, [])) if "error" not in x and "error" not in y]
+        if pairs:
+            dec = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in pairs]
+            ttft = [x["ttft_ms"] / y["ttft_ms"] for x, y in pairs]
+            ratios[f"{ours} / {theirs}"] = {"decode": statistics.median(dec), "decode_range": [min(dec), max(dec)],
+                                            "ttft": statistics.median(ttft), "ttft_range": [min(ttft), max(ttft)]}
     if ratios:
-        print(f"\n{'ratio':58s} {'decode':>7s} {'TTFT':>6s}")
+        print(f"\n{'ratio (per round, median; min-max)':62s} {'decode':>16s} {'TTFT':>16s}")
         for k, v in ratios.items():
-            print(f"{k:58s} {v['decode']:6.2f}x {v['ttft']:5.2f}x")
+            d, t = v["decode_range"], v["ttft_range"]
+            print(f"{k:62s} {v['decode']:5.2f}x {d[0]:.2f}-{d[1]:.2f} {v['ttft']:5.2f}x {t[0]:.2f}-{t[1]:.2f}")
     served = {}
     if a.concurrency:
         pick = [e for e in ("int8-dynamic", "int4-weight") if e in engines] or engines[:1]
@@ -403,10 +495,14 @@ def main() -> int:
                   f"{many['per_user_tok_s']:9.1f} {many['ttft_p50_ms']:7.0f}ms")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": {"cpu": cpu, "cpus": os.cpu_count(), "read_bandwidth_gbs": bw,
-                                           "platform": platform.platform()},
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "machine": {"cpu": cpu, "cpus": os.cpu_count(), "read_bandwidth_gbs": bw,
+                                           "platform": platform.platform(), "load_avg_at_start": load0,
+                                           "load_avg_at_end": os.getloadavg()},
                                "threads": a.threads, "new_tokens": a.new_tokens, "prompt_tokens": len(prompt_ids),
-                               "rows": rows, "ratios": ratios, "skipped": skipped, "served": served}, indent=2))
+                               "rounds": a.rounds, "rows": rows, "per_round": rounds, "loads": loads,
+                               "ratios": ratios, "lookup_output_identical": identical, "skipped": skipped,
+                               "served": served}, indent=2))
     print(f"\nwrote {out}")
     return 0
 
