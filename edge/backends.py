@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from edge import precisions
 from edge.bundle import EngineEntry, Fingerprint, Manifest
 from edge.errors import BundleError
 from edge.machine import Machine
 
-CPU_ORDER = ("int8-dynamic", "int4-weight", "fp32", "int8-qdq", "fp16")  # fastest first on CPU kernels
-CUDA_ORDER = ("fp16", "fp32", "int4-weight", "int8-dynamic")  # CUDA EP: no fast path for Q/DQ graphs
-ORT_TRT_ORDER = ("int8-qdq", "fp16", "fp32")  # TensorRT EP builds from standard-op graphs only
+CPU_ORDER = precisions.order("cpu")
+CUDA_ORDER = precisions.order("cuda")
+ORT_TRT_ORDER = precisions.order("ort_trt")
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ def engine_mismatch(fp: Fingerprint, m: Machine) -> str | None:
 
 def _first(engines: list[EngineEntry], order: tuple[str, ...]) -> EngineEntry | None:
     onnx = [e for e in engines if e.fingerprint.format == "onnx" and e.fingerprint.precision in order]
-    onnx.sort(key=lambda e: (order.index(e.fingerprint.precision), e.fingerprint.variant != "plain"))
+    onnx.sort(key=lambda e: (order.index(e.fingerprint.precision),
+                             e.fingerprint.variant != precisions.get(e.fingerprint.precision).variant))
     return onnx[0] if onnx else None
 
 
@@ -106,12 +108,12 @@ def decide(manifest: Manifest, m: Machine, engine: str | None = None) -> Choice:
             if e:
                 return Choice("onnxruntime-tensorrt", e.name,
                               ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"), skipped)
-            skipped.append("ONNX Runtime TensorRT EP: no fp16/fp32/int8-qdq graph in the bundle")
+            skipped.append(f"ONNX Runtime TensorRT EP: no {'/'.join(ORT_TRT_ORDER)} graph in the bundle")
         if "CUDAExecutionProvider" in gpu_eps:
             e = _first(engines, CUDA_ORDER)
             if e:
                 return Choice("onnxruntime-cuda", e.name, ("CUDAExecutionProvider", "CPUExecutionProvider"), skipped)
-            skipped.append("ONNX Runtime CUDA EP: no graph the CUDA EP runs well (fp16, fp32, int4, int8-dynamic)")
+            skipped.append(f"ONNX Runtime CUDA EP: no graph the CUDA EP runs well ({', '.join(CUDA_ORDER)})")
     e = _first(engines, CPU_ORDER)
     if e is None:
         have = ", ".join(f"{x.name} ({x.fingerprint.format})" for x in engines) or "none"

@@ -1,4 +1,9 @@
-"""The KV caches behind continuous batching (the scheduler is edge.batching).
+"""The KV caches behind the decode loop (edge.scheduler): many rows of different lengths in one batch.
+
+Both kinds do the same things for the scheduler, which never asks which one it has: `admit` a
+prompt as a new row (prefilled alone, batch 1, the calls `Decoder.prefill` runs), `step` every row by
+one token, `remove` rows that finished, prefill one long prompt a span at a time in a side row between
+steps (`side_row` ... `add_side`), and `remember` a finished prompt for the prompt cache.
 
 - plain graphs (`BatchCache`): rows are kept right-aligned in a [batch, kv_heads, width,
   head_dim] tensor per layer with the unused left columns masked out by `attention_mask`;
@@ -8,15 +13,36 @@
   the new token's K/V in place, so a step copies nothing, and a new request is prefilled
   straight into its row. Finished prompts' K/V go into a `PromptCache`, and a later prompt that
   starts the same way (the system prompt, the chat so far) prefills only the rest, from a fixed
-  prefill boundary (edge.runtime.next_boundary) so its numbers equal an uncached prefill's.
+  prefill boundary (edge.decoder.next_boundary) so its numbers equal an uncached prefill's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from typing import Protocol
+
 from edge.errors import EdgeChatError
-from edge.runtime import Decoder, KVCache, _ort, boundary_at_or_below
+from edge.decoder import Decoder, KVCache, boundary_at_or_below
+
+class RowCache(Protocol):
+    """What the scheduler asks of a batch cache (both kinds below implement it)."""
+
+    lengths: list[int]  # tokens cached per row, in the scheduler's row order
+    reused: int  # prompt tokens the last admitted row took from the prompt cache
+
+    def __len__(self) -> int: ...
+    def admit(self, prompt: list[int]) -> np.ndarray: ...
+    def step(self, tokens: list[int]) -> np.ndarray: ...
+    def remove(self, rows: list[int]) -> None: ...
+    def remember(self, row: int, ids: list[int]) -> None: ...
+    def side_row(self, prompt_len: int) -> KVCache: ...
+    def reuse_side(self, prompt: list[int]) -> int: ...
+    def side_view(self) -> KVCache: ...
+    def add_side(self) -> None: ...
+    def drop_side(self) -> None: ...
+    def fresh(self) -> "RowCache": ...
+
 
 PROMPT_CACHE_MB = 64  # K/V kept of recent conversations (fused graphs): SmolLM2-135M takes 45 KB a token, ~1,450 tokens
 
@@ -26,8 +52,14 @@ class BatchCache:
 
     def __init__(self, decoder: Decoder) -> None:
         self.decoder = decoder
-        self.values: list | None = None  # OrtValues [batch, kv_heads, width, head_dim]
+        self.values: list | None = None  # backend values [batch, kv_heads, width, head_dim]
         self.lengths: list[int] = []
+        self.side: KVCache | None = None  # a long prompt being prefilled apart (side_row)
+        self.reused = 0  # prompt tokens the last admitted row took from a prompt cache (plain graphs keep none)
+
+    def fresh(self) -> "BatchCache":
+        """An empty cache of the same kind (after a failure: this one may be half-updated)."""
+        return BatchCache(self.decoder)
 
     @property
     def width(self) -> int:
@@ -36,9 +68,37 @@ class BatchCache:
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def new_row(self, prompt_len: int) -> KVCache:
-        """An empty batch-1 cache to prefill a new request into (joins with `add`)."""
-        return self.decoder.new_cache()
+    def admit(self, prompt: list[int]) -> np.ndarray:
+        """Prefill `prompt` alone (batch 1) and add it as the last row; returns its next-token logits [vocab]."""
+        row = self.decoder.new_cache()
+        logits = self.decoder.prefill(prompt, row)[0]
+        self.add(row)
+        return logits
+
+    def side_row(self, prompt_len: int) -> KVCache:
+        """A batch-1 cache for a long prompt prefilled a span at a time between steps; `add_side` admits it."""
+        if self.side is not None:
+            raise EdgeChatError("a long prompt is already being prefilled")
+        self.side = self.decoder.new_cache()
+        return self.side
+
+    def reuse_side(self, prompt: list[int]) -> int:
+        return 0  # no prompt cache on plain graphs
+
+    def side_view(self) -> KVCache:
+        assert self.side is not None
+        return self.side
+
+    def add_side(self) -> None:
+        assert self.side is not None
+        self.add(self.side)
+        self.side = None
+
+    def drop_side(self) -> None:
+        self.side = None
+
+    def remember(self, row: int, ids: list[int]) -> None:
+        """Plain graphs keep no prompt cache (their rows are re-laid out every time one joins)."""
 
     def add(self, row: KVCache) -> None:
         if self.values is None:
@@ -53,7 +113,7 @@ class BatchCache:
                 a = np.pad(a, ((0, 0), (0, 0), (old_pad, 0), (0, 0)))
             if new_pad:
                 b = np.pad(b, ((0, 0), (0, 0), (new_pad, 0), (0, 0)))
-            merged.append(self.decoder.to_ortvalue(np.concatenate([a, b], axis=0)))
+            merged.append(self.decoder.to_device(np.concatenate([a, b], axis=0)))
         self.values = merged
         self.lengths.append(row.length)
 
@@ -66,7 +126,7 @@ class BatchCache:
         self.lengths = [self.lengths[i] for i in keep]
         cut = old_width - self.width  # columns that were padding for every remaining row
         assert self.values is not None
-        self.values = [self.decoder.to_ortvalue(v.numpy()[keep, :, cut:, :]) for v in self.values]
+        self.values = [self.decoder.to_device(v.numpy()[keep, :, cut:, :]) for v in self.values]
 
     def step(self, tokens: list[int]) -> np.ndarray:
         """Feed one token per row; returns next-token logits [batch, vocab]."""
@@ -116,7 +176,7 @@ class PromptCache:
 
     def start(self, prompt: list[int]) -> tuple[list[np.ndarray] | None, int]:
         """(K/V, how many of the prompt's first tokens to take from them): the last prefill boundary within the
-        shared start (so the rest runs the calls an uncached prefill would, see edge.runtime.next_boundary),
+        shared start (so the rest runs the calls an uncached prefill would, see edge.decoder.next_boundary),
         and never the prompt's last token, since a prefill needs one token to run for the next-token logits."""
         kv, n = self.match(prompt)
         return kv, boundary_at_or_below(min(n, len(prompt) - 1))
@@ -155,7 +215,13 @@ class SharedBatchCache:
         self._views: tuple[int, list] | None = None  # (n, OrtValues over buffer[:n]) for the current n
         self.side: KVCache | None = None  # a long prompt being prefilled into the last slot (side_row)
         self.prompts = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
-        self.reused: list[int] = []  # per row of the last prefill_rows call: prompt tokens taken from the cache
+        self.reused = 0  # prompt tokens the last admitted row took from the prompt cache
+
+    def fresh(self) -> "SharedBatchCache":
+        """An empty cache of the same kind that keeps the prompt cache (its copies are still valid)."""
+        new = SharedBatchCache(self.decoder, self.slots)
+        new.prompts = self.prompts
+        return new
 
     @property
     def width(self) -> int:
@@ -172,7 +238,7 @@ class SharedBatchCache:
     def _slots(self, lo: int, hi: int) -> tuple[list[np.ndarray], list]:
         """Slots lo..hi-1 of every layer's buffer: numpy views and OrtValues over the same memory."""
         arrays = [a[lo:hi] for a in self.buffers.arrays]
-        return arrays, [_ort().OrtValue.ortvalue_from_numpy(a) for a in arrays]
+        return arrays, [self.decoder.share(a) for a in arrays]
 
     @property
     def free(self) -> int:
@@ -189,26 +255,37 @@ class SharedBatchCache:
         arrays, values = self._slots(n, n + 1)
         return KVCache(values, capacity=self.buffers.capacity, arrays=arrays)
 
-    def prefill_rows(self, prompts: list[list[int]]) -> np.ndarray:
-        """Prefill new requests into the next free slots, in order, one at a time; they join the batch at once.
-        Returns each row's next-token logits [len(prompts), vocab].
+    def admit(self, prompt: list[int]) -> np.ndarray:
+        """Prefill `prompt` into the next free slot and make it the last row; returns its next-token logits.
 
-        Each prompt runs the calls `Decoder.prefill` runs for it alone (spans between fixed prefill
+        The prompt runs the calls `Decoder.prefill` runs for it alone (spans between fixed prefill
         boundaries, batch 1), after the K/V of its longest cached start up to such a boundary are copied
         into its slot: the same prompt gets the same logits, bit for bit, whatever the cache held and
         whoever arrived with it (one padded call for a group would be faster but gives a row numbers that
-        depend on the longest prompt beside it). `reused` says how many tokens each took from the cache."""
+        depend on the longest prompt beside it). `reused` says how many tokens it took from the cache."""
+        n = len(self.lengths)
+        if self.free < 1:
+            raise EdgeChatError(f"all {self.slots} batch slots are taken")
+        kv, self.reused = self.prompts.start(prompt) if self.prompts is not None else (None, 0)
+        try:
+            return self._prefill_one(n, prompt, kv, self.reused)
+        except BaseException:
+            self.truncate(n)  # a failed prefill leaves no half-admitted row behind
+            raise
+
+    def prefill_rows(self, prompts: list[list[int]]) -> np.ndarray:
+        """`admit` several prompts in order, all or none (tests and benchmarks): their next-token logits
+        [len(prompts), vocab]; `reused_rows` says how many tokens each took from the prompt cache."""
         n, k = len(self.lengths), len(prompts)
         if k > self.free:
             raise EdgeChatError(f"{k} new rows do not fit: {self.free} of {self.slots} batch slots are free")
-        found = [self.prompts.start(p) for p in prompts] if self.prompts is not None else [(None, 0)] * k
-        self.reused = [c for _, c in found]
-        out = []
+        out, self.reused_rows = [], []
         try:
-            for j, (p, (kv, c)) in enumerate(zip(prompts, found)):
-                out.append(self._prefill_one(n + j, p, kv, c))
+            for p in prompts:
+                out.append(self.admit(p))
+                self.reused_rows.append(self.reused)
         except BaseException:
-            self.truncate(n)  # a failed prefill leaves no half-admitted rows behind
+            self.truncate(n)
             raise
         return np.stack(out)
 
@@ -237,7 +314,7 @@ class SharedBatchCache:
             self.prompts.tokens_reused += n
 
     def reuse_side(self, prompt: list[int]) -> int:
-        """The side row's prompt, like prefill_rows': its longest cached start copied into the last slot;
+        """The side row's prompt, like admit's: its longest cached start copied into the last slot;
         returns how many tokens are there now (the chunked prefill goes on from there)."""
         row = self.side_view()
         if self.prompts is None:
@@ -325,7 +402,7 @@ class SharedBatchCache:
         return logits[:, 0]
 
 
-def batch_cache(decoder: Decoder, slots: int, prompt_cache_bytes: int = 0) -> BatchCache | SharedBatchCache:
+def batch_cache(decoder: Decoder, slots: int, prompt_cache_bytes: int = 0) -> RowCache:
     """The batch cache the decoder's graph calls for (a prompt cache on fused graphs only)."""
     return SharedBatchCache(decoder, slots, prompt_cache_bytes=prompt_cache_bytes) if decoder.io.fused \
         else BatchCache(decoder)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from edge.errors import ContextOverflowError
-from edge.runtime import Generator, StreamEvent
+from edge.generate import Generator
+from edge.stream import StreamEvent
 from edge.sampling import SamplingConfig
 
 log = logging.getLogger("edgechat")

@@ -6,7 +6,9 @@ import argparse
 import logging
 import sys
 
+from edge.args import Bounded, Parser, guarded
 from edge.errors import EdgeChatError
+from edge.tensorrt.command import add_engine_flags, build_engine_command
 
 
 def _verify_mode(args: argparse.Namespace) -> str:
@@ -19,7 +21,7 @@ def _verify_mode(args: argparse.Namespace) -> str:
 
 def _gen(args: argparse.Namespace, spin: bool = True):
     from edge.bundle import Bundle
-    from edge.runtime import Generator
+    from edge.generate import Generator
 
     bundle = Bundle.open(args.bundle, verify=_verify_mode(args))
     if bundle.hashed:
@@ -182,39 +184,6 @@ def _golden(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_engine_command(args: argparse.Namespace, profile: str) -> int:
-    """Shared by `edge-chat build-engine` (on the device) and `edge-export engines` (workstation T4/L4)."""
-    import json
-
-    from edge.bundle import Bundle
-    from edge.machine import detect
-    from edge.trt_builder import build_engine, plan_build
-
-    here = detect()
-    bundle = Bundle.open(args.bundle, verify="full")
-    plan = plan_build(bundle, profile, args.precision, tensorrt_version=args.tensorrt or here.tensorrt,
-                      max_batch=args.max_batch, max_context=args.max_context,
-                      optimization_level=args.optimization_level, version_compatible=args.version_compatible)
-    s = plan.settings
-    print(f"engine   {plan.engine_name} for {plan.profile.display_name} from {plan.source.file}, TensorRT "
-          f"{plan.tensorrt_version}{' (strongly typed)' if s.strongly_typed else ''}, flags {', '.join(s.flags) or '-'}")
-    print(f"shapes   batch <= {s.max_batch}, context <= {s.max_context}; workspace {s.workspace_bytes >> 20} MiB; "
-          f"build needs ~{plan.ram_needed_gb:.1f} GB host RAM"
-          + (f" of {plan.ram_available_gb:.1f} GB available" if plan.ram_available_gb else ""))
-    if args.dry_run:
-        print(json.dumps(plan.summary(), indent=2))
-        return 0
-    if here.has_gpu and str(here.gpu_sm) != s.gpu_sm:
-        raise EdgeChatError(f"this GPU is SM {here.gpu_sm} ({here.gpu_name}) but {plan.profile.display_name} is SM "
-                            f"{s.gpu_sm}: an engine runs only on the GPU architecture it was built on; build it on "
-                            "the target (or pick the profile of this GPU)")
-    entry = build_engine(plan, here)
-    q = entry.quality
-    print(f"built    {entry.file} in {q.get('build_seconds')} s; golden answers same as {q.get('built_from')}: "
-          f"{q.get('golden_same_as_source', '?')}, passed {q.get('golden_passed', '?')}")
-    return 0
-
-
 def _build_engine(args: argparse.Namespace) -> int:
     profile = args.profile
     if profile == "auto":
@@ -228,19 +197,6 @@ def _build_engine(args: argparse.Namespace) -> int:
                                 + ": pass --profile NAME")
         profile = here.profile
     return build_engine_command(args, profile)
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("bundle", help="bundle folder (the engine is added to it)")
-    p.add_argument("--precision", default="fp16", choices=["fp16", "int8-qdq", "fp32", "bf16"],
-                   help="fp16 (from the fp32 graph) or int8-qdq (the SmoothQuant Q/DQ graph)")
-    p.add_argument("--max-context", type=Bounded(int, 1), help="longest sequence the engine takes (default: the profile's)")
-    p.add_argument("--max-batch", type=Bounded(int, 1), help="most sequences decoded together (default: the profile's)")
-    p.add_argument("--optimization-level", type=Bounded(int, 0, 5), default=3, help="TensorRT builder optimization level 0-5")
-    p.add_argument("--version-compatible", action="store_true",
-                   help="engine that also runs on later TensorRT of the same major version (a little slower)")
-    p.add_argument("--tensorrt", help="TensorRT version to plan for (default: the installed one)")
-    p.add_argument("--dry-run", action="store_true", help="print the builder settings and stop")
 
 
 def _add_gen_flags(p: argparse.ArgumentParser) -> None:
@@ -322,65 +278,6 @@ def make_parser() -> argparse.ArgumentParser:
     i.add_argument("--verify", action="store_true", help="check every file's SHA-256")
     i.set_defaults(func=_info)
     return ap
-
-
-class Bounded:
-    """An argparse type for a number within limits: a bad value is refused by the parser, in one line that
-    names the flag, before anything is loaded (the libraries check again for their own callers)."""
-
-    def __init__(self, kind: type, low: float | None = None, high: float | None = None, above: bool = False) -> None:
-        self.kind, self.low, self.high, self.above = kind, low, high, above  # above: low itself is not allowed
-
-    def describe(self) -> str:
-        low = "" if self.low is None else f"{'>' if self.above else '>='} {self.low}"
-        return f"{low} and <= {self.high}" if low and self.high is not None else low or f"<= {self.high}"
-
-    def __call__(self, text: str) -> int | float:
-        try:
-            v = self.kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if self.kind is int else 'a number'}, "
-                                             f"got {text!r}") from None
-        if v != v or v in (float("inf"), float("-inf")):
-            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-        if (self.low is not None and (v <= self.low if self.above else v < self.low)) or \
-                (self.high is not None and v > self.high):
-            raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {text}")
-        return v
-
-    def __repr__(self) -> str:  # argparse names the type in some messages
-        return self.kind.__name__
-
-
-EXIT_CODES = ("exit codes: 0 done; 2 bad input or a failed check (one line on stderr says what to do); "
-              "130 interrupted; 1 an internal error (a bug: please report the traceback)")
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with its usage errors on one line (exit 2), like every other refusal of the CLIs."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("epilog", EXIT_CODES)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def guarded(args: argparse.Namespace) -> int:
-    """Run a subcommand; a problem the user can act on becomes one line on stderr and exit code 2."""
-    try:
-        return args.func(args)
-    except EdgeChatError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a path that cannot be read or written, a full disk, a port in use: the user can act
-        where = f": {e.filename} (check the path and its permissions)" if e.filename else ""
-        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
 
 
 def main(argv: list[str] | None = None) -> int:

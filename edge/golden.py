@@ -8,6 +8,7 @@ serve, so a broken engine or a wrong backend shows up as changed answers before 
 from __future__ import annotations
 
 from edge.bundle import Manifest
+from edge.precisions import FP32
 from edge.sampling import SamplingConfig
 
 GOLDEN_TOKENS = 48  # export/evaluate.py answers golden prompts with 48 greedy tokens
@@ -15,7 +16,7 @@ GOLDEN_TOKENS = 48  # export/evaluate.py answers golden prompts with 48 greedy t
 
 def reference_answers(manifest: Manifest, engine: str | None = None) -> dict[str, dict]:
     """prompt -> recorded golden entry, for `engine` (default: fp32, the teacher)."""
-    want = engine or "fp32"
+    want = engine or FP32
     rows = [g for g in manifest.golden if g.get("engine") == want] or \
            [g for g in manifest.golden if g.get("engine") == (manifest.golden[0]["engine"] if manifest.golden else None)]
     return {g["prompt"]: g for g in rows}

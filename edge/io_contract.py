@@ -32,6 +32,9 @@ class DecoderIO:
     # (a fifth of a prefill's compute, and [batch, seq, vocab] of memory) then runs on those rows only.
     # Empty in graphs written before it existed: they return logits at every position.
     logit_positions: str = ""
+    # the most prompt tokens one plain-graph call takes: the runtime cuts longer prompts into pieces of this
+    # size, a TensorRT engine's prefill profile is built for it and the planner sizes activations by it
+    prefill_chunk: int = 512
 
     @property
     def fused(self) -> bool:
@@ -58,7 +61,7 @@ class DecoderIO:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DecoderIO":
-        return cls(**d)
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
 FUSED_IO = DecoderIO(attention_mask="", position_ids="", past_axis="max_sequence_length",

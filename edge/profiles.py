@@ -21,6 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from edge.errors import ProfileError
+from edge.precisions import BF16, FP8, FP32, INT8_DYNAMIC, INT8_QDQ
 
 KINDS = ("dgpu", "jetson", "cpu")
 REQUIRED = (
@@ -57,16 +58,16 @@ class DeviceProfile:
     def peak_flops(self, precision: str) -> float:
         """Dense peak FLOP/s (or OP/s) for the math a precision runs on."""
         f = self.facts
-        if precision in ("int8-qdq",) and f.get("peak_tops_int8"):
+        if precision in (INT8_QDQ,) and f.get("peak_tops_int8"):
             return f["peak_tops_int8"] * 1e12
-        if precision == "fp8" and f.get("peak_tflops_fp8"):
+        if precision == FP8 and f.get("peak_tflops_fp8"):
             return f["peak_tflops_fp8"] * 1e12
-        if precision == "fp32":
+        if precision == FP32:
             return f["peak_tflops_fp32"] * 1e12
         # fp16/bf16 and weight-only quantization compute in fp16 on GPUs
         if self.is_gpu:
-            return f.get("peak_tflops_bf16" if precision == "bf16" else "peak_tflops_fp16", f["peak_tflops_fp16"]) * 1e12
-        if precision == "int8-dynamic":
+            return f.get("peak_tflops_bf16" if precision == BF16 else "peak_tflops_fp16", f["peak_tflops_fp16"]) * 1e12
+        if precision == INT8_DYNAMIC:
             return f["peak_tops_int8"] * 1e12
         return f["peak_tflops_fp32"] * 1e12
 

@@ -1,7 +1,9 @@
-"""Continuous batching: many conversations share one decode step.
+"""The decode loop: every answer, one user's or many users', is generated here.
 
-Each active request owns a row of one batched KV cache (edge.batch_cache). New requests are
-prefilled one at a time, the same calls a single user's prefill runs (so an answer does not
+Continuous batching: many conversations share one decode step. Each active request owns a row of one
+batched KV cache (edge.cache). A single-user generation (the CLI, the REPL, the export's evaluation)
+is this same loop with one row, run in the caller's thread (`Scheduler.generate`); the server runs it
+on its own thread. New requests are prefilled one at a time, the same calls a single user's prefill runs (so an answer does not
 depend on who arrived with it or on what the prompt cache held), and join the batch between
 steps. On a fused graph a long prompt is prefilled a span at a time into the last slot, one span
 between decode steps, so the answers already streaming keep streaming instead of freezing for the
@@ -17,6 +19,7 @@ reader never holds up the others.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -24,16 +27,18 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
-from edge.batch_cache import PROMPT_CACHE_MB, BatchCache, PromptCache, SharedBatchCache, batch_cache
+from edge.cache import PROMPT_CACHE_MB, batch_cache
 from edge.errors import ContextOverflowError, EdgeChatError
-from edge.runtime import Generator, StreamEvent, TextStream, next_boundary
 from edge.sampling import Sampler, SamplingConfig
+from edge.stream import StreamEvent, TextStream
 
-__all__ = ["BatchCache", "PromptCache", "QueueFullError", "Request", "Scheduler", "SharedBatchCache", "batch_cache"]
+if TYPE_CHECKING:  # the Generator owns a Scheduler; this module only reads its decoder and tokenizer
+    from edge.generate import Generator
+
 log = logging.getLogger("edgechat")
 
 
@@ -46,12 +51,29 @@ class QueueFullError(EdgeChatError):
 
 
 _ids = itertools.count(1)
-BATCHED_PREFILL_MAX_PROMPT = 512  # longer prompts are prefilled alone, a span per step (between decode steps: fused graphs)
-# Tokens of a long prompt prefilled between two decode steps, when set (benchmarks compare "all at once");
-# None: one span between prefill boundaries (<= 128 tokens, edge.runtime.next_boundary). SmolLM2-135M int8,
-# 2-core EPYC: a 128-token chunk takes 73-126 ms (past 0-1400), so the others stream a token every
-# ~0.1-0.14 s instead of freezing for the whole prefill.
-INTERLEAVED_PREFILL_CHUNK: int | None = None
+
+
+@dataclass
+class Admission:
+    """Who gets in when: every number the scheduler's admission policy uses, in one place.
+
+    - A prompt longer than `long_prompt` tokens is prefilled a span at a time between decode steps (one
+      such prompt at a time, in a side row), so the users already streaming do not freeze for its whole
+      prefill; shorter prompts are prefilled at once when a row is free.
+    - `interleaved_span`: tokens of a long prompt prefilled between two steps; None = the decoder's own
+      `prefill_span` (up to the next prefill boundary, <= 128 tokens, on a fused graph), so the prompt runs
+      the calls it would run alone. Benchmarks set it to compare "all at once".
+    - A request is refused (429, Retry-After) when `max_queue` are already waiting and every row is taken;
+      Retry-After is `retry_steps` decode steps at the running mean step time (a typical answer's rest).
+    """
+
+    long_prompt: int = 512
+    interleaved_span: int | None = None
+    max_queue: int = 32
+    retry_steps: int = 64
+
+
+ADMISSION = Admission()  # the defaults every Scheduler starts from (its max_queue is the constructor's)
 
 
 @dataclass
@@ -137,7 +159,7 @@ def _why(e: BaseException) -> str:
 class Scheduler:
     """Admits requests into up to `max_batch` rows and runs batched decode steps on one thread."""
 
-    def __init__(self, gen: Generator, max_batch: int = 8, max_queue: int = 32, metrics=None,
+    def __init__(self, gen: "Generator", max_batch: int = 8, max_queue: int = 32, metrics=None,
                  prompt_cache_mb: float = PROMPT_CACHE_MB) -> None:
         if max_batch < 1 or max_queue < 0:
             raise EdgeChatError(f"max_batch must be >= 1 and max_queue >= 0 (got {max_batch}, {max_queue})")
@@ -150,7 +172,7 @@ class Scheduler:
                         "(rebuild it with --max-batch %d for more)", limit, gen.decoder.name, limit, max_batch)
             max_batch = limit
         self.max_batch = max_batch
-        self.max_queue = max_queue
+        self.admission = dataclasses.replace(ADMISSION, max_queue=max_queue)
         self.metrics = metrics
         self.pending: deque[Request] = deque()
         self.rows: list[_Row] = []
@@ -160,8 +182,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.step_s = 0.05  # running mean of one decode step, for Retry-After
-        self.prefilling: _Prefilling | None = None  # a long prompt prefilled between decode steps (fused graphs)
-        self.prefill_chunk = INTERLEAVED_PREFILL_CHUNK
+        self.prefilling: _Prefilling | None = None  # a long prompt prefilled between decode steps
         self.error: str | None = None  # the last failure of the loop as a whole (it was restarted)
         self.restarts = 0
 
@@ -169,28 +190,64 @@ class Scheduler:
     def submit(self, prompt_ids: list[int], cfg: SamplingConfig,
                on_event: Callable[[StreamEvent], None] | None = None, timeout_s: float | None = None) -> Request:
         """Queue a request; `timeout_s` ends it (finish_reason "timeout", slot freed) that long after now."""
-        if not prompt_ids:
-            raise EdgeChatError("the prompt is empty")
-        if len(prompt_ids) >= self.gen.max_context:
-            raise ContextOverflowError(
-                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.gen.max_context}: shorten it")
+        req = self._request(prompt_ids, cfg, on_event, timeout_s)
         if self._stop.is_set() or self._thread is None:
             raise EdgeChatError("the scheduler is not running")
         if not self._thread.is_alive():  # died past its supervisor (it should not): start it again
             self._restart_thread("the scheduler thread had stopped")
-        req = Request(list(prompt_ids), cfg, on_event)
-        if timeout_s is not None:
-            req.deadline = req.submitted + timeout_s
         with self._cv:
-            if len(self.pending) >= self.max_queue and len(self.rows) + len(self.pending) >= self.max_batch:
+            if len(self.pending) >= self.admission.max_queue and len(self.rows) + len(self.pending) >= self.max_batch:
                 raise QueueFullError(len(self.pending), self.retry_after())
             self.pending.append(req)
             self._cv.notify()
         return req
 
+    def _request(self, prompt_ids: list[int], cfg: SamplingConfig, on_event: Callable[[StreamEvent], None] | None,
+                 timeout_s: float | None = None) -> Request:
+        if not prompt_ids:
+            raise EdgeChatError("the prompt is empty")
+        if len(prompt_ids) >= self.gen.max_context:
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.gen.max_context}: shorten it")
+        req = Request(list(prompt_ids), cfg, on_event)
+        if timeout_s is not None:
+            req.deadline = req.submitted + timeout_s
+        return req
+
+    def generate(self, prompt_ids: list[int], cfg: SamplingConfig,
+                 cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
+        """One request run to its end in the caller's thread, on a scheduler that was not `start`ed: the
+        single-user path, through the same admission, steps and sampling as a served request. Setting
+        `cancel` (or closing the iterator) ends it; a failure raises instead of ending with "error"."""
+        if self._thread is not None:
+            raise EdgeChatError("generate() runs requests in the caller's thread: use submit() on a started scheduler")
+        events: list[StreamEvent] = []
+        req = self._request(prompt_ids, cfg, events.append)
+        if cancel is not None:
+            req.cancelled = cancel
+        self.pending.append(req)
+        try:
+            while not req.done.is_set():
+                self._admit()
+                self._drop_unwanted()
+                if self.rows:
+                    self._step()
+                if self.prefilling is not None:
+                    self._prefill_next_chunk()
+                for ev in events:
+                    if ev.finish_reason == "error":
+                        raise EdgeChatError(f"generation failed: {ev.stats.get('error', 'unknown error')}")
+                    yield ev
+                events.clear()
+        finally:
+            if not req.done.is_set():  # the consumer stopped early: leave nothing behind in the cache
+                self._fail_in_flight("cancelled")
+                self.pending.clear()
+                self._reset()
+
     def retry_after(self) -> float:
         """Rough seconds until a slot frees: a typical answer's remaining steps."""
-        return max(1.0, round(self.step_s * 64))
+        return max(1.0, round(self.step_s * self.admission.retry_steps))
 
     @property
     def queue_depth(self) -> int:
@@ -273,11 +330,8 @@ class Scheduler:
 
     def _reset(self) -> None:
         """A fresh batch cache (the old one may be half-updated); the prompt cache's copies stay valid."""
-        prompts = getattr(self.cache, "prompts", None)
         self.rows, self.prefilling = [], None
-        self.cache = batch_cache(self.gen.decoder, self.max_batch, 0)
-        if isinstance(self.cache, SharedBatchCache):
-            self.cache.prompts = prompts
+        self.cache = self.cache.fresh()
 
     def _text(self, req: Request) -> TextStream:
         text = TextStream(self.gen.tokenizer, req.cfg, len(req.prompt_ids), self.gen.max_context)
@@ -288,8 +342,8 @@ class Scheduler:
         return self.max_batch - len(self.rows) - (self.prefilling is not None)
 
     def _long(self, req: Request) -> bool:
-        """Prefilled between decode steps: a long prompt on a fused graph."""
-        return isinstance(self.cache, SharedBatchCache) and len(req.prompt_ids) > BATCHED_PREFILL_MAX_PROMPT
+        """Prefilled between decode steps (see Admission)."""
+        return len(req.prompt_ids) > self.admission.long_prompt
 
     def _admit(self) -> None:
         while self._free() > 0 and not self._stop.is_set():
@@ -299,10 +353,8 @@ class Scheduler:
             for req, row in batch:
                 if self._long(req):  # _take hands out at most one, and only while none is in progress
                     self._start_prefill(req, row)
-                elif isinstance(self.cache, SharedBatchCache):
-                    self._prefill_shared(req, row)
                 else:
-                    self._prefill_alone(req, row)
+                    self._prefill(req, row)
 
     def _take(self, free: int) -> list[tuple[Request, _Row]]:
         """Up to `free` waiting requests (cancelled ones are closed here), oldest first. A long prompt
@@ -329,38 +381,25 @@ class Scheduler:
             out.append((req, _Row(req, sampler, text, list(req.prompt_ids))))
         return out
 
-    def _prefill_alone(self, req: Request, row: _Row) -> None:
-        """Plain graphs: a batch-1 prefill, then the row joins the batch."""
+    def _prefill(self, req: Request, row: _Row) -> None:
+        """Prefill the prompt into a new row (after its cached start, if the cache has one); it joins the batch."""
         try:
-            cache = self.cache.new_row(len(req.prompt_ids))
-            logits = self.gen.decoder.prefill(req.prompt_ids, cache)[0]
+            logits = self.cache.admit(req.prompt_ids)
         except Exception as e:
             self._emit_final(req, row.text, "error", _why(e))
             return
-        if self._accept(row, logits, cache.length):
-            self.rows.append(row)
-            self.cache.add(cache)
-        if self.metrics is not None:
-            self.metrics.observe_prompt(len(req.prompt_ids))
+        self._joined(row, logits, self.cache.reused)
 
-    def _prefill_shared(self, req: Request, row: _Row) -> None:
-        """Fused graphs: prefill into the next free slot (after its cached start); the row joins the batch."""
-        assert isinstance(self.cache, SharedBatchCache)
-        try:
-            logits = self.cache.prefill_rows([req.prompt_ids])[0]
-        except Exception as e:
-            self._emit_final(req, row.text, "error", _why(e))
-            return
-        cached = self.cache.reused[0]
+    def _joined(self, row: _Row, logits: np.ndarray, cached: int) -> None:
+        """A prefilled row is the batch's last: take its first token (it leaves again if that ends it)."""
         row.text.cached_tokens = cached
         self.rows.append(row)
-        if not self._accept(row, logits, len(req.prompt_ids)):
+        if not self._accept(row, logits, len(row.req.prompt_ids)):
             self._leave([len(self.rows) - 1])
         if self.metrics is not None:
-            self.metrics.observe_prompt(len(req.prompt_ids), cached=cached)
+            self.metrics.observe_prompt(len(row.req.prompt_ids), cached=cached)
 
     def _start_prefill(self, req: Request, row: _Row) -> None:
-        assert isinstance(self.cache, SharedBatchCache)
         try:
             self.cache.side_row(len(req.prompt_ids))
             cached = self.cache.reuse_side(req.prompt_ids)  # a long chat's next turn: only the new part runs
@@ -374,7 +413,7 @@ class Scheduler:
     def _prefill_next_chunk(self) -> None:
         """One span of the long prompt into the side slot; on the last one it joins the batch."""
         p = self.prefilling
-        assert p is not None and isinstance(self.cache, SharedBatchCache)
+        assert p is not None
         why = p.req.gone()
         if why:
             self.cache.drop_side()
@@ -382,7 +421,7 @@ class Scheduler:
             self._emit_final(p.req, p.row.text, why)
             return
         ids = p.req.prompt_ids
-        end = p.done + self.prefill_chunk if self.prefill_chunk else next_boundary(p.done)
+        end = p.done + (self.admission.interleaved_span or self.gen.decoder.prefill_span(p.done))
         chunk = np.asarray(ids[p.done: end], dtype=np.int64)
         try:
             logits = self.gen.decoder.forward(chunk, self.cache.side_view())[0]
@@ -396,11 +435,7 @@ class Scheduler:
             return
         self.prefilling = None
         self.cache.add_side()
-        self.rows.append(p.row)
-        if not self._accept(p.row, logits, len(ids)):
-            self._leave([len(self.rows) - 1])
-        if self.metrics is not None:
-            self.metrics.observe_prompt(len(ids), cached=p.cached)
+        self._joined(p.row, logits, p.cached)
 
     def _accept(self, row: _Row, logits: np.ndarray, length: int) -> bool:
         """Sample the row's next token and emit it; False when the answer is finished (and closed). An error
@@ -458,9 +493,8 @@ class Scheduler:
 
     def _leave(self, rows: list[int]) -> None:
         """Rows whose answers ended leave the batch; a fused graph's prompt cache keeps their prompts' K/V."""
-        if isinstance(self.cache, SharedBatchCache):
-            for i in rows:
-                self.cache.remember(i, self.rows[i].req.prompt_ids)
+        for i in rows:
+            self.cache.remember(i, self.rows[i].req.prompt_ids)
         self.cache.remove(rows)
         gone = set(rows)
         self.rows = [r for i, r in enumerate(self.rows) if i not in gone]

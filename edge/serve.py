@@ -8,7 +8,7 @@ import socket
 import sys
 
 from edge.errors import EdgeChatError
-from edge.runtime import Generator
+from edge.generate import Generator
 
 log = logging.getLogger("edgechat")
 

@@ -24,10 +24,11 @@ from starlette.background import BackgroundTask
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from edge import api_schema
-from edge.batching import QueueFullError, Request, Scheduler
+from edge.scheduler import QueueFullError, Request, Scheduler
 from edge.errors import ContextOverflowError, EdgeChatError
 from edge.metrics import Metrics
-from edge.runtime import Generator, StreamEvent
+from edge.generate import Generator
+from edge.stream import StreamEvent
 from edge.sampling import SamplingConfig
 
 log = logging.getLogger("edgechat")

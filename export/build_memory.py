@@ -22,13 +22,14 @@ from __future__ import annotations
 
 from edge.bundle import ModelDims
 from edge.errors import RecipeError
+from edge.precisions import INT8_QDQ
 
 PEAK_PER_FP32_BYTE = {"export": 3.0, "quantize-int8-qdq": 5.0}  # "export" covers load and evaluate too
 BASE_BYTES = 2.5e9  # the interpreter, torch, transformers and ONNX Runtime themselves
 
 
 def peak_stage(precisions: tuple[str, ...] = ()) -> str:
-    return "quantize-int8-qdq" if "int8-qdq" in precisions else "export"
+    return f"quantize-{INT8_QDQ}" if INT8_QDQ in precisions else "export"
 
 
 def build_peak_bytes(dims: ModelDims, precisions: tuple[str, ...] = ()) -> float:

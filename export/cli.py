@@ -10,6 +10,7 @@ import sys
 
 def _plan(args: argparse.Namespace) -> int:
     from edge.errors import EdgeChatError
+    from edge.precisions import INT8_QDQ
     from edge.profiles import load_profile
     from export.build_memory import build_peak_bytes, machine_ram_bytes
     from export.console import table
@@ -76,7 +77,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"runner-up:   {rec.runner_up.precision} — {rec.runner_up_reason}")
     ram = machine_ram_bytes()
     print(f"building it (edge-export build) peaks at ~{build_peak_bytes(dims) / GB:.1f} GB of RAM on the workstation "
-          f"(~{build_peak_bytes(dims, ('int8-qdq',)) / GB:.1f} GB with int8-qdq)"
+          f"(~{build_peak_bytes(dims, (INT8_QDQ,)) / GB:.1f} GB with int8-qdq)"
           + (f"; this machine has {ram / GB:.1f} GB" + ("" if build_peak_bytes(dims) <= ram else
              " (too little: build elsewhere)") if ram else ""))
     print("decode tok/s≤ is the memory-bandwidth roofline (bandwidth ÷ bytes read per token at full context); "
@@ -100,7 +101,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _engines(args: argparse.Namespace) -> int:
-    from edge.cli import build_engine_command
+    from edge.tensorrt.command import build_engine_command
     from edge.errors import EdgeChatError
     from edge.profiles import load_profile
 
@@ -134,7 +135,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from edge.cli import Bounded, Parser
+    from edge.args import Bounded, Parser
     from export.planner import DEFAULT_KL, DEFAULT_MAX_KL
 
     ap = Parser(
@@ -201,7 +202,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="show every library's output (by default it goes to OUT.work/<stage>/log.txt)")
     b.set_defaults(func=_build)
 
-    from edge.cli import add_engine_flags
+    from edge.tensorrt.command import add_engine_flags
 
     e = sub.add_parser("engines", help="build a TensorRT engine for a T4 or L4 on this workstation",
                        description="Build a TensorRT engine into BUNDLE for the GPU in this machine (T4 or L4). "
@@ -238,7 +239,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from edge.cli import guarded
+    from edge.args import guarded
 
     return guarded(make_parser().parse_args(argv))
 

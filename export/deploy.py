@@ -24,6 +24,7 @@ from pathlib import Path
 from edge.bundle import Bundle
 from edge.errors import EdgeChatError
 from edge.machine import Machine, interpret
+from edge.precisions import FP16
 from export import runtime_set
 
 PROBE = Path(__file__).resolve().parent.parent / "edge" / "probe.py"
@@ -193,7 +194,7 @@ def install_runtime(t: Target, m: Machine, rel: str, service: bool, rep: Report,
     return edge_chat
 
 
-def deploy(bundle_path: str, t: Target, profile: str = "auto", precision: str = "fp16", service: bool = False,
+def deploy(bundle_path: str, t: Target, profile: str = "auto", precision: str = FP16, service: bool = False,
            keep: int = 3, reserve_gb: float = 1.0, dry_run: bool = False, device_runtime: bool = False,
            echo=print) -> Report:
     """Preflight, copy + verify, runtime, build-engine, golden, switch, service, prune; any failure raises

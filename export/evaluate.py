@@ -17,7 +17,8 @@ import numpy as np
 from tqdm import tqdm
 
 from edge.io_contract import io_for_variant
-from edge.runtime import Decoder, Generator
+from edge.generate import Generator
+from edge.ort_decoder import OrtDecoder
 from edge.sampling import SamplingConfig
 from export import vocab
 from export.onnx_weights import graph_bytes
@@ -99,7 +100,7 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
     from export.report import write_report
 
     tok = chat_tokenizer(hf_dir)
-    decs = {e.name: Decoder(e.folder / "model.onnx", model_dims(getattr(e, "dims_dir", None) or hf_dir, opts.max_context),
+    decs = {e.name: OrtDecoder(e.folder / "model.onnx", model_dims(getattr(e, "dims_dir", None) or hf_dir, opts.max_context),
                             io_for_variant(e.variant), threads=opts.threads, name=e.name) for e in engines}
     ref = "teacher" if "teacher" in decs else "fp32"
     chats = load_chats(opts.data, "evaluation", opts.samples)

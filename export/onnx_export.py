@@ -171,11 +171,11 @@ class TorchReference:
 def check_parity(src: Path, onnx_path: Path, opts: ExportOptions, io: DecoderIO = DecoderIO(),
                  prompts: list[list[dict]] = PARITY_PROMPTS, refs: TorchReference | None = None) -> dict:
     """Compare the ONNX graph with the PyTorch model it came from; raise ParityError listing every failure."""
-    from edge.runtime import Decoder
+    from edge.ort_decoder import OrtDecoder
 
     refs = refs or TorchReference(src, opts.greedy_tokens)
     dims = dims_from_hf_config(json.loads((src / "config.json").read_text()))
-    dec = Decoder(onnx_path, dims, io)
+    dec = OrtDecoder(onnx_path, dims, io)
     problems, max_diff, cache_diff = [], 0.0, 0.0
     greedy_ok = True
     for i, msgs in enumerate(prompts):

@@ -8,6 +8,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edge import precisions
 from edge.bundle import Bundle, BundleWriter, EngineEntry, Fingerprint, Manifest, StageRecord
 from edge.io_contract import DecoderIO, io_for_variant
 from export import trt_compat
@@ -36,7 +37,7 @@ def _opset(path: Path) -> int:
     return max(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
 
 
-TENSORRT_SOURCES = ("fp32", "fp16", "int8-qdq")
+TENSORRT_SOURCES = precisions.TENSORRT_SOURCES
 
 
 def run(hf_dir: Path, engines: list[EngineArtifact], stages: list[StageRecord], dst: Path, max_context: int,

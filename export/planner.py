@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from edge.bundle import ModelDims
 from edge.errors import RecipeError
 from edge.profiles import DeviceProfile
-from edge.trt_settings import TENSORRT_BUILD_RAM_FACTOR
+from edge.tensorrt.settings import TENSORRT_BUILD_RAM_FACTOR
 
 GB = 1e9
 # bytes per weight. MatMulNBits (int8-dynamic, int4-weight) stores one fp32 scale per block of 32 and, at

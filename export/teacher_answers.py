@@ -11,7 +11,7 @@ user prefix (system prompt, then `<|im_start|>user`), so the questions come from
 data (how-tos, facts, code, advice) rather than from people's small talk; it then answers them. This is
 the teacher's own chat distribution, the data a student would need to keep what the golden prompts ask.
 
-The answers come from the runtime that ships (edge.batching.Scheduler over the fused fp32 graph of the
+The answers come from the runtime that ships (edge.scheduler.Scheduler over the fused fp32 graph of the
 teacher), batched, so a thousand answers take minutes on a CPU, not the better part of an hour that
 transformers' `generate` needs there.
 """
@@ -106,9 +106,10 @@ def _teacher_questions(sched, tok, opts: AnswerOptions) -> tuple[list[list[dict]
 def run(teacher_dir: Path, dst: Path, opts: AnswerOptions, threads: int | None = None) -> dict:
     """Write dst/answers.jsonl: chats whose last turn is the teacher's answer (only answers that ended
     at EOS: one cut off by max_tokens is often a loop, the very thing distillation should not teach)."""
-    from edge.batching import Scheduler
+    from edge.scheduler import Scheduler
     from edge.io_contract import FUSED_IO
-    from edge.runtime import Decoder, Generator
+    from edge.generate import Generator
+    from edge.ort_decoder import OrtDecoder
     from edge.sampling import SamplingConfig
     from export import fused_graph
     from export.architectures import dims_from_hf_config
@@ -123,7 +124,7 @@ def run(teacher_dir: Path, dst: Path, opts: AnswerOptions, threads: int | None =
     graph = dst / "teacher-graph"
     fused_graph.write(teacher_dir, graph)
     tok = chat_tokenizer(teacher_dir)
-    gen = Generator(tok, Decoder(graph / "model.onnx", dims_from_hf_config(cfg), FUSED_IO, threads=threads,
+    gen = Generator(tok, OrtDecoder(graph / "model.onnx", dims_from_hf_config(cfg), FUSED_IO, threads=threads,
                                  name="teacher (fused fp32)"))
     sched = Scheduler(gen, max_batch=opts.batch, max_queue=max(2 * opts.count, 1)).start()
     questions: dict = {}

@@ -32,10 +32,10 @@ PARAGRAPH = ("Kyoto was the capital of Japan for more than a thousand years. Its
 
 
 def run_mode(gen, chunk: int | None, users: int, prompt_ids: list[int], stream_tokens: int) -> dict:
-    from edge.batching import Scheduler
+    from edge.scheduler import Scheduler
 
     s = Scheduler(gen, max_batch=users + 1, max_queue=4)
-    s.prefill_chunk = chunk
+    s.admission.interleaved_span = chunk
     t = time.perf_counter()
     s.cache._reserve(len(prompt_ids) + 64)  # as after a first long prompt: the one-time growth is timed apart
     grow_s = time.perf_counter() - t
@@ -83,21 +83,21 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "long-prompt.json"))
     a = ap.parse_args()
 
-    from edge.batching import INTERLEAVED_PREFILL_CHUNK
+    from edge.scheduler import Admission
     from edge.bundle import Bundle
     from bench_decode import cpu_name
-    from edge.runtime import Generator
+    from edge.generate import Generator
 
     gen = Generator.from_bundle(Bundle.open(a.bundle), engine=a.engine, threads=a.threads)
     if not gen.decoder.io.fused:
-        sys.exit(f"{a.engine} is not a fused graph: long prompts are prefilled between steps on fused graphs only")
+        sys.exit(f"{a.engine} is not a fused graph: this benchmark measures the fused graph's prefill spans")
     text, ids = "", []
     while len(ids) < a.prompt_tokens:
         text += PARAGRAPH
         ids = gen.tokenizer.encode_chat([{"role": "user", "content": text + "Summarize this."}])
     prompt_ids = ids
-    modes = [("between steps", INTERLEAVED_PREFILL_CHUNK), ("all at once (before)", len(prompt_ids))]
-    run_mode(gen, INTERLEAVED_PREFILL_CHUNK, a.users, prompt_ids[:200], 40)  # warm-up
+    modes = [("between steps", Admission().interleaved_span), ("all at once (before)", len(prompt_ids))]
+    run_mode(gen, Admission().interleaved_span, a.users, prompt_ids[:200], 40)  # warm-up
     rows = []
     for name, chunk in modes:
         r = run_mode(gen, chunk, a.users, prompt_ids, 10_000)

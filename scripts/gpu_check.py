@@ -4,7 +4,7 @@
    on CPU, and tokens/s on both;
 2. one distillation step with AMP on CUDA (bf16 where the GPU has it, else fp16 + GradScaler, as
    export.distill chooses) against the same step in fp32 on CPU: loss and gradient norm;
-3. if TensorRT imports: build fp16 and int8-qdq engines into a copy of the bundle (edge.trt_builder) and
+3. if TensorRT imports: build fp16 and int8-qdq engines into a copy of the bundle (edge.tensorrt.builder) and
    decode with TensorRTDecoder, greedy tokens against ONNX Runtime CPU, tokens/s.
 
 Writes one JSON (schema `SCHEMA`, checked by `validate`); on a machine without a GPU every CUDA part says
@@ -74,7 +74,7 @@ def ort_cuda(bundle_path: Path, new_tokens: int) -> dict:
     import onnxruntime as ort
 
     from edge.bundle import Bundle
-    from edge.runtime import Generator
+    from edge.generate import Generator
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return _part("no GPU", f"onnxruntime {ort.__version__} has {ort.get_available_providers()} "
@@ -156,9 +156,9 @@ def tensorrt_part(bundle_path: Path, new_tokens: int, work: Path) -> dict:
     if importlib.util.find_spec("tensorrt") is None or not here.tensorrt:
         return _part("no TensorRT", "tensorrt does not import here (pip install tensorrt, or JetPack's python3-libnvinfer)")
     from edge.bundle import Bundle
-    from edge.runtime import Generator
-    from edge.trt_builder import build_engine, plan_build
-    from edge.trt_runtime import TensorRTDecoder
+    from edge.generate import Generator
+    from edge.tensorrt.builder import build_engine, plan_build
+    from edge.tensorrt.runtime import TensorRTDecoder
 
     # a GPU EdgeChat has no profile for (an H100/H200, an A100) is planned with the L4's limits; the engine's
     # fingerprint still records this GPU's own SM

@@ -4,7 +4,7 @@
 # Run by .ci/run after the tests; ~40 s on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MODULES=(edge.trt_builder edge.trt_runtime edge.trt_settings edge.cuda_mem edge.backends export.trt_compat)
+MODULES=(edge.tensorrt.builder edge.tensorrt.runtime edge.tensorrt.settings edge.tensorrt.cuda_mem edge.backends export.trt_compat)
 export COVERAGE_FILE=.coverage.tensorrt
 .venv/bin/python -m pytest -p no:cacheprovider -q -m "not slow" -W ignore tests/test_tensorrt.py \
   tests/test_tensorrt_engine.py "${MODULES[@]/#/--cov=}" --cov-report=term-missing --cov-report=json:.coverage.tensorrt.json

@@ -80,7 +80,7 @@ def tiny_bundle(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="session")
 def tiny_generator(tiny_bundle):
     from edge.bundle import Bundle
-    from edge.runtime import Generator
+    from edge.generate import Generator
 
     return Generator.from_bundle(Bundle.open(tiny_bundle.root), engine="fp32", threads=1)
 
@@ -89,7 +89,7 @@ def tiny_generator(tiny_bundle):
 def fused_generator(tiny_bundle):
     """The int8-dynamic engine: quantized from the fused (GroupQueryAttention, in-place KV) graph."""
     from edge.bundle import Bundle
-    from edge.runtime import Generator
+    from edge.generate import Generator
 
     gen = Generator.from_bundle(Bundle.open(tiny_bundle.root), engine="int8-dynamic", threads=1)
     assert gen.decoder.io.fused
@@ -123,7 +123,7 @@ def assert_batched_steps_equal_alone(dec, prompts: list[list[int]], tokens: list
     tokens[i]), and check every row's logits equal the same row decoded alone."""
     import numpy as np
 
-    from edge.batching import SharedBatchCache
+    from edge.cache import SharedBatchCache
 
     bc = SharedBatchCache(dec, slots=len(prompts) + 1, capacity=capacity)
     for p in prompts:

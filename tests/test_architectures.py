@@ -34,7 +34,7 @@ def test_every_architecture_in_the_table_has_a_case():
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_architecture_builds_and_runs(case, tmp_path):
     from edge.bundle import Bundle
-    from edge.runtime import Decoder
+    from edge.ort_decoder import OrtDecoder
     from export.recipe import BuildOptions, build
 
     arch = case.split("-")[0]
@@ -52,7 +52,7 @@ def test_architecture_builds_and_runs(case, tmp_path):
     ids = list(range(3, 40))
     logits = {}
     for e in b.manifest.engines:
-        dec = Decoder.from_bundle(b, e.name, threads=1)
+        dec = OrtDecoder.from_entry(b, b.manifest.engine(e.name), threads=1)
         logits[e.name] = dec.forward(np.array([ids]), dec.new_cache(capacity=len(ids)), last_only=False)[0]
         assert np.isfinite(logits[e.name]).all()
         assert e.fingerprint.variant == ("fused" if fused["written"] and e.name != "fp32" else "plain")

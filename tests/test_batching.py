@@ -8,10 +8,11 @@ import time
 import numpy as np
 import pytest
 
-from edge.batching import BatchCache, QueueFullError, Scheduler, SharedBatchCache
+from edge.cache import BatchCache, SharedBatchCache
+from edge.scheduler import QueueFullError, Scheduler
 from edge.errors import ContextOverflowError
 from edge.metrics import Metrics
-from edge.runtime import boundary_at_or_below
+from edge.decoder import boundary_at_or_below
 
 from conftest import assert_batched_steps_equal_alone
 
@@ -153,7 +154,7 @@ def test_batched_step_logits_equal_single_row_logits(tiny_bundle, engine):
     """A row's logits must not depend on which other rows share the step (kernels whose numerics change
     with the batch size would make batched answers drift from single-user ones)."""
     from edge.bundle import Bundle
-    from edge.runtime import Generator
+    from edge.generate import Generator
 
     dec = Generator.from_bundle(Bundle.open(tiny_bundle.root), engine=engine, threads=1).decoder
     prompts = [list(range(10, 13)), list(range(20, 27)), list(range(30, 35))]
@@ -225,10 +226,10 @@ def test_side_row_follows_growth_and_closing_up_then_joins(fused_generator):
 def test_long_prompt_is_prefilled_between_decode_steps(fused_generator, monkeypatch):
     """Fused graphs: while a long prompt is prefilled (a chunk per step), the answer already streaming
     keeps getting tokens; both answers equal their single-user answers."""
-    import edge.batching as batching
+    import edge.scheduler as batching
 
     gen = fused_generator
-    monkeypatch.setattr(batching, "BATCHED_PREFILL_MAX_PROMPT", 32)
+    monkeypatch.setattr(batching, "ADMISSION", batching.Admission(long_prompt=32))
     long_ids = _ids(gen, " ".join(["Tell me about the ocean and the fish that live in it."] * 6))
     assert len(long_ids) > 64
     short_cfg = gen.sampling(max_new_tokens=60, ignore_eos=True)
@@ -236,7 +237,7 @@ def test_long_prompt_is_prefilled_between_decode_steps(fused_generator, monkeypa
     want_short = gen.complete(_ids(gen, "Hello!"), short_cfg)[1].token_ids
     want_long = gen.complete(long_ids, long_cfg)[1].token_ids
     s = Scheduler(gen, max_batch=3, max_queue=4)
-    s.prefill_chunk = 8
+    s.admission.interleaved_span = 8
     s.start()
     log: list[tuple[str, bool]] = []
     try:
@@ -255,10 +256,10 @@ def test_long_prompt_is_prefilled_between_decode_steps(fused_generator, monkeypa
 
 def test_long_prompt_answers_equal_single_user_answers(fused_generator, monkeypatch):
     """Two long prompts (one waits for the side slot) and short ones, cancelled mid-prefill too."""
-    import edge.batching as batching
+    import edge.scheduler as batching
 
     gen = fused_generator
-    monkeypatch.setattr(batching, "BATCHED_PREFILL_MAX_PROMPT", 16)
+    monkeypatch.setattr(batching, "ADMISSION", batching.Admission(long_prompt=16))
     prompts = [" ".join([p] * 4) for p in PROMPTS[1:4]] + PROMPTS[:2]
     cfgs = [gen.sampling(max_new_tokens=10 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
     alone = [gen.complete(_ids(gen, p), c)[1].token_ids for p, c in zip(prompts, cfgs)]
@@ -289,7 +290,7 @@ def test_prompt_cache_reuses_prefilled_spans_and_gives_the_same_numbers(fused_ge
     assert [len(t) for t, _ in bc.prompts.entries] == [32]  # the spans up to its last boundary, no answer tokens
     prompts = [first[:20] + [60, 61, 62], first + [63, 64], list(range(70, 74)), first[:33], first[:32]]
     got = bc.prefill_rows(prompts)
-    assert bc.reused == [16, 32, 0, 32, 16]  # never the last prompt token, always at a boundary
+    assert bc.reused_rows == [16, 32, 0, 32, 16]  # never the last prompt token, always at a boundary
     assert bc.prompts.hits == 4 and bc.prompts.tokens_reused == 16 + 32 + 32 + 16
     for i, p in enumerate(prompts):
         c = dec.new_cache(capacity=64)
@@ -316,13 +317,13 @@ def test_scheduler_reuses_a_conversation_on_its_next_turn(fused_generator, monke
     a new question) prefills only the new tokens, says so in its stats and metrics, and answers exactly as
     a fresh prefill would; also when that turn is long enough to be prefilled in chunks between decode
     steps; a prompt cache of 0 MB turns it off."""
-    import edge.batching as batching
+    import edge.scheduler as batching
 
     gen = fused_generator
     cfg = gen.sampling(max_new_tokens=12, ignore_eos=True)
     turn1 = [{"role": "user", "content": "Hello! Tell me about the ocean."}]
     if long:  # the second turn goes through the side slot, a chunk at a time
-        monkeypatch.setattr(batching, "BATCHED_PREFILL_MAX_PROMPT", len(gen.tokenizer.encode_chat(turn1)) + 2)
+        monkeypatch.setattr(batching, "ADMISSION", batching.Admission(long_prompt=len(gen.tokenizer.encode_chat(turn1)) + 2))
     s = Scheduler(gen, max_batch=2, max_queue=4, metrics=Metrics()).start()
     off = Scheduler(gen, max_batch=2, max_queue=4, prompt_cache_mb=0).start()
     try:
@@ -427,7 +428,7 @@ def wide_fused_generator(tmp_path_factory):
     cache change answers (SmolLM2: 5 of 6 greedy answers) and what the 64-wide model does not show."""
     from conftest import make_tiny_model
     from edge.bundle import Bundle
-    from edge.runtime import Generator
+    from edge.generate import Generator
     from export.recipe import BuildOptions, build
 
     src = make_tiny_model(tmp_path_factory.mktemp("wide") / "tiny-llama-wide", hidden=256, intermediate=768)
@@ -452,7 +453,7 @@ def test_a_repeated_prompt_from_the_cache_gets_the_uncached_logits_bit_for_bit(w
         bc.step([t])
     bc.remember(0, prompt)
     again = bc.prefill_rows([prompt, prompt[:40] + [99, 98, 97, 96, 95]])
-    assert bc.reused == [32, 32]
+    assert bc.reused_rows == [32, 32]
     np.testing.assert_array_equal(again[0], want)
     np.testing.assert_array_equal(again[1], dec.prefill(prompt[:40] + [99, 98, 97, 96, 95],
                                                         dec.new_cache(capacity=64))[0])

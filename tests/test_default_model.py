@@ -57,12 +57,13 @@ def test_parity_recorded(smol_bundle):
 def test_fused_greedy_equals_plain_greedy(smol_bundle):
     """Same fp32 weights in both graphs: the runtime's greedy answers are token for token the same."""
     from edge.io_contract import FUSED_IO
-    from edge.runtime import Decoder, Generator
+    from edge.generate import Generator
+    from edge.ort_decoder import OrtDecoder
     from edge.sampling import SamplingConfig
 
     plain = Generator.from_bundle(smol_bundle, engine="fp32", threads=2)
     work = smol_bundle.root.with_name(smol_bundle.root.name + ".work")
-    fused = Generator(plain.tokenizer, Decoder(work / "export" / "fused" / "model.onnx", smol_bundle.manifest.model,
+    fused = Generator(plain.tokenizer, OrtDecoder(work / "export" / "fused" / "model.onnx", smol_bundle.manifest.model,
                                                FUSED_IO, threads=2))
     cfg = SamplingConfig(max_new_tokens=64, ignore_eos=True)
     for q in ("What is the capital of Japan?", "Give me a short tip for staying focused while studying."):
@@ -149,7 +150,7 @@ def test_batched_decode_equals_single_user_decode(smol_bundle, engine):
     MatMulNBits nodes broke this by up to 1 logit, which is why the int8 recipe no longer uses them)."""
     import numpy as np
 
-    from edge.runtime import Generator
+    from edge.generate import Generator
 
     prompts = [list(np.random.RandomState(s).randint(100, 5000, n)) for s, n in ((0, 5), (1, 9), (2, 7))]
     dec = Generator.from_bundle(smol_bundle, engine=engine, threads=2).decoder

@@ -312,7 +312,8 @@ def test_teacher_answers_are_the_teachers_own_and_feed_the_distillation(loaded, 
     runtime (batched); only answers that ended at EOS are kept; each equals the teacher's single-user
     answer with the recorded seed; the distill stage then trains on exactly those chats."""
     from edge.io_contract import FUSED_IO
-    from edge.runtime import Decoder, Generator
+    from edge.generate import Generator
+    from edge.ort_decoder import OrtDecoder
     from edge.sampling import SamplingConfig
     from export import distill, fused_graph, teacher_answers
     from export.architectures import dims_from_hf_config
@@ -327,7 +328,7 @@ def test_teacher_answers_are_the_teachers_own_and_feed_the_distillation(loaded, 
     assert len(rows) == m["kept"]
     fused_graph.write(loaded, tmp_path / "g")
     cfg = json.loads((loaded / "config.json").read_text())
-    gen = Generator(chat_tokenizer(loaded), Decoder(tmp_path / "g" / "model.onnx", dims_from_hf_config(cfg), FUSED_IO,
+    gen = Generator(chat_tokenizer(loaded), OrtDecoder(tmp_path / "g" / "model.onnx", dims_from_hf_config(cfg), FUSED_IO,
                                                     threads=1))
     for r in rows:
         *context, answer = r["messages"]
@@ -385,7 +386,7 @@ def test_fit_a_device_budget(loaded):
 def test_build_with_prune_and_distill_reports_the_lineage(loaded, tmp_path):
     """teacher -> pruned-only -> distilled fp32 -> int8 side by side; the bundle runs with the edge runtime."""
     from edge.bundle import Bundle
-    from edge.runtime import Generator
+    from edge.generate import Generator
     from edge.sampling import SamplingConfig
     from export.prune import PruneOptions
     from export.recipe import BuildOptions, build
@@ -420,7 +421,8 @@ def test_teacher_written_questions_are_its_own_samples(loaded, tmp_path):
     """teacher_prompts = "teacher": the user turns are sampled from the teacher at the chat template's user
     prefix (each equals a single-user sample with its recorded seed), then answered as before."""
     from edge.io_contract import FUSED_IO
-    from edge.runtime import Decoder, Generator
+    from edge.generate import Generator
+    from edge.ort_decoder import OrtDecoder
     from edge.sampling import SamplingConfig
     from export import fused_graph, teacher_answers
     from export.architectures import dims_from_hf_config
@@ -435,7 +437,7 @@ def test_teacher_written_questions_are_its_own_samples(loaded, tmp_path):
     fused_graph.write(loaded, tmp_path / "g")
     cfg = json.loads((loaded / "config.json").read_text())
     tok = chat_tokenizer(loaded)
-    gen = Generator(tok, Decoder(tmp_path / "g" / "model.onnx", dims_from_hf_config(cfg), FUSED_IO, threads=1))
+    gen = Generator(tok, OrtDecoder(tmp_path / "g" / "model.onnx", dims_from_hf_config(cfg), FUSED_IO, threads=1))
     prefix = teacher_answers.user_prefix(tok)
     assert tok.decode(prefix, skip_special_tokens=False).endswith("user\n")
     written = set()
@@ -541,7 +543,7 @@ def test_build_with_a_pruned_vocabulary_compares_with_the_teacher_on_the_same_te
     """Vocabulary cut only, no distillation: against the teacher (on the same text, in the student's
     tokens) KL is ~0 and agreement 100%; perplexity is per teacher token; the bundle ships the cut tokenizer."""
     from edge.bundle import Bundle
-    from edge.runtime import Generator
+    from edge.generate import Generator
     from edge.sampling import SamplingConfig
     from export.prune import PruneOptions
     from export.recipe import BuildOptions, build

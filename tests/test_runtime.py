@@ -9,7 +9,7 @@ import pytest
 from edge.bundle import Bundle
 from edge.chat import Chat
 from edge.errors import BundleError, ContextOverflowError, EdgeChatError
-from edge.runtime import Generator
+from edge.generate import Generator
 from edge.sampling import SamplingConfig
 
 CHATS = [
@@ -74,10 +74,10 @@ def test_fused_cache_grows_in_place_and_keeps_what_it_holds(fused_generator):
 def test_fused_greedy_equals_plain_greedy(tiny_bundle, tiny_generator):
     """The fused graph's greedy answer equals the plain graph's (same fp32 weights, exported twice)."""
     from edge.io_contract import FUSED_IO
-    from edge.runtime import Decoder
+    from edge.ort_decoder import OrtDecoder
 
     work = tiny_bundle.root.with_name(tiny_bundle.root.name + ".work")
-    fused = Decoder(work / "export" / "fused" / "model.onnx", tiny_bundle.manifest.model, FUSED_IO, threads=1)
+    fused = OrtDecoder(work / "export" / "fused" / "model.onnx", tiny_bundle.manifest.model, FUSED_IO, threads=1)
     gen = Generator(tiny_generator.tokenizer, fused)
     cfg = SamplingConfig(max_new_tokens=40, ignore_eos=True)
     for chat in CHATS:
@@ -200,7 +200,7 @@ def test_fused_graph_without_logit_positions_still_runs(fused_generator, tmp_pat
 
     import onnx
 
-    from edge.runtime import Decoder
+    from edge.ort_decoder import OrtDecoder
 
     d = fused_generator.decoder
     src = fused_generator.bundle.path(fused_generator.bundle.manifest.engine("int8-dynamic").file)
@@ -217,14 +217,14 @@ def test_fused_graph_without_logit_positions_still_runs(fused_generator, tmp_pat
     del g.input[:]
     g.input.extend(keep_in)
     onnx.save(m, str(tmp_path / "old.onnx"))
-    old = Decoder(tmp_path / "old.onnx", d.dims, dataclasses.replace(d.io, logit_positions=""), threads=1)
+    old = OrtDecoder(tmp_path / "old.onnx", d.dims, dataclasses.replace(d.io, logit_positions=""), threads=1)
     ids = fused_generator.tokenizer.encode_chat(CHATS[2])
     for last_only in (True, False):
         want = d.forward(np.array([ids]), d.new_cache(capacity=len(ids)), last_only=last_only)
         got = old.forward(np.array([ids]), old.new_cache(capacity=len(ids)), last_only=last_only)
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, atol=1e-5)
-    from edge.batching import SharedBatchCache
+    from edge.cache import SharedBatchCache
 
     rows = [ids[:7], ids[:12]]
     a, b = SharedBatchCache(d, 2, capacity=32), SharedBatchCache(old, 2, capacity=32)

@@ -24,7 +24,7 @@ from edge.io_contract import DecoderIO
 from edge.machine import Machine, detect, interpret
 from edge.probe import probe
 from edge.profiles import load_profile
-from edge.trt_settings import (BuildSettingsError, InsufficientMemoryError, builder_settings, check_build_ram,
+from edge.tensorrt.settings import (BuildSettingsError, InsufficientMemoryError, builder_settings, check_build_ram,
                                shape_profiles)
 
 MiB = 1 << 20
@@ -103,7 +103,7 @@ def test_build_ram_refusal_names_the_fix():
 
 
 def test_plan_refuses_a_build_that_would_run_out_of_ram(tiny_bundle):
-    from edge.trt_builder import plan_build
+    from edge.tensorrt.builder import plan_build
 
     with pytest.raises(InsufficientMemoryError, match="add swap"):
         plan_build(tiny_bundle, "orin-nano-8gb", "fp16", available_gb=0.0001)
@@ -296,7 +296,7 @@ def test_forced_engine_and_nothing_runnable(tiny_bundle):
 
 def test_cuda_layer_fails_cleanly_without_a_driver():
     pytest.importorskip("cuda", reason="cuda-python not installed")
-    from edge.cuda_mem import CudaError, open_cuda
+    from edge.tensorrt.cuda_mem import CudaError, open_cuda
 
     if detect().has_gpu:
         pytest.skip("this machine has a GPU: the no-driver path cannot be shown here")
@@ -347,10 +347,10 @@ def importlib_has(mod: str) -> bool:
 def test_fp16_engine_matches_onnxruntime(request, tiny_bundle, tmp_path):
     """With TensorRT and a known GPU: the real build. Without (here): the same code against the strict
     TensorRT stand-in (tests/fake_tensorrt), which computes in fp32, so only the real run checks FP16 numerics."""
-    from edge.runtime import Generator
+    from edge.generate import Generator
     from edge.sampling import SamplingConfig
-    from edge.trt_builder import build_engine, plan_build
-    from edge.trt_runtime import TensorRTDecoder
+    from edge.tensorrt.builder import build_engine, plan_build
+    from edge.tensorrt.runtime import TensorRTDecoder
 
     profile = None
     if importlib_has("tensorrt"):
@@ -381,8 +381,8 @@ def test_tensorrt_decoder_takes_every_call_the_generator_makes():
     (checked here without a GPU: a missing parameter would only show up as a TypeError on the device)."""
     import inspect
 
-    from edge.runtime import Decoder
-    from edge.trt_runtime import TensorRTDecoder
+    from edge.ort_decoder import OrtDecoder
+    from edge.tensorrt.runtime import TensorRTDecoder
 
     for name in ("new_cache", "forward", "prefill", "run"):
         want = list(inspect.signature(getattr(Decoder, name)).parameters)

@@ -39,7 +39,7 @@ def _errors() -> list[str]:
 
 def _build(path, precision: str, recheck: bool = False, **kw):
     from edge.machine import detect
-    from edge.trt_builder import build_engine, plan_build
+    from edge.tensorrt.builder import build_engine, plan_build
 
     bundle = Bundle.open(path)
     here = detect()
@@ -93,8 +93,8 @@ def test_build_engine_cli_writes_engine_fingerprint_manifest_and_golden(fake_gpu
 
 def test_run_decodes_with_the_tensorrt_engine(fake_gpu, bundle_copy, capsys, tiny_generator):
     from edge.cli import main
-    from edge.runtime import Generator
-    from edge.trt_runtime import TensorRTDecoder
+    from edge.generate import Generator
+    from edge.tensorrt.runtime import TensorRTDecoder
 
     _build(bundle_copy, "fp32")
     gen = Generator.from_bundle(Bundle.open(bundle_copy))
@@ -123,10 +123,10 @@ def test_greedy_tokens_equal_onnxruntime_over_chunks_and_past_opt(fake_gpu, bund
     """Prefill in 24-token chunks (the engine's prefill profile, read back by the decoder) and decode past
     both profiles' opt shapes: the same greedy tokens as ONNX Runtime on CPU running the same graph."""
     import fake_tensorrt
-    from edge import trt_settings
-    from edge.runtime import Generator
+    from edge.tensorrt import settings as trt_settings
+    from edge.generate import Generator
     from edge.sampling import SamplingConfig
-    from edge.trt_runtime import TensorRTDecoder
+    from edge.tensorrt.runtime import TensorRTDecoder
 
     monkeypatch.setattr(trt_settings, "PREFILL_CHUNK", 24)
     entry = _build(bundle_copy, precision)
@@ -163,7 +163,7 @@ def test_greedy_tokens_equal_onnxruntime_over_chunks_and_past_opt(fake_gpu, bund
 
 
 def _decoder(bundle_copy, precision="fp32"):
-    from edge.trt_runtime import TensorRTDecoder
+    from edge.tensorrt.runtime import TensorRTDecoder
 
     entry = _build(bundle_copy, precision)
     return TensorRTDecoder.from_entry(Bundle.open(bundle_copy), entry)
@@ -205,7 +205,7 @@ def test_unset_tensor_address(fake_gpu, bundle_copy, monkeypatch):
 
 
 def test_dtype_mismatch(fake_gpu, bundle_copy):
-    from edge.cuda_mem import CudaError, DeviceArray
+    from edge.tensorrt.cuda_mem import CudaError, DeviceArray
 
     dec = _decoder(bundle_copy)
     cache = dec.new_cache()
@@ -242,8 +242,8 @@ def _lie_in_fingerprint(path, name, **changes):
 @pytest.mark.parametrize("change", ["sm", "version"])
 def test_engine_for_another_gpu_or_tensorrt_falls_back(fake_gpu, bundle_copy, monkeypatch, change):
     import fake_tensorrt
-    from edge.runtime import Generator
-    from edge.trt_runtime import TensorRTDecoder
+    from edge.generate import Generator
+    from edge.tensorrt.runtime import TensorRTDecoder
 
     entry = _build(bundle_copy, "fp32")
     if change == "sm":
@@ -269,8 +269,8 @@ def test_engine_for_another_gpu_or_tensorrt_falls_back(fake_gpu, bundle_copy, mo
 
 def test_version_compatible_engine_runs_on_a_later_tensorrt(fake_gpu, bundle_copy, monkeypatch):
     import fake_tensorrt
-    from edge.runtime import Generator
-    from edge.trt_runtime import TensorRTDecoder
+    from edge.generate import Generator
+    from edge.tensorrt.runtime import TensorRTDecoder
 
     entry = _build(bundle_copy, "fp32", version_compatible=True)
     monkeypatch.setattr(fake_tensorrt, "__version__", "10.8.0")
@@ -299,7 +299,7 @@ def test_parser_and_builder_refusals(fake_gpu, bundle_copy):
     network, a profile that does not match the network (the stand-in is checked, so it cannot pass what
     TensorRT would not)."""
     import fake_tensorrt as trt
-    from edge.trt_builder import _network
+    from edge.tensorrt.builder import _network
 
     logger = trt.Logger()
     builder = trt.Builder(logger)
@@ -326,7 +326,7 @@ def test_parser_and_builder_refusals(fake_gpu, bundle_copy):
 
 
 def test_device_buffers_and_cuda_errors(fake_gpu):
-    from edge.cuda_mem import CudaError, DeviceArray, open_cuda
+    from edge.tensorrt.cuda_mem import CudaError, DeviceArray, open_cuda
 
     cuda = open_cuda()
     a = DeviceArray.from_numpy(cuda, np.arange(6, dtype=np.float32).reshape(2, 3))
@@ -342,7 +342,7 @@ def test_device_buffers_and_cuda_errors(fake_gpu):
 
 
 def test_pycuda_backend_where_only_pycuda_is_installed(fake_gpu, bundle_copy, monkeypatch):
-    """Older Jetson images have pycuda and no cuda-python: the same decode through edge.cuda_mem.PyCuda."""
+    """Older Jetson images have pycuda and no cuda-python: the same decode through edge.tensorrt.cuda_mem.PyCuda."""
     import importlib.util
 
     from fake_tensorrt import cuda as fcuda
@@ -366,7 +366,7 @@ def test_pycuda_backend_where_only_pycuda_is_installed(fake_gpu, bundle_copy, mo
     dec.cuda.free(b.ptr)  # a second free of the same pointer is ignored (DeviceArray.__del__ frees once more)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("cuda", "pycuda") else
                         real_find(name, *a))
-    from edge.cuda_mem import open_cuda
+    from edge.tensorrt.cuda_mem import open_cuda
     from edge.errors import MissingDependencyError
 
     with pytest.raises(MissingDependencyError, match="pip install cuda-python"):
@@ -394,7 +394,7 @@ def test_tensorrt_missing_or_only_stubs_is_one_clear_error(monkeypatch, tmp_path
     import types
 
     from edge.errors import MissingDependencyError
-    from edge.trt_runtime import import_tensorrt
+    from edge.tensorrt.runtime import import_tensorrt
 
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import raises ImportError
     with pytest.raises(MissingDependencyError, match="python3-libnvinfer"):
@@ -409,7 +409,7 @@ def test_tensorrt_missing_or_only_stubs_is_one_clear_error(monkeypatch, tmp_path
 def test_batched_decode_rows_equal_rows_alone(fake_gpu, bundle_copy):
     """The scheduler's plain-graph BatchCache on the TensorRT decoder: rows of different lengths, right-aligned
     and masked, decoded together through the decode profile give each row's logits decoded alone."""
-    from edge.batch_cache import BatchCache, batch_cache
+    from edge.cache import BatchCache, batch_cache
 
     dec = _decoder(bundle_copy)
     assert isinstance(batch_cache(dec, 4), BatchCache)
@@ -443,8 +443,8 @@ def test_batched_decode_rows_equal_rows_alone(fake_gpu, bundle_copy):
 def test_scheduler_keeps_to_the_engines_decode_batch(fake_gpu, bundle_copy, caplog):
     """`edge-chat serve --max-users 8` (the default) with an engine built for 4 sequences per step: the
     scheduler serves 4 at once and says why, rather than failing the 5th user's step."""
-    from edge.batching import Scheduler
-    from edge.runtime import Generator
+    from edge.scheduler import Scheduler
+    from edge.generate import Generator
 
     _build(bundle_copy, "fp32")
     gen = Generator.from_bundle(Bundle.open(bundle_copy))
@@ -459,7 +459,7 @@ def test_engine_built_for_a_shorter_context_ends_answers_there(fake_gpu, bundle_
     """--max-context 64 on a 256-token model: the decoder reports the engine's context, so a long answer
     ends with finish "length" at 64 tokens and a longer prompt is refused up front, not failed mid-step."""
     from edge.errors import ContextOverflowError
-    from edge.runtime import Generator
+    from edge.generate import Generator
     from edge.sampling import SamplingConfig
 
     _build(bundle_copy, "fp32", max_context=64)
@@ -474,8 +474,8 @@ def test_engine_built_for_a_shorter_context_ends_answers_there(fake_gpu, bundle_
 
 def test_invalid_optimization_profile_is_an_error_not_ignored(fake_gpu, bundle_copy):
     from edge.machine import detect
-    from edge.trt_builder import build_engine, plan_build
-    from edge.trt_settings import ShapeProfile
+    from edge.tensorrt.builder import build_engine, plan_build
+    from edge.tensorrt.settings import ShapeProfile
 
     plan = plan_build(Bundle.open(bundle_copy), PROFILE, "fp32", tensorrt_version="10.3.0", available_gb=8.0)
     prefill, decode = plan.settings.profiles
@@ -489,10 +489,10 @@ def test_invalid_optimization_profile_is_an_error_not_ignored(fake_gpu, bundle_c
 def test_prompt_whose_last_chunk_starts_past_context_minus_chunk(fake_gpu, bundle_copy, monkeypatch):
     """A prompt's chunks start at multiples of the chunk; when the context is not a multiple of it the last
     chunk starts after context - chunk (here 240 > 256 - 24), which the prefill profile must take."""
-    from edge import trt_settings
-    from edge.runtime import Generator
+    from edge.tensorrt import settings as trt_settings
+    from edge.generate import Generator
     from edge.sampling import SamplingConfig
-    from edge.trt_runtime import TensorRTDecoder
+    from edge.tensorrt.runtime import TensorRTDecoder
 
     monkeypatch.setattr(trt_settings, "PREFILL_CHUNK", 24)
     entry = _build(bundle_copy, "fp32")

@@ -1,7 +1,7 @@
 """Build a TensorRT engine from a bundle's ONNX graph, on the machine that will run it.
 
 Lives in `edge/` because Jetson engines are built on the Jetson (TensorRT cannot cross-build for it).
-Everything decided before TensorRT is called is in `edge.trt_settings` (pure, tested everywhere);
+Everything decided before TensorRT is called is in `edge.tensorrt.settings` (pure, tested everywhere);
 `plan_build` gathers it and refuses early (wrong precision, not enough RAM). `build_engine` is the thin
 part that calls TensorRT, writes the engine into the bundle (temp file, fsync, rename, then the
 manifest), records its fingerprint and re-asks the golden prompts with it.
@@ -17,18 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from edge import precisions
 from edge.bundle import Bundle, EngineEntry, FileEntry, Fingerprint, sha256_file
 from edge.errors import BundleError
 from edge.io_contract import DecoderIO
 from edge.machine import Machine
+from edge.precisions import FP16
 from edge.profiles import DeviceProfile, load_profile
-from edge.trt_settings import BuilderSettings, builder_settings, check_build_ram, mem_available_gb
+from edge.tensorrt.settings import BuilderSettings, builder_settings, check_build_ram, mem_available_gb
 
 if TYPE_CHECKING:  # mypy checks the TensorRT calls against tensorrt-stubs (scripts/typecheck.sh)
     import tensorrt as trt
 
 log = logging.getLogger("edgechat")
-SOURCE_GRAPH = {"fp16": ("fp16", "fp32"), "fp32": ("fp32",), "bf16": ("bf16", "fp32"), "int8-qdq": ("int8-qdq",)}
 
 
 @dataclass
@@ -57,16 +58,16 @@ def _weight_bytes(bundle: Bundle, entry: EngineEntry) -> int:
     return sum(f.stat().st_size for f in folder.glob("model.onnx*"))
 
 
-def plan_build(bundle: Bundle, profile: DeviceProfile | str, precision: str = "fp16",
+def plan_build(bundle: Bundle, profile: DeviceProfile | str, precision: str = FP16,
                tensorrt_version: str | None = None, max_batch: int | None = None, max_context: int | None = None,
                optimization_level: int = 3, version_compatible: bool = False,
                available_gb: float | None = None) -> BuildPlan:
     """Everything up to the TensorRT call: source graph, settings, RAM check. Raises with what to do."""
     prof = load_profile(profile) if isinstance(profile, str) else profile
     m = bundle.manifest
-    wanted = SOURCE_GRAPH.get(precision)
-    if wanted is None:
-        raise BundleError(f"no TensorRT engine precision '{precision}': choose fp16, int8-qdq, fp32 or bf16")
+    wanted = precisions.PRECISIONS[precision].trt_sources if precision in precisions.PRECISIONS else ()
+    if not wanted:
+        raise BundleError(f"no TensorRT engine precision '{precision}': choose {', '.join(precisions.TENSORRT)}")
     onnx = {e.fingerprint.precision: e for e in m.engines if e.fingerprint.format == "onnx"
             and e.fingerprint.variant == "plain"}
     source = next((onnx[p] for p in wanted if p in onnx), None)
@@ -81,8 +82,8 @@ def plan_build(bundle: Bundle, profile: DeviceProfile | str, precision: str = "f
     if not trt:
         raise BundleError(f"{prof.display_name} has no TensorRT")
     settings = builder_settings(prof, m.model, DecoderIO.from_dict(m.engine_io(source)), precision, trt,
-                                graph_precision=source.fingerprint.precision if source.fingerprint.precision in
-                                ("fp32", "fp16", "bf16") else "fp32",
+                                graph_precision=source.fingerprint.precision if source.fingerprint.precision !=
+                                precisions.INT8_QDQ else precisions.REFERENCE,
                                 max_batch=max_batch, max_context=max_context, optimization_level=optimization_level,
                                 version_compatible=version_compatible)
     have = available_gb if available_gb is not None else mem_available_gb()
@@ -107,7 +108,7 @@ def _network(builder: "trt.Builder", logger: "trt.ILogger", onnx_path: Path,
 
 def build_engine(plan: BuildPlan, machine: Machine, recheck_golden: bool = True) -> EngineEntry:
     """Build, write into the bundle, fingerprint, re-ask the golden prompts. Needs TensorRT and a GPU."""
-    from edge.trt_runtime import import_tensorrt
+    from edge.tensorrt.runtime import import_tensorrt
 
     import_tensorrt()  # the one-line "pip install / apt install" error when it is missing
     import tensorrt as trt
@@ -172,9 +173,9 @@ def build_engine(plan: BuildPlan, machine: Machine, recheck_golden: bool = True)
 
 def _recheck(plan: BuildPlan, entry: EngineEntry) -> EngineEntry:
     from edge.golden import recheck
-    from edge.runtime import Generator
+    from edge.generate import Generator
     from edge.tokenizer import ChatTokenizer
-    from edge.trt_runtime import TensorRTDecoder
+    from edge.tensorrt.runtime import TensorRTDecoder
 
     b = plan.bundle
     m = b.manifest

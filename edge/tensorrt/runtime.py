@@ -1,8 +1,9 @@
-"""The TensorRT backend: runs a bundle's serialized engine with the same generation loop and KV-cache
-handling as the ONNX Runtime decoder (it is a `Decoder`: `forward`, `prefill`, `new_cache` are shared;
-only `run` and the value type differ). KV caches stay on the GPU as `DeviceArray`s; the present
-buffers of one step are the past of the next. Shapes are set per call; the engine's two optimization
-profiles (prefill, decode; see `edge.trt_settings.shape_profiles`) each get an execution context.
+"""The TensorRT backend: runs a bundle's serialized engine behind the `edge.decoder.Decoder` interface,
+so the one decode loop drives it like any other backend (`forward` and `prefill` come from there; this
+module implements `run`, `new_cache` and `to_device`). Engines are built from the plain graph: KV caches
+stay on the GPU as `DeviceArray`s and the present buffers of one step are the past of the next. Shapes
+are set per call; the engine's two optimization profiles (prefill, decode; see
+`edge.tensorrt.settings.shape_profiles`) each get an execution context.
 
 Imports `tensorrt` lazily, so this module loads anywhere; it runs where TensorRT and a GPU exist.
 """
@@ -16,10 +17,10 @@ import os
 import numpy as np
 
 from edge.bundle import Bundle, EngineEntry, ModelDims
-from edge.cuda_mem import DeviceArray, open_cuda
+from edge.tensorrt.cuda_mem import DeviceArray, open_cuda
 from edge.errors import BundleError, MissingDependencyError
 from edge.io_contract import DecoderIO
-from edge.runtime import Decoder, KVCache
+from edge.decoder import Decoder, KVCache
 
 log = logging.getLogger("edgechat")
 
@@ -48,15 +49,12 @@ def _shape(dims) -> tuple[int, ...]:
 class TensorRTDecoder(Decoder):
     """A TensorRT engine behind the Decoder interface."""
 
-    engine: EngineEntry | None = None  # the manifest entry, when loaded from a bundle
-
     def __init__(self, path: str | os.PathLike, dims: ModelDims, io: DecoderIO, name: str | None = None) -> None:
         import_tensorrt()
         import tensorrt as trt
 
+        super().__init__(dims, io, name or os.path.basename(str(path)))
         self.trt = trt
-        self.dims, self.io = dims, io
-        self.name = name or os.path.basename(str(path))
         self.cuda = open_cuda()
         self.logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(self.logger)
@@ -72,8 +70,6 @@ class TensorRTDecoder(Decoder):
             self.contexts.append(ctx)
         self.providers = ["TensorRT"]
         self.device = "cuda"
-        self.past_names = io.past_names(dims.num_layers)
-        self.present_names = io.present_names(dims.num_layers)
         self._kv_dtype = np.dtype(trt.nptype(self.engine_.get_tensor_dtype(self.past_names[0])))
         self._logits_dtype = np.dtype(trt.nptype(self.engine_.get_tensor_dtype(io.logits)))
         # the prompt chunk the prefill profile (0) takes at most: Decoder.prefill cuts prompts to it
@@ -101,7 +97,7 @@ class TensorRTDecoder(Decoder):
         shape = (batch, self.dims.num_kv_heads, 0, self.dims.head_dim)
         return KVCache([DeviceArray(self.cuda, shape, self._kv_dtype) for _ in self.past_names])
 
-    def to_ortvalue(self, array: np.ndarray) -> DeviceArray:  # the batching scheduler's name for "to device"
+    def to_device(self, array: np.ndarray) -> DeviceArray:
         return DeviceArray.from_numpy(self.cuda, np.asarray(array, dtype=self._kv_dtype))
 
     def run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list) -> tuple[np.ndarray, list]:

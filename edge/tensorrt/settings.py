@@ -14,13 +14,14 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from edge import precisions
 from edge.bundle import ModelDims
 from edge.errors import EdgeChatError
 from edge.io_contract import DecoderIO
+from edge.precisions import BF16, FP8, FP16, FP32, INT8_QDQ
 from edge.profiles import DeviceProfile
 
 TENSORRT_BUILD_RAM_FACTOR = 3.5  # TensorRT's builder peaks at ~3-4x the weights in host RAM
-PREFILL_CHUNK = 512  # longest prompt piece one engine call takes (the runtime chunks longer prompts)
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -76,7 +77,7 @@ def shape_profiles(dims: ModelDims, io: DecoderIO, max_batch: int, max_context: 
     """Two profiles, as LLM engines use: prefill (batch 1, a prompt chunk after any past) and decode
     (one token per sequence, up to max_batch sequences, past up to the context)."""
     kvh, hd = dims.num_kv_heads, dims.head_dim
-    chunk = min(PREFILL_CHUNK, max_context)
+    chunk = min(io.prefill_chunk, max_context)  # the runtime cuts prompts to the I/O contract's chunk
 
     def with_kv(tokens: dict, batch: tuple[int, int, int], past: tuple[int, int, int]) -> dict:
         shapes = dict(tokens)
@@ -123,18 +124,18 @@ def builder_settings(profile: DeviceProfile, dims: ModelDims, io: DecoderIO, pre
     if major < 10:
         raise BuildSettingsError(f"TensorRT {trt_version} is too old: EdgeChat builds with TensorRT 10 or newer "
                                  "(JetPack 6.x brings 10.3)")
-    if precision in ("int8-dynamic", "int4-weight"):
+    if precisions.get(precision).variant == "fused":
         raise BuildSettingsError(f"'{precision}' is an ONNX Runtime graph (MatMulNBits/dynamic INT8); "
                                  "TensorRT builds from the fp32/fp16 or int8-qdq graph")
     if not profile.supports(precision):
         raise BuildSettingsError(f"{profile.display_name} (SM {profile.compute_capability}) does not support "
                                  f"{precision}; it supports {', '.join(profile.precisions)}")
-    graph = graph_precision or "fp32"
+    graph = graph_precision or FP32
     flags: list[str] = []
     strongly_typed = False
-    if precision == "int8-qdq":
+    if precision == INT8_QDQ:
         strongly_typed = True  # explicit Q/DQ: types come from the graph, no precision flags (TRT 10 and 11)
-    elif precision in ("fp16", "bf16"):
+    elif precision in (FP16, BF16):
         if graph == precision:
             strongly_typed = True
         elif major >= 11:
@@ -143,9 +144,9 @@ def builder_settings(profile: DeviceProfile, dims: ModelDims, io: DecoderIO, pre
                                      f"(edge-export build --precision {precision}) or use TensorRT 10")
         else:
             flags.append(precision.upper())
-    elif precision == "fp8":
+    elif precision == FP8:
         raise BuildSettingsError("FP8 engines need an FP8 Q/DQ graph, which EdgeChat does not export yet")
-    elif precision == "fp32":
+    elif precision == FP32:
         strongly_typed = major >= 11
     if version_compatible:
         flags.append("VERSION_COMPATIBLE")

@@ -1,0 +1,68 @@
+"""Bundle + tokenizer + decoder: prompts in, streamed text out.
+
+`Generator.stream` runs the one decode loop (edge.scheduler) with a single row in the caller's thread:
+the CLI, the REPL and the export's evaluation get their tokens from the very code the server batches.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+from edge.bundle import Bundle
+from edge.decoder import Decoder
+from edge.sampling import SamplingConfig
+from edge.scheduler import Scheduler
+from edge.stream import StreamEvent
+from edge.tokenizer import ChatTokenizer
+
+
+class Generator:
+    """What a chat needs to answer: the tokenizer, the decoder and the bundle's generation defaults."""
+
+    def __init__(self, tokenizer: ChatTokenizer, decoder: Decoder, defaults: dict | None = None,
+                 bundle: Bundle | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.decoder = decoder
+        self.max_context = decoder.dims.max_context
+        self.defaults = defaults or {}
+        self.bundle = bundle
+        self.choice = None  # edge.backends.Choice: which backend runs, and why the others did not
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle, engine: str | None = None, threads: int | None = None,
+                    providers: list[str] | None = None, spin: bool = True) -> "Generator":
+        """Load with the backend the fallback chain picks here (edge.load), unless `providers` forces
+        ONNX Runtime execution providers."""
+        from edge.load import load_decoder
+
+        m = bundle.manifest
+        dec, choice = load_decoder(bundle, engine, threads, providers, spin)
+        gen = cls(ChatTokenizer(bundle.path(m.tokenizer.file), m.tokenizer), dec, m.generation, bundle)
+        gen.choice = choice
+        return gen
+
+    def sampling(self, **overrides) -> SamplingConfig:
+        base = {k: v for k, v in self.defaults.items() if k in SamplingConfig.__dataclass_fields__}
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        if "stop" in base:
+            base["stop"] = tuple([base["stop"]] if isinstance(base["stop"], str) else base["stop"])
+        return SamplingConfig(**base)
+
+    def stream(self, prompt_ids: list[int], cfg: SamplingConfig,
+               cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
+        """The answer's text as it is generated; the last event has finish_reason and stats."""
+        yield from Scheduler(self, max_batch=1, max_queue=1, prompt_cache_mb=0).generate(prompt_ids, cfg, cancel)
+
+    def tokens(self, prompt_ids: list[int], cfg: SamplingConfig) -> list[int]:
+        """The answer's token ids (EOS not included)."""
+        return self.complete(prompt_ids, cfg)[1].token_ids
+
+    def complete(self, prompt_ids: list[int], cfg: SamplingConfig) -> tuple[str, StreamEvent]:
+        parts = []
+        last = None
+        for ev in self.stream(prompt_ids, cfg):
+            parts.append(ev.text)
+            last = ev
+        assert last is not None
+        return "".join(parts), last

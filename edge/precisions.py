@@ -1,0 +1,75 @@
+"""Every precision EdgeChat knows, as one table: the runtime's pickers, the TensorRT builder, the
+exporter's quantizer and packager, and the planner all read it, so a precision is added or reordered
+in one place.
+
+- `variant`: the graph an ONNX engine of this precision is ("fused": ONNX Runtime contrib ops, in-place
+  KV; "plain": standard ops, what TensorRT builds from).
+- `cpu`, `cuda`, `ort_trt`: rank when ONNX Runtime picks an engine on that execution provider (0 first;
+  None: not run there). CPU: the int8/int4 kernels first (fastest measured there). CUDA EP: no fast path
+  for Q/DQ graphs. TensorRT EP: standard-op graphs only.
+- `trt_sources`: the bundle graphs a TensorRT engine of this precision is built from, preferred first
+  (empty: TensorRT does not build it).
+- `weight_bytes`: bytes per weight, block scales included; `head_bytes`: the LM head's when it is
+  stored at another precision. `quality`: 0 is the reference; higher loses more (measured order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    variant: str
+    weight_bytes: float
+    quality: int
+    cpu: int | None = None
+    cuda: int | None = None
+    ort_trt: int | None = None
+    trt_sources: tuple[str, ...] = ()
+    head_bytes: float | None = None
+    exported: bool = False  # edge-export builds an ONNX engine of it (--precision)
+    quantized: bool = False  # made by the quantize stage from the fp32 (or fused) graph
+
+    @property
+    def tensorrt(self) -> bool:
+        return bool(self.trt_sources)
+
+
+# the names, for code that means one precision in particular (a test keeps other literals out of the code)
+FP32, FP16, BF16, FP8 = "fp32", "fp16", "bf16", "fp8"
+INT8_QDQ, INT8_DYNAMIC, INT4_WEIGHT = "int8-qdq", "int8-dynamic", "int4-weight"
+
+TABLE: tuple[Precision, ...] = (
+    Precision(FP32, "plain", 4.0, 0, cpu=2, cuda=1, ort_trt=2, trt_sources=(FP32,), exported=True),
+    Precision(FP16, "plain", 2.0, 1, cpu=4, cuda=0, ort_trt=1, trt_sources=(FP16, FP32)),
+    Precision(BF16, "plain", 2.0, 2, trt_sources=(BF16, FP32)),
+    Precision(FP8, "plain", 1.0, 3),  # planner only: no engine of it is built yet
+    Precision(INT8_QDQ, "plain", 1.0, 4, cpu=3, ort_trt=0, trt_sources=(INT8_QDQ,), exported=True, quantized=True),
+    Precision(INT8_DYNAMIC, "fused", 1.0 + 4 / 32, 5, cpu=0, cuda=3, exported=True, quantized=True),
+    Precision(INT4_WEIGHT, "fused", 0.5 + 4.5 / 32, 6, cpu=1, cuda=2, head_bytes=1.0 + 4 / 32, exported=True,
+              quantized=True),
+)
+PRECISIONS: dict[str, Precision] = {p.name: p for p in TABLE}
+NAMES: tuple[str, ...] = tuple(PRECISIONS)
+EXPORTED: tuple[str, ...] = tuple(p.name for p in TABLE if p.exported)  # edge-export --precision choices
+QUANTIZED: tuple[str, ...] = tuple(p.name for p in TABLE if p.quantized)  # the quantize stage's modes
+TENSORRT: tuple[str, ...] = tuple(p.name for p in TABLE if p.tensorrt)  # edge-chat build-engine --precision choices
+TENSORRT_SOURCES: tuple[str, ...] = tuple(dict.fromkeys(s for p in TABLE for s in p.trt_sources if s in PRECISIONS))
+BY_QUALITY: tuple[str, ...] = tuple(p.name for p in sorted(TABLE, key=lambda p: p.quality))
+REFERENCE = BY_QUALITY[0]  # what every other engine's quality is measured against
+
+
+def get(name: str) -> Precision:
+    """The table's row for `name`; a clear error for a name it does not have."""
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown precision {name!r}: choose one of {', '.join(NAMES)}") from None
+
+
+def order(provider: str) -> tuple[str, ...]:
+    """Precisions ONNX Runtime runs on `provider` ("cpu", "cuda", "ort_trt"), best first."""
+    ranked = [(getattr(p, provider), p.name) for p in TABLE if getattr(p, provider) is not None]
+    return tuple(name for _, name in sorted(ranked))

@@ -1,0 +1,126 @@
+"""The architecture's rules, checked on the source (docs/design.md): no import circles, `edge` free of the
+export side, backends that do not know each other, and precision names only from their table."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("edge", "export")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """Modules `path` imports when it runs: module level and inside functions, not under TYPE_CHECKING."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for b in node.body for n in ast.walk(b))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def _graph(top_level_only: bool) -> dict[str, set[str]]:
+    files = {_module(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph = {}
+    for mod, path in files.items():
+        if top_level_only:
+            tree = ast.parse(path.read_text())
+            names: set[str] = set()
+            for node in tree.body:  # module level: what importing the module runs
+                if isinstance(node, ast.Import):
+                    names.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names.add(node.module)
+                    names.update(f"{node.module}.{a.name}" for a in node.names)
+        else:
+            names = _runtime_imports(path)
+        graph[mod] = {n for n in names if n in files and n != mod}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (c := visit(n)):
+                return c
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (c := visit(m)):
+            return c
+    return None
+
+
+@pytest.mark.parametrize("top_level_only", [True, False], ids=["module-level", "with-lazy-imports"])
+def test_no_import_circle(top_level_only):
+    """Not even through an import inside a function: a circle there is a layering mistake waiting to fail."""
+    cycle = _cycle(_graph(top_level_only))
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_edge_imports_nothing_of_the_export_side():
+    heavy = ("export", "torch", "transformers", "optimum", "onnx", "datasets")
+    for path in (ROOT / "edge").rglob("*.py"):
+        bad = sorted(n for n in _runtime_imports(path) if n.split(".")[0] in heavy)
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}: edge must run without the export side"
+
+
+def test_backends_do_not_import_each_other():
+    backends = {"edge.ort_decoder", "edge.tensorrt.runtime"}
+    for mod in backends:
+        path = ROOT / (mod.replace(".", "/") + ".py")
+        other = {n for n in _runtime_imports(path) if any(n == b or n.startswith(b + ".") for b in backends - {mod})}
+        assert not other, f"{mod} imports {other}: only edge.load knows every backend"
+    users = [p for p in (ROOT / "edge").rglob("*.py") if _module(p) not in backends | {"edge.load"}]
+    for p in users:  # the loop and the caches reach a backend only through the Decoder interface
+        if _module(p) in ("edge.tensorrt.builder", "edge.tensorrt.command"):
+            continue  # the builder loads the engine it just built to re-ask the golden prompts
+        direct = {n for n in _runtime_imports(p) if n in backends or n.startswith("edge.tensorrt.runtime")}
+        assert not direct, f"{_module(p)} imports backend {direct}"
+
+
+def test_precision_names_come_from_the_table():
+    """Code names a precision through edge.precisions (its constants or its table), never as a bare string,
+    so adding or reordering one is one edit. Docstrings, comments and help text may say the names."""
+    from edge import precisions
+
+    offenders = []
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            if path == ROOT / "edge" / "precisions.py":
+                continue
+            tree = ast.parse(path.read_text())
+            docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                          if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                          and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                        and node.value in precisions.NAMES:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    assert not offenders, "precision names as literals (use edge.precisions):\n" + "\n".join(offenders)
