@@ -123,13 +123,11 @@ def test_greedy_tokens_equal_onnxruntime_over_chunks_and_past_opt(fake_gpu, bund
     """Prefill in 24-token chunks (the engine's prefill profile, read back by the decoder) and decode past
     both profiles' opt shapes: the same greedy tokens as ONNX Runtime on CPU running the same graph."""
     import fake_tensorrt
-    from edge.tensorrt import settings as trt_settings
     from edge.generate import Generator
     from edge.sampling import SamplingConfig
     from edge.tensorrt.runtime import TensorRTDecoder
 
-    monkeypatch.setattr(trt_settings, "PREFILL_CHUNK", 24)
-    entry = _build(bundle_copy, precision)
+    entry = _build(bundle_copy, precision, prefill_chunk=24)
     bundle = Bundle.open(bundle_copy)
     ort = Generator.from_bundle(bundle, engine=precision, providers=["CPUExecutionProvider"], threads=1)
     dec = TensorRTDecoder.from_entry(bundle, entry)
@@ -154,8 +152,9 @@ def test_greedy_tokens_equal_onnxruntime_over_chunks_and_past_opt(fake_gpu, bund
     decode = [c for c in calls if c[0] == 1]
     assert len(prefill) == -(-len(ids) // 24) and all(c[1][1] <= 24 for c in prefill)
     opt_past = entry.fingerprint.shapes["decode"][dec.past_names[0]][1][2]
-    # one decode step per generated token (the loop also runs the step after the last one, whose logits go unused)
-    assert len(decode) == len(got) and max(c[2] for c in decode) > opt_past
+    # one decode step per generated token after the first (which comes from the prefill): no step is wasted
+    # on logits nobody samples
+    assert len(decode) == len(got) - 1 and max(c[2] for c in decode) > opt_past
     assert not _errors()
 
 
@@ -180,7 +179,7 @@ def test_shape_outside_the_profile(fake_gpu, bundle_copy):
         dec.run(ids, np.ones((1, 257), np.int64), np.arange(257)[None], dec.new_cache().values)
     cache = dec.new_cache(batch=5)  # the decode profile takes up to 4 sequences on an Orin Nano
     dec.prefill([5, 6, 7], c1 := dec.new_cache())
-    past = [dec.to_ortvalue(np.repeat(v.numpy(), 5, axis=0)) for v in c1.values]
+    past = [dec.to_device(np.repeat(v.numpy(), 5, axis=0)) for v in c1.values]
     with pytest.raises(BundleError, match=r"batch 5 x 1 tokens after 3\) is outside"):
         dec.run(np.zeros((5, 1), np.int64), np.ones((5, 4), np.int64), np.full((5, 1), 3), past)
     del cache
@@ -358,7 +357,7 @@ def test_pycuda_backend_where_only_pycuda_is_installed(fake_gpu, bundle_copy, mo
     cache = dec.new_cache()
     logits = dec.prefill([5, 6, 7, 8], cache)
     assert logits.shape == (1, dec.dims.vocab_size) and cache.values[0].shape[2] == 4
-    a = dec.to_ortvalue(np.ones((1, 2, 3, 16)))
+    a = dec.to_device(np.ones((1, 2, 3, 16)))
     b = type(a)(dec.cuda, a.shape, a.dtype)
     dec.cuda.dtod(b.ptr, a.ptr, a.nbytes)
     assert b.numpy().sum() == 96
@@ -416,9 +415,7 @@ def test_batched_decode_rows_equal_rows_alone(fake_gpu, bundle_copy):
     prompts, tokens = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20, 21]], [30, 31, 32]
     bc = BatchCache(dec)
     for p in prompts:
-        row = bc.new_row(len(p))
-        dec.prefill(p, row)
-        bc.add(row)
+        bc.admit(p)
     steps = [bc.step(tokens) for _ in range(3)]
     bc.remove([1])
     after = bc.step([tokens[0], tokens[2]])
@@ -432,11 +429,8 @@ def test_batched_decode_rows_equal_rows_alone(fake_gpu, bundle_copy):
             np.testing.assert_allclose(after[0 if i == 0 else 1], dec.forward(np.array([[tokens[i]]]), alone)[0],
                                        atol=1e-4, rtol=0)
     with pytest.raises(BundleError, match=r"batch 5 x 1 tokens .* outside the engine's shape profile"):
-        for p in [[40, 41]] * 2:  # the Orin Nano profile's decode batch is at most 4
-            row = bc.new_row(2)
-            dec.prefill(p, row)
-            bc.add(row)
-        bc.add(row)
+        for p in [[40, 41]] * 3:  # the Orin Nano profile's decode batch is at most 4
+            bc.admit(p)
         bc.step([1] * len(bc))
 
 
@@ -489,13 +483,11 @@ def test_invalid_optimization_profile_is_an_error_not_ignored(fake_gpu, bundle_c
 def test_prompt_whose_last_chunk_starts_past_context_minus_chunk(fake_gpu, bundle_copy, monkeypatch):
     """A prompt's chunks start at multiples of the chunk; when the context is not a multiple of it the last
     chunk starts after context - chunk (here 240 > 256 - 24), which the prefill profile must take."""
-    from edge.tensorrt import settings as trt_settings
     from edge.generate import Generator
     from edge.sampling import SamplingConfig
     from edge.tensorrt.runtime import TensorRTDecoder
 
-    monkeypatch.setattr(trt_settings, "PREFILL_CHUNK", 24)
-    entry = _build(bundle_copy, "fp32")
+    entry = _build(bundle_copy, "fp32", prefill_chunk=24)
     bundle = Bundle.open(bundle_copy)
     ort = Generator.from_bundle(bundle, engine="fp32", providers=["CPUExecutionProvider"], threads=1)
     trt = Generator(ort.tokenizer, TensorRTDecoder.from_entry(bundle, entry), bundle.manifest.generation, bundle)

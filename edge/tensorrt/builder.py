@@ -61,8 +61,10 @@ def _weight_bytes(bundle: Bundle, entry: EngineEntry) -> int:
 def plan_build(bundle: Bundle, profile: DeviceProfile | str, precision: str = FP16,
                tensorrt_version: str | None = None, max_batch: int | None = None, max_context: int | None = None,
                optimization_level: int = 3, version_compatible: bool = False,
-               available_gb: float | None = None) -> BuildPlan:
-    """Everything up to the TensorRT call: source graph, settings, RAM check. Raises with what to do."""
+               available_gb: float | None = None, prefill_chunk: int | None = None) -> BuildPlan:
+    """Everything up to the TensorRT call: source graph, settings, RAM check. Raises with what to do.
+    `prefill_chunk`: the most prompt tokens one call takes (default: the graph's I/O contract's); the
+    runtime reads it back from the engine's prefill profile."""
     prof = load_profile(profile) if isinstance(profile, str) else profile
     m = bundle.manifest
     wanted = precisions.PRECISIONS[precision].trt_sources if precision in precisions.PRECISIONS else ()
@@ -81,7 +83,10 @@ def plan_build(bundle: Bundle, profile: DeviceProfile | str, precision: str = FP
     trt = tensorrt_version or (prof.tensorrt_versions[0] if prof.tensorrt_versions else None)
     if not trt:
         raise BundleError(f"{prof.display_name} has no TensorRT")
-    settings = builder_settings(prof, m.model, DecoderIO.from_dict(m.engine_io(source)), precision, trt,
+    io = DecoderIO.from_dict(m.engine_io(source))
+    if prefill_chunk:
+        io = dataclasses.replace(io, prefill_chunk=prefill_chunk)
+    settings = builder_settings(prof, m.model, io, precision, trt,
                                 graph_precision=source.fingerprint.precision if source.fingerprint.precision !=
                                 precisions.INT8_QDQ else precisions.REFERENCE,
                                 max_batch=max_batch, max_context=max_context, optimization_level=optimization_level,
