@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -38,6 +39,7 @@ from edge.stream import StreamEvent, TextStream
 
 if TYPE_CHECKING:  # the Generator owns a Scheduler; this module only reads its decoder and tokenizer
     from edge.generate import Generator
+    from edge.logits import RowLogits  # a row's logits processors (grammar, penalties) and logprobs
 
 log = logging.getLogger("edgechat")
 
@@ -87,6 +89,7 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
     deadline: float | None = None
+    logits: "RowLogits | None" = None  # this answer's logits processors and logprobs wish (edge.logits)
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     _queue: "queue.Queue[StreamEvent]" = field(default_factory=queue.Queue, repr=False)
@@ -137,6 +140,8 @@ class _Row:
     text: TextStream
     seen: list[int]
     last: int = -1
+    logits: "RowLogits | None" = None
+    lps: list = field(default_factory=list)  # logprobs of tokens not yet handed over in an event
 
     @property
     def n(self) -> int:
@@ -185,12 +190,15 @@ class Scheduler:
         self.prefilling: _Prefilling | None = None  # a long prompt prefilled between decode steps
         self.error: str | None = None  # the last failure of the loop as a whole (it was restarted)
         self.restarts = 0
+        self._calls: deque = deque()  # (fn, Future): run on the scheduler thread between steps (see call)
 
     # -- client side -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], cfg: SamplingConfig,
-               on_event: Callable[[StreamEvent], None] | None = None, timeout_s: float | None = None) -> Request:
-        """Queue a request; `timeout_s` ends it (finish_reason "timeout", slot freed) that long after now."""
-        req = self._request(prompt_ids, cfg, on_event, timeout_s)
+               on_event: Callable[[StreamEvent], None] | None = None, timeout_s: float | None = None,
+               logits: "RowLogits | None" = None) -> Request:
+        """Queue a request; `timeout_s` ends it (finish_reason "timeout", slot freed) that long after now;
+        `logits` (edge.logits.RowLogits) processes its row's logits before sampling and records logprobs."""
+        req = self._request(prompt_ids, cfg, on_event, timeout_s, logits)
         if self._stop.is_set() or self._thread is None:
             raise EdgeChatError("the scheduler is not running")
         if not self._thread.is_alive():  # died past its supervisor (it should not): start it again
@@ -203,13 +211,13 @@ class Scheduler:
         return req
 
     def _request(self, prompt_ids: list[int], cfg: SamplingConfig, on_event: Callable[[StreamEvent], None] | None,
-                 timeout_s: float | None = None) -> Request:
+                 timeout_s: float | None = None, logits: "RowLogits | None" = None) -> Request:
         if not prompt_ids:
             raise EdgeChatError("the prompt is empty")
         if len(prompt_ids) >= self.gen.max_context:
             raise ContextOverflowError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.gen.max_context}: shorten it")
-        req = Request(list(prompt_ids), cfg, on_event)
+        req = Request(list(prompt_ids), cfg, on_event, logits=logits)
         if timeout_s is not None:
             req.deadline = req.submitted + timeout_s
         return req
@@ -304,14 +312,35 @@ class Scheduler:
                 waiting, self.pending = list(self.pending), deque()
             for r in waiting:
                 self._emit_final(r, self._text(r), "cancelled")
+            while self._calls:
+                self._calls.popleft()[1].cancel()
             self._fail_in_flight("cancelled")
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn()` on the scheduler thread between steps (it is the decoder's only caller): e.g. scoring a
+        prompt for /v1/completions' echo. The future holds its result or its exception."""
+        fut: Future = Future()
+        with self._cv:
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, fut = self._calls.popleft()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # the caller gets it; the loop goes on
+                    fut.set_exception(e)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._run_calls()
             self._admit()
             if not self.rows and self.prefilling is None:
                 with self._cv:
-                    if not self.pending and not self._stop.is_set():
+                    if not self.pending and not self._calls and not self._stop.is_set():
                         self._cv.wait(0.5)
                 continue
             self._drop_unwanted()
@@ -378,7 +407,7 @@ class Scheduler:
             except Exception as e:  # a sampling option the request's validation missed: fail this one only
                 self._emit_final(req, text, "error", f"cannot sample with these options: {_why(e)}")
                 continue
-            out.append((req, _Row(req, sampler, text, list(req.prompt_ids))))
+            out.append((req, _Row(req, sampler, text, list(req.prompt_ids), logits=req.logits)))
         return out
 
     def _prefill(self, req: Request, row: _Row) -> None:
@@ -439,15 +468,22 @@ class Scheduler:
 
     def _accept(self, row: _Row, logits: np.ndarray, length: int) -> bool:
         """Sample the row's next token and emit it; False when the answer is finished (and closed). An error
-        here (in the sampler, the detokenizer, the consumer) fails this row only."""
+        here (in the logits processors, the sampler, the detokenizer, the consumer) fails this row only."""
         cfg = row.req.cfg
+        lg = row.logits
         try:
-            tok = row.sampler(logits, np.asarray(row.seen) if cfg.repetition_penalty != 1.0 else None)
-            if tok in self.gen.tokenizer.eos_ids and not cfg.ignore_eos:
-                self._emit_final(row.req, row.text, "stop")
+            x = lg.process(logits) if lg is not None else logits
+            tok = row.sampler(x, np.asarray(row.seen) if cfg.repetition_penalty != 1.0 else None)
+            if (tok in self.gen.tokenizer.eos_ids and not cfg.ignore_eos) or (lg is not None and tok in lg.stop_ids):
+                self._emit_final(row.req, row.text, "stop", lps=row.lps)
                 return False
+            if lg is not None:
+                lp = lg.accept(tok, logits)
+                if lp is not None:
+                    row.lps.append(lp)
             ev = row.text.push(tok)
             if ev is not None:
+                ev.logprobs, row.lps = row.lps, []
                 row.req.emit(ev)
         except Exception as e:
             log.exception("request %d failed", row.req.id)
@@ -455,8 +491,11 @@ class Scheduler:
             return False
         row.seen.append(tok)
         row.last = tok
-        if row.text.stopped or row.n >= cfg.max_new_tokens or length + 1 >= self.gen.max_context:
-            self._emit_final(row.req, row.text, "stop" if row.text.stopped else "length")
+        if row.text.stopped or (lg is not None and lg.finished):
+            self._emit_final(row.req, row.text, "stop", lps=row.lps)
+            return False
+        if row.n >= cfg.max_new_tokens or length + 1 >= self.gen.max_context:
+            self._emit_final(row.req, row.text, "length", lps=row.lps)
             return False
         why = row.req.gone()
         if why:
@@ -499,10 +538,13 @@ class Scheduler:
         gone = set(rows)
         self.rows = [r for i, r in enumerate(self.rows) if i not in gone]
 
-    def _emit_final(self, req: Request, text: TextStream, reason: str, error: str | None = None) -> None:
+    def _emit_final(self, req: Request, text: TextStream, reason: str, error: str | None = None,
+                    lps: list | None = None) -> None:
         if req.done.is_set():
             return
         events = text.finish(reason=reason)
+        if lps:
+            events[0].logprobs = list(lps)
         if error:
             events[-1].stats["error"] = error
         for ev in events:

@@ -21,6 +21,7 @@ class StreamEvent:
     finish_reason: str | None = None  # stop | length | cancelled | timeout | error
     token_ids: list[int] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    logprobs: list | None = None  # edge.logits.TokenLogprob of the tokens this event hands over, when asked for
 
 
 class TextStream:
