@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from edge import tools as toolfmt
-from edge.api_schema import BadRequest, ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from edge.api_schema import MAX_N, BadRequest, ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from edge.grammar import GrammarVocab, compile_json, token_bytes
 from edge.logits import RowLogits, TokenLogprob, token_logprob
 from edge.sampling import MAX_SEED, SamplingConfig
@@ -67,8 +67,9 @@ def _row_logits(body, vocab: int, grammar, logprobs: int | None) -> RowLogits | 
     bias = body.bias()
     _check_bias(bias, vocab)
     rl = RowLogits(grammar=grammar, logit_bias=bias, frequency_penalty=body.frequency_penalty or 0.0,
-                   presence_penalty=body.presence_penalty or 0.0, logprobs=logprobs)
-    return rl if rl.active or logprobs is not None else None
+                   presence_penalty=body.presence_penalty or 0.0, logprobs=logprobs,
+                   stop_ids=frozenset(body.stop_token_ids or ()))
+    return rl if rl.active or logprobs is not None or rl.stop_ids else None
 
 
 async def chat_rows(service, body: ChatCompletionRequest) -> Rows:
@@ -130,6 +131,9 @@ def completion_rows(service, body: CompletionRequest) -> Rows:
     max_tokens = params.pop("max_tokens")
     max_tokens = DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens
     n = body.n or 1
+    if len(prompts) * n > MAX_N:
+        raise BadRequest(f"{len(prompts)} prompts x n={n} asks for {len(prompts) * n} answers; one request may ask "
+                         f"for at most {MAX_N}: send fewer prompts per request", param="prompt")
     rows = Rows(prompts, [], [], [], echo=bool(body.echo), prompt_texts=texts,
                 score_top=body.logprobs if body.echo and body.logprobs is not None else None)
     for i, ids in enumerate(prompts):

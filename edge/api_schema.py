@@ -150,6 +150,7 @@ class _Sampling(_Strict):
     presence_penalty: Penalty = None
     repetition_penalty: Annotated[float | None, Field(gt=0, le=10, allow_inf_nan=False)] = None
     logit_bias: Bias = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]] | None, Field(max_length=16)] = None  # as vLLM
     user: Annotated[str | None, Field(max_length=256)] = None
 
     def extra_fields(self) -> list[str]:
@@ -247,6 +248,7 @@ RULES = {  # what each field takes, in words, for the error message
     "repetition_penalty": "a finite number greater than 0 and at most 10 (1: off)",
     "logit_bias": "an object of up to 1024 token ids (as strings) to biases from -100 to 100",
     "user": "a string of at most 256 characters",
+    "stop_token_ids": "a list of up to 16 token ids that end the answer (not shown in it)",
     "response_format": "{\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
                        "\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
     "tools": "a list of up to 64 {\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}} "

@@ -18,8 +18,10 @@ from edge.sampling import SamplingConfig
 log = logging.getLogger("edgechat")
 
 
-def fit_messages(gen: Generator, messages: list[dict], reserve: int) -> tuple[list[int], list[dict], int]:
-    """Drop the oldest non-system turns until prompt + `reserve` new tokens fit.
+def fit_messages(gen: Generator, messages: list[dict], reserve: int,
+                 tools: list[dict] | None = None) -> tuple[list[int], list[dict], int]:
+    """Drop the oldest non-system turns until prompt + `reserve` new tokens fit (`tools`: for a template
+    that renders them itself, see edge.tools).
 
     Returns (prompt ids, kept messages, number of messages dropped).
     """
@@ -29,7 +31,7 @@ def fit_messages(gen: Generator, messages: list[dict], reserve: int) -> tuple[li
     dropped = 0
     while True:
         kept = system + rest
-        ids = gen.tokenizer.encode_chat(kept)
+        ids = gen.tokenizer.encode_chat(kept, tools=tools)
         if len(ids) <= limit:
             return ids, kept, dropped
         if len(rest) <= 1:

@@ -159,7 +159,7 @@ def _serve(args: argparse.Namespace) -> int:
         gen = _gen(args, spin=False)
         return serve(gen, host=args.host, port=args.port, max_users=args.max_users, max_queue=args.max_queue,
                      auth=auth, ui=not args.no_ui, prompt_cache_mb=args.prompt_cache_mb, sock=sock,
-                     request_timeout_s=args.request_timeout)
+                     request_timeout_s=args.request_timeout, lenient=args.lenient)
     finally:
         sock.close()
 
@@ -253,6 +253,8 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-cache-mb", type=Bounded(float, 0), default=None,
                    help="memory for the K/V of recent conversations, so a prompt that starts like one of them (the "
                         "system prompt, the chat so far) prefills only what is new (fused graphs; default 64, 0: off)")
+    s.add_argument("--lenient", action="store_true",
+                   help="ignore request fields this server does not support (default: a 400 that names them)")
     s.add_argument("--request-timeout", type=Bounded(float, 0, above=True), metavar="SECONDS",
                    help="end a request that has not finished this long after it arrived (its slot is freed; the "
                         "client gets HTTP 504 or an error event); default: no limit")

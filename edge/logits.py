@@ -56,6 +56,7 @@ class RowLogits:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int | None = None  # None: off; 0: the chosen token's only; k: also the k most likely
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the answer like EOS (request's stop_token_ids)
     counts: dict[int, int] = field(default_factory=dict)
     matcher: Matcher | None = None
 

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -23,9 +24,12 @@ from fastapi import FastAPI, Request as HTTPRequest
 from starlette.background import BackgroundTask
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from edge import api_schema
+from edge import api_answers, api_schema
+from edge import tools as toolfmt
 from edge.scheduler import QueueFullError, Request, Scheduler
 from edge.errors import ContextOverflowError, EdgeChatError
+from edge.grammar import GrammarError
+from edge.logits import RowLogits
 from edge.metrics import Metrics
 from edge.generate import Generator
 from edge.stream import StreamEvent
@@ -56,7 +60,8 @@ class Service:
     """What the routes and the page share: generator, scheduler, metrics, identity."""
 
     def __init__(self, gen: Generator, max_users: int = 8, max_queue: int | None = None,
-                 prompt_cache_mb: float | None = None, request_timeout_s: float | None = None) -> None:
+                 prompt_cache_mb: float | None = None, request_timeout_s: float | None = None,
+                 lenient: bool = False) -> None:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise EdgeChatError(f"--request-timeout must be > 0 seconds, got {request_timeout_s}")
         self.gen = gen
@@ -72,6 +77,39 @@ class Service:
         p0 = gen.decoder.providers[0]
         self.backend = "TensorRT" if p0 == "TensorRT" else f"ONNX Runtime {p0.replace('ExecutionProvider', '')}"
         self.started = time.time()
+        self.lenient = lenient  # --lenient: fields this server does not support are ignored, not a 400
+        threading.Thread(target=self._warm_grammar, name="edgechat-grammar-warmup", daemon=True).start()
+
+    def _warm_grammar(self) -> None:
+        """Build the grammar engine's view of the vocabulary now (about a second on 49k tokens), not on the
+        first response_format request."""
+        try:
+            from edge.grammar import GrammarVocab
+
+            GrammarVocab.for_tokenizer(self.gen.tokenizer, self.gen.decoder.dims.vocab_size)
+        except Exception as e:  # llguidance missing: constrained requests get the MissingDependencyError then
+            log.info("grammar engine not ready: %s", e)
+
+    async def on_scheduler(self, fn):
+        """Run `fn()` where the decoder may be called: on the scheduler's thread, between its steps."""
+        return await asyncio.wrap_future(self.scheduler.call(fn))
+
+    async def submit_rows(self, rows) -> tuple[list[Request], asyncio.Queue]:
+        """Every row of a request to the scheduler; their (row, event) pairs arrive on one queue. A row that
+        cannot be queued (429) cancels the ones already queued."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        reqs: list[Request] = []
+        try:
+            for i, (p, cfg, lg) in enumerate(zip(rows.prompt_of, rows.cfgs, rows.logits)):
+                reqs.append(self.scheduler.submit(
+                    rows.prompts[p], cfg, on_event=lambda ev, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, ev)),
+                    timeout_s=self.request_timeout_s, logits=lg))
+        except BaseException:
+            for r in reqs:
+                r.cancel()
+            raise
+        return reqs, q
 
     def sampling(self, max_tokens: int | None, prompt_len: int, **kw) -> SamplingConfig:
         room = self.gen.max_context - prompt_len
@@ -86,18 +124,21 @@ class Service:
         default = self.gen.sampling().max_new_tokens
         return self.gen.sampling(max_new_tokens=max_tokens or min(default, room - 1) or 1, **kw)
 
-    async def submit(self, prompt_ids: list[int], cfg: SamplingConfig) -> tuple[Request, asyncio.Queue]:
+    async def submit(self, prompt_ids: list[int], cfg: SamplingConfig,
+                     logits: RowLogits | None = None) -> tuple[Request, asyncio.Queue]:
         """Hand a request to the scheduler; its events arrive on the returned queue (on this event loop)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StreamEvent] = asyncio.Queue()
         req = self.scheduler.submit(prompt_ids, cfg, on_event=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev),
-                                    timeout_s=self.request_timeout_s)
+                                    timeout_s=self.request_timeout_s, logits=logits)
         return req, q
 
-    async def generate(self, prompt_ids: list[int], cfg: SamplingConfig) -> tuple[Request, AsyncIterator[StreamEvent]]:
+    async def generate(self, prompt_ids: list[int], cfg: SamplingConfig,
+                       logits: RowLogits | None = None) -> tuple[Request, AsyncIterator[StreamEvent]]:
         """Submit to the scheduler; returns the request and an async iterator over its events. Leaving the
-        iterator early (client gone, Stop pressed) cancels the request, which frees its slot."""
-        req, q = await self.submit(prompt_ids, cfg)
+        iterator early (client gone, Stop pressed) cancels the request, which frees its slot. `logits`: the
+        page's JSON mode or tools (edge.logits)."""
+        req, q = await self.submit(prompt_ids, cfg, logits)
         return req, _events(req, q)
 
 
@@ -126,7 +167,7 @@ def _timeout_message(service: "Service") -> str:
 
 # -- the app -------------------------------------------------------------------------------------------
 
-API_ROUTES = {"/v1/chat/completions": "POST", "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
+API_ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
 ERRORS = {400: "bad input (names the field)", 401: "missing or wrong credentials", 404: "no such model or path",
           405: "wrong method", 413: "body over 4 MiB", 429: "queue full (Retry-After)", 500: "generation failed",
           503: "the model is not running", 504: "over --request-timeout"}
@@ -205,6 +246,14 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
     async def chat_completions(request: HTTPRequest):
         return await _chat(service, request)
 
+    @app.post("/v1/completions", openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CompletionRequest"}}}}},
+        responses={200: {"description": "the completion (JSON), or server-sent events with stream: true",
+                         "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                   **{s: responses[s] for s in (400, 401, 413, 429, 500, 503, 504)}})
+    async def completions(request: HTTPRequest):
+        return await _completions(service, request)
+
     @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
                    include_in_schema=False)
     async def unknown(request: HTTPRequest, rest: str):
@@ -241,35 +290,38 @@ def _no_route(request: HTTPRequest) -> JSONResponse:
         raise APIError(405, f"{request.method} {path} is not supported: use {method}", code="method_not_allowed",
                        headers={"Allow": method})
     raise APIError(404, f"no such API path: {request.method} {path} (this server has POST /v1/chat/completions, "
-                        "GET /v1/models, /health, /metrics)", code="not_found")
+                        "POST /v1/completions, GET /v1/models, /health, /metrics)", code="not_found")
 
 
-async def _chat(service: Service, request: HTTPRequest):
-    """POST /v1/chat/completions: validate everything, then hand the request to the scheduler."""
+async def _admit(service: Service, request: HTTPRequest, parse, plan) -> tuple[Any, Any, list[Request], asyncio.Queue]:
+    """Read, validate and plan a request, then queue its rows: every refusal is an APIError (400, 413, 429, 503)
+    before anything reaches the model."""
     metrics = service.metrics
     raw = await request.body()
     if len(raw) > MAX_BODY:
         metrics.reject("bad_request")
         raise APIError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY}")
     try:
-        body = api_schema.parse_chat_request(raw)
-        prompt = service.gen.tokenizer.encode_chat(body.conversation())
-        params = body.sampling()
-        max_tokens = params.pop("max_tokens")
+        body = parse(raw, lenient=service.lenient)
+        rows = await plan(service, body)
         if not service.scheduler.alive:
             raise APIError(503, f"the model is not running ({service.scheduler.error or 'stopped'})",
                            type_="server_error", headers={"Retry-After": "30"})
-        cfg = service.sampling(max_tokens, len(prompt), **params)
-        req, q = await service.submit(prompt, cfg)
+        reqs, q = await service.submit_rows(rows)
     except api_schema.BadRequest as e:
         metrics.reject("bad_request")
         raise APIError(400, e.message, param=e.param) from None
+    except GrammarError as e:  # a schema the grammar engine cannot compile: the message says why
+        metrics.reject("bad_request")
+        raise APIError(400, str(e), code="invalid_schema",
+                       param="tools" if "tool" in str(e) else "response_format") from None
     except APIError:
         metrics.reject("bad_request")
         raise
     except ContextOverflowError as e:
         metrics.reject("context")
-        raise APIError(400, str(e), code="context_length_exceeded", param="messages") from None
+        raise APIError(400, str(e), code="context_length_exceeded",
+                       param="prompt" if parse is api_schema.parse_completion_request else "messages") from None
     except QueueFullError as e:
         metrics.reject("queue_full")
         raise APIError(429, str(e), code="rate_limit_exceeded", type_="rate_limit_error",
@@ -277,46 +329,128 @@ async def _chat(service: Service, request: HTTPRequest):
     except EdgeChatError as e:
         metrics.reject("bad_request")
         raise APIError(400, str(e)) from None
+    return body, rows, reqs, q
+
+
+def _failed(service: Service, lasts: list) -> None:
+    """A row that failed or ran out of time fails the whole (non-streamed) answer: 500 or 504."""
+    for last in lasts:
+        if last.finish_reason == "error":
+            raise APIError(500, f"generation failed: {last.stats.get('error')}", type_="server_error")
+    if any(last.finish_reason == "timeout" for last in lasts):
+        raise APIError(504, _timeout_message(service), type_="timeout_error", code="request_timeout")
+
+
+async def _chat(service: Service, request: HTTPRequest):
+    """POST /v1/chat/completions: validate everything, then hand the request's rows to the scheduler."""
+    body, rows, reqs, q = await _admit(service, request, api_schema.parse_chat_request, api_answers.chat_rows)
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
+    table = api_answers.token_table(service.gen.tokenizer, service.gen.decoder.dims.vocab_size) \
+        if body.logprobs else None
+    n = len(reqs)
     try:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(service, cid, created, _events(req, q), include_usage),
-                                     media_type="text/event-stream", background=BackgroundTask(req.cancel),
+            return StreamingResponse(_chat_sse(service, cid, created, api_answers.merged_events(reqs, q, n), n,
+                                               rows, table, include_usage, len(rows.prompts[0])),
+                                     media_type="text/event-stream", background=BackgroundTask(_cancel_all, reqs),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        parts, last = await _collect(request, q)
+        got = await _collect(request, q, n)
     except BaseException:
-        req.cancel()  # whatever went wrong after admission, the slot is freed now
+        _cancel_all(reqs)  # whatever went wrong after admission, the slots are freed now
         raise
-    if last is None:  # the client hung up: nobody to answer
-        req.cancel()
+    if got is None:  # the client hung up: nobody to answer
+        _cancel_all(reqs)
         return Response(status_code=499)
-    if last.finish_reason == "error":
-        raise APIError(500, f"generation failed: {last.stats.get('error')}", type_="server_error")
-    if last.finish_reason == "timeout":
-        raise APIError(504, _timeout_message(service), type_="timeout_error", code="request_timeout")
+    texts, lps, lasts = got
+    _failed(service, lasts)
+    choices = [api_answers.chat_choice(i, texts[i], lasts[i], lps[i], rows, table) for i in range(n)]
     return {"id": cid, "object": "chat.completion", "created": created, "model": service.model_id,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                         "finish_reason": _finish(last.finish_reason), "logprobs": None}],
-            "usage": _usage(last), "system_fingerprint": f"edgechat-{service.precision}"}
+            "choices": choices, "usage": _usage(lasts, len(rows.prompts[0])),
+            "system_fingerprint": f"edgechat-{service.precision}"}
 
 
-async def _collect(request: HTTPRequest, q: asyncio.Queue) -> tuple[list[str], StreamEvent | None]:
-    """A non-streaming answer's events until the last; (parts, None) as soon as the client hangs up."""
-    gone = asyncio.ensure_future(_client_gone(request))
-    parts: list[str] = []
+async def _completions(service: Service, request: HTTPRequest):
+    """POST /v1/completions: prompts continued as they are (no chat template); echo and logprobs as OpenAI's."""
+    body, rows, reqs, q = await _admit(service, request, api_schema.parse_completion_request,
+                                       _plan_completion)
+    cid = f"cmpl-{uuid.uuid4().hex[:24]}"
+    created = int(time.time())
+    gen = service.gen
+    table = api_answers.token_table(gen.tokenizer, gen.decoder.dims.vocab_size)
     try:
-        while True:
+        scored = []
+        if rows.score_top is not None:
+            for ids in rows.prompts:
+                scored.append(await service.on_scheduler(
+                    lambda ids=ids: api_answers.score_prompt(gen, ids, rows.score_top)))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_completion_sse(service, cid, created, api_answers.merged_events(reqs, q, len(reqs)),
+                                                     rows, table, scored, body.logprobs, include_usage),
+                                     media_type="text/event-stream", background=BackgroundTask(_cancel_all, reqs),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        got = await _collect(request, q, len(reqs))
+    except BaseException:
+        _cancel_all(reqs)
+        raise
+    if got is None:
+        _cancel_all(reqs)
+        return Response(status_code=499)
+    texts, lps, lasts = got
+    _failed(service, lasts)
+    choices = []
+    n = body.n or 1
+    for p, prompt_text in enumerate(rows.prompt_texts):
+        for j in range(n):
+            k = len(choices)
+            row = k if reqs else None
+            text = texts[row] if row is not None else ""
+            pre = prompt_text if rows.echo else ""
+            lp = None
+            if body.logprobs is not None:
+                mine = (scored[p] if rows.echo and scored else []) + (lps[row] if row is not None else [])
+                lp = api_answers.completion_logprobs(table, mine)
+            finish = _finish(lasts[row].finish_reason) if row is not None else "length"
+            choices.append({"index": k, "text": pre + text, "logprobs": lp, "finish_reason": finish})
+    prompt_tokens = sum(len(p) for p in rows.prompts)
+    return {"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
+            "choices": choices, "usage": _usage(lasts, prompt_tokens),
+            "system_fingerprint": f"edgechat-{service.precision}"}
+
+
+async def _plan_completion(service: Service, body):
+    return api_answers.completion_rows(service, body)
+
+
+def _cancel_all(reqs: list[Request]) -> None:
+    for r in reqs:
+        r.cancel()
+
+
+async def _collect(request: HTTPRequest, q: asyncio.Queue, n: int):
+    """The events of a non-streamed answer's n rows until each has finished: (texts, logprobs, last events),
+    or None as soon as the client hangs up."""
+    gone = asyncio.ensure_future(_client_gone(request))
+    parts: list[list[str]] = [[] for _ in range(n)]
+    lps: list[list] = [[] for _ in range(n)]
+    lasts: list[Any] = [None] * n
+    left = n
+    try:
+        while left:
             nxt = asyncio.ensure_future(q.get())
             done, _ = await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
             if nxt not in done:
                 nxt.cancel()
-                return parts, None
-            ev = nxt.result()
-            parts.append(ev.text)
+                return None
+            i, ev = nxt.result()
+            parts[i].append(ev.text)
+            lps[i].extend(getattr(ev, "logprobs", None) or [])
             if ev.finish_reason:
-                return parts, ev
+                lasts[i] = ev
+                left -= 1
+        return ["".join(p) for p in parts], lps, lasts
     finally:
         gone.cancel()
 
@@ -364,41 +498,113 @@ def _finish(reason: str | None) -> str:
     return {"cancelled": "stop", None: "stop"}.get(reason, reason)
 
 
-def _usage(last: StreamEvent) -> dict:
-    p, c = last.stats.get("prompt_tokens", 0), last.stats.get("completion_tokens", 0)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": last.stats.get("cached_prompt_tokens", 0)}}
+def _usage(lasts: list, prompt_tokens: int) -> dict:
+    """Usage of a whole request: its prompt once, every row's answer."""
+    c = sum(last.stats.get("completion_tokens", 0) for last in lasts)
+    cached = max((last.stats.get("cached_prompt_tokens", 0) for last in lasts), default=0)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": c, "total_tokens": prompt_tokens + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _sse(service: Service, cid: str, created: int, events: AsyncIterator[StreamEvent],
-               include_usage: bool) -> AsyncIterator[str]:
-    def chunk(delta: dict, finish: str | None = None, usage: dict | None = None, choices: bool = True) -> str:
+def _error_event(service: Service, ev: StreamEvent) -> str:
+    """A failed or timed-out row of a stream (whose status line said 200 already): an error event, counted."""
+    timeout = ev.finish_reason == "timeout"
+    service.metrics.http_error(504 if timeout else 500)
+    err = {"error": {"message": _timeout_message(service) if timeout else f"generation failed: {ev.stats.get('error')}",
+                     "type": "timeout_error" if timeout else "server_error", "param": None,
+                     "code": "request_timeout" if timeout else None}}
+    return f"data: {json.dumps(err)}\n\n"
+
+
+async def _chat_sse(service: Service, cid: str, created: int, events: AsyncIterator[tuple[int, StreamEvent]], n: int,
+                    rows, table, include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+    """Chat chunks for n rows. With tools, a row's text is held while it may still be a call; a call goes out
+    as one tool_calls delta (id, name, arguments) when its answer ends, with finish_reason "tool_calls"."""
+    def chunk(i: int, delta: dict, finish: str | None = None, usage: dict | None = None, choices: bool = True,
+              lps: list | None = None) -> str:
+        logprobs = {"content": api_answers.chat_logprobs(table, lps or [])} if table is not None and choices else None
         body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created,
                                 "model": service.model_id, "system_fingerprint": f"edgechat-{service.precision}",
-                                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+                                "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
                                 if choices else []}
         if usage is not None:
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+    calls = bool(rows.tools) and rows.tool_choice != "none"
+    held = [""] * n  # text that may still become a tool call
+    held_lps: list[list] = [[] for _ in range(n)]
+    plain = [not calls] * n
+    lasts: list[Any] = []
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for ev in events:
-            if ev.text:
-                yield chunk({"content": ev.text})
+        for i in range(n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for i, ev in events:
+            lps = getattr(ev, "logprobs", None) or []
+            if ev.text or lps:
+                if plain[i]:
+                    yield chunk(i, {"content": ev.text}, lps=lps)
+                else:
+                    held[i] += ev.text
+                    held_lps[i] += lps
+                    if not toolfmt.may_be_call(held[i]):  # plain text after all: let it flow
+                        plain[i] = True
+                        yield chunk(i, {"content": held[i]}, lps=held_lps[i])
             if ev.finish_reason:
-                if ev.finish_reason in ("error", "timeout"):  # the status line went out already: an error event
-                    timeout = ev.finish_reason == "timeout"
-                    service.metrics.http_error(504 if timeout else 500)
-                    err = {"error": {"message": _timeout_message(service) if timeout else
-                                     f"generation failed: {ev.stats.get('error')}",
-                                     "type": "timeout_error" if timeout else "server_error", "param": None,
-                                     "code": "request_timeout" if timeout else None}}
-                    yield f"data: {json.dumps(err)}\n\n"
+                if ev.finish_reason in ("error", "timeout"):
+                    yield _error_event(service, ev)
                     return
-                yield chunk({}, _finish(ev.finish_reason))
-                if include_usage:
-                    yield chunk({}, usage=_usage(ev), choices=False)
+                finish = _finish(ev.finish_reason)
+                if not plain[i]:
+                    parsed = toolfmt.parse_calls(held[i])
+                    if parsed.tool_calls:
+                        delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(parsed.tool_calls)]}
+                        if parsed.content:
+                            delta["content"] = parsed.content
+                        yield chunk(i, delta, lps=held_lps[i])
+                        finish = "tool_calls" if finish == "stop" else finish
+                    elif held[i]:
+                        yield chunk(i, {"content": held[i]}, lps=held_lps[i])
+                yield chunk(i, {}, finish)
+                lasts.append(ev)
+        if include_usage:
+            yield chunk(0, {}, usage=_usage(lasts, prompt_tokens), choices=False)
+        yield "data: [DONE]\n\n"
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+async def _completion_sse(service: Service, cid: str, created: int, events: AsyncIterator[tuple[int, StreamEvent]],
+                          rows, table, scored: list, logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
+    """Text-completion chunks: the echoed prompt first (with its logprobs), then each row's text as it comes."""
+    def chunk(k: int, text: str, finish: str | None = None, lps: list | None = None, usage: dict | None = None) -> str:
+        body: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
+                                "system_fingerprint": f"edgechat-{service.precision}",
+                                "choices": [] if usage is not None else [{
+                                    "index": k, "text": text, "finish_reason": finish,
+                                    "logprobs": None if logprobs is None else
+                                    api_answers.completion_logprobs(table, lps or [])}]}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    lasts: list[Any] = []
+    try:
+        if rows.echo:
+            for k, p in enumerate(rows.prompt_of):
+                yield chunk(k, rows.prompt_texts[p], lps=scored[p] if scored else [])
+        async for k, ev in events:
+            lps = getattr(ev, "logprobs", None) or []
+            if ev.text or lps:
+                yield chunk(k, ev.text, lps=lps)
+            if ev.finish_reason:
+                if ev.finish_reason in ("error", "timeout"):
+                    yield _error_event(service, ev)
+                    return
+                yield chunk(k, "", _finish(ev.finish_reason))
+                lasts.append(ev)
+        if include_usage:
+            yield chunk(0, "", usage=_usage(lasts, sum(len(p) for p in rows.prompts)))
         yield "data: [DONE]\n\n"
     finally:
         await events.aclose()  # type: ignore[attr-defined]

@@ -68,7 +68,10 @@ BAD_FIELDS = {  # body -> (param, words the message must hold)
     "max_tokens 0": ('{' + HI + ', "max_tokens": 0}', "max_tokens", "from 1 to"),
     "max_tokens true": ('{' + HI + ', "max_tokens": true}', "max_tokens", "an integer"),
     "top_p 0": ('{' + HI + ', "top_p": 0}', "top_p", "greater than 0"),
-    "n 2": ('{' + HI + ', "n": 2}', "n", "one answer per request"),
+    "n 17": ('{' + HI + ', "n": 17}', "n", "from 1 to 16"),
+    "unsupported field": ('{' + HI + ', "metadata": {"a": "b"}}', "metadata", "not supported by this server"),
+    "bad schema": ('{' + HI + ', "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '
+                   '{"type": "string", "pattern": "(unclosed"}}}}', "response_format", "unclosed"),
     "stop empty": ('{' + HI + ', "stop": [""]}', "stop", "non-empty"),
     "image part": ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
                    "messages", "text"),

@@ -331,3 +331,28 @@ def _tokenizer(bundle):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(bundle.root / bundle.manifest.tokenizer.file))
+
+
+def test_stop_token_ids_end_the_answer_before_that_token(server, tiny_generator):
+    client = _client(server)
+    full = client.chat.completions.create(model="x", messages=ASK, temperature=1.0, seed=3, max_tokens=20,
+                                          logprobs=True)
+    ids = _ids_from_bytes(tiny_generator, full.choices[0].logprobs.content)
+    k = next(i for i in range(2, 20) if ids[i] not in ids[:i])  # a token's first appearance
+    cut = client.chat.completions.create(model="x", messages=ASK, temperature=1.0, seed=3, max_tokens=20,
+                                         extra_body={"stop_token_ids": [ids[k]]})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == k
+    assert cut.choices[0].message.content == tiny_generator.tokenizer.decode(ids[:k])
+
+
+def test_lenient_ignores_fields_the_server_does_not_support(tiny_bundle):
+    s = ServerProcess(tiny_bundle.root, "--engine", "fp32", "--no-ui", "--lenient")
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 3, "metadata": {"a": 1},
+                                                             "store": True}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 3, "n": "two"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # a known field is still validated
+    finally:
+        code, out = s.stop()
+    assert code == 0, out
