@@ -1,0 +1,75 @@
+"""One decode loop (docs/design.md): the CLI, the page and the API answer the same request with the same
+tokens, and every one of them gets its tokens from `Scheduler._accept` (the one place a token is taken)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from edge.scheduler import Scheduler
+
+PROMPT = "Hello! Tell me about the ocean."
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """Every token the scheduler takes, with the thread that took it."""
+    log: list[tuple[str, int]] = []
+    real = Scheduler._accept
+
+    def spy(self, row, logits, length):
+        before = len(row.text.ids)
+        ok = real(self, row, logits, length)
+        if len(row.text.ids) > before:
+            log.append((threading.current_thread().name, row.text.ids[-1]))
+        return ok
+
+    monkeypatch.setattr(Scheduler, "_accept", spy)
+    return log
+
+
+def test_cli_page_and_api_answer_through_the_same_loop(tiny_bundle, taken, capsys):
+    from fastapi.testclient import TestClient
+
+    from edge.chat import fit_messages
+    from edge.cli import main
+    from edge.generate import Generator
+    from edge.server import Service, create_app
+
+    n = 12
+    # the CLI: `edge-chat run`, in this process so the spy sees it
+    assert main(["run", str(tiny_bundle.root), PROMPT, "--max-new-tokens", str(n), "--temperature", "0"]) == 0
+    cli_text = capsys.readouterr().out[:-1]  # the CLI ends the answer with one newline
+    cli_tokens = [t for _, t in taken]
+    assert len(cli_tokens) == n and {who for who, _ in taken} == {threading.current_thread().name}
+    taken.clear()
+
+    gen = Generator.from_bundle(tiny_bundle)
+    service = Service(gen, max_users=2)
+    service.scheduler.start()
+    try:
+        # the API, through the real ASGI app (its shutdown stops the scheduler: the page goes first)
+        async def page() -> str:
+            """What edge/webui.py's answer() does with a typed message: fit the chat, service.generate."""
+            cfg = gen.sampling(max_new_tokens=n, temperature=0.0)
+            ids, _, _ = fit_messages(gen, [{"role": "user", "content": PROMPT}], cfg.max_new_tokens)
+            _, events = await service.generate(ids, cfg)
+            return "".join([ev.text async for ev in events])
+
+        with TestClient(create_app(service, ui=False)) as client:
+            page_text = asyncio.run(page())
+            page_tokens = [t for _, t in taken]
+            assert {who for who, _ in taken} == {"edgechat-scheduler"}
+            taken.clear()
+            r = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": PROMPT}], "max_tokens": n, "temperature": 0})
+            assert r.status_code == 200, r.text
+            api_text = r.json()["choices"][0]["message"]["content"]
+        api_tokens = [t for _, t in taken]
+        assert {who for who, _ in taken} == {"edgechat-scheduler"}
+    finally:
+        service.scheduler.stop()
+    assert cli_tokens == api_tokens == page_tokens
+    assert cli_text == api_text == page_text
