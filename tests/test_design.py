@@ -107,7 +107,8 @@ def test_backends_do_not_import_each_other():
 
 def test_precision_names_come_from_the_table():
     """Code names a precision through edge.precisions (its constants or its table), never as a bare string,
-    so adding or reordering one is one edit. Docstrings, comments and help text may say the names."""
+    so adding or reordering one is one edit. Docstrings and comments may say the names; a string that only
+    looks like one (a CPU flag named bf16) carries `# noqa: precision` on its line."""
     from edge import precisions
 
     offenders = []
@@ -115,12 +116,14 @@ def test_precision_names_come_from_the_table():
         for path in (ROOT / pkg).rglob("*.py"):
             if path == ROOT / "edge" / "precisions.py":
                 continue
-            tree = ast.parse(path.read_text())
+            text = path.read_text()
+            exempt = {i + 1 for i, line in enumerate(text.splitlines()) if "noqa: precision" in line}
+            tree = ast.parse(text)
             docstrings = {id(n.body[0].value) for n in ast.walk(tree)
                           if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
                           and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
             for node in ast.walk(tree):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
-                        and node.value in precisions.NAMES:
+                        and node.value in precisions.NAMES and node.lineno not in exempt:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
     assert not offenders, "precision names as literals (use edge.precisions):\n" + "\n".join(offenders)
