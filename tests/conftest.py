@@ -11,8 +11,14 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# verified-bundle stamps (edge.bundle) go to a folder of this run, not the user's cache
-os.environ.setdefault("EDGECHAT_STATE_DIR", __import__("tempfile").mkdtemp(prefix="edgechat-state-"))
+# verified-bundle stamps (edge.bundle) go to a folder of this run, not the user's cache; removed at exit
+if "EDGECHAT_STATE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["EDGECHAT_STATE_DIR"] = tempfile.mkdtemp(prefix="edgechat-state-")
+    atexit.register(shutil.rmtree, os.environ["EDGECHAT_STATE_DIR"], ignore_errors=True)
 ROOT = Path(__file__).resolve().parent.parent
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
