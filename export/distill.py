@@ -1,36 +1,45 @@
-"""Distill stage: teach the pruned student back what the teacher knew, on chat text.
+"""Distill stage: teach the pruned student back what the teacher knew, on a fixed mixture of text.
 
-Loss: KL(teacher || student) on temperature-softened next-token distributions (x T^2, Hinton et al.),
-plus optionally a cosine loss between matched hidden states (student block i against the teacher block
-it came from; only when pruning kept the hidden size). Data: the distillation split of
-chitchat-dataset (or the user's JSONL), or chats answered by the teacher itself (teacher_answers > 0:
-export/teacher_answers.py writes them), formatted with the model's own chat template and packed into
-fixed-length blocks. With teacher_topk = k > 0 the loss is the KL over the teacher's k likeliest tokens
-plus one bucket for the rest of the vocabulary, and those k log-probabilities are cached per block: a block
-seen again (teacher answers are small and run for epochs) skips the teacher's forward pass. AdamW, linear warm-up then cosine decay, gradient clipping, optional gradient
-checkpointing, AMP: bf16 on a CUDA GPU that has it, else fp16 with loss scaling, and bf16 on a CPU with
-native bf16 dot products (AVX512-BF16/AMX, Arm BF16: ~3x the fp32 step on a 2-core EPYC). A checkpoint is written
-every `checkpoint_every` steps outside the stage folder, so an interrupted run resumes where it stopped
-and ends where the uninterrupted one would (the batch order is a function of the seed and the step).
+Data (export/mixture.py): by default the teacher's own questions and answers (export/teacher_answers.py),
+the user's chats (chitchat-dataset's distillation split or their JSONL) and general prose (export/prose.py's
+train documents), in the recipe's shares, formatted with the model's chat template (prose as plain text)
+and packed into fixed-length blocks with a loss mask: on the teacher's chats the loss is where its answer
+is, not on the prompt. Loss there: token-level KL(teacher || student) on temperature-softened next-token
+distributions (x T^2, Hinton et al.) plus `seq_kd` x cross-entropy on the tokens the teacher sampled
+(sequence-level KD, Kim & Rush 2016); elsewhere the KL alone. With teacher_topk = k > 0 the KL is over the
+teacher's k likeliest tokens plus one bucket for the rest of the vocabulary, cached per block: a block seen
+again skips the teacher's forward pass. Optionally a cosine loss between matched hidden states.
+
+A recipe fixes its steps (and so its tokens); `max_minutes` is only a safety cap, and a run it cuts
+short says so in its metrics and the report. The same recipe gives the same weights (`weights_sha256`)
+on the same thread count: seeded data order and initialisation, torch's deterministic algorithms.
+AdamW, linear warm-up then cosine decay, gradient clipping, optional gradient checkpointing, AMP: bf16 on
+a CUDA GPU that has it, else fp16 with loss scaling, and bf16 on a CPU with native bf16 dot products
+(AVX512-BF16/AMX, Arm BF16: ~3x the fp32 step on a 2-core EPYC). A checkpoint is written every
+`checkpoint_every` steps outside the stage folder, so an interrupted run resumes where it stopped and
+ends where the uninterrupted one would (the schedule is a function of the seed and the step).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from edge.errors import RecipeError
+from export import mixture as mix
 from export import vocab
 
 CKPT = "checkpoint.pt"
 TOPK_CACHE = "teacher_topk.npz"  # beside the checkpoint: resumed runs read the cached blocks back
+DEFAULT_MIXTURE = {"teacher": 0.4, "chat": 0.2, "prose": 0.4}
 NOT_RESULT = ("max_minutes", "threads", "checkpoint_every", "grad_checkpointing")  # change speed, not the result
 
 
@@ -55,18 +64,27 @@ class DistillOptions:
     threads: int | None = None
     checkpoint_every: int = 50
     max_minutes: float | None = None  # stop early (and say so) when the time budget is spent
-    samples: int | None = None  # distillation chats used (None: all)
-    data: str | None = None
-    teacher_answers: int = 0  # > 0: distill on that many chats answered by the teacher (export/teacher_answers.py)
-    teacher_prompts: str = "data"  # what the teacher answers: "data" (distillation chats) or "teacher" (its own questions)
+    samples: int | None = None  # chats / answers / prose documents read per source (None: all)
+    data: str | None = None  # the user's chats (JSONL) for the "chat" share; None: chitchat-dataset
+    # shares of the training rows: teacher-written chats, the user's chats, general prose (export/mixture.py)
+    mixture: dict = field(default_factory=lambda: dict(DEFAULT_MIXTURE))
+    teacher_answers: int = 2000  # chats the teacher answers for the "teacher" share (export/teacher_answers.py)
+    teacher_prompts: str = "teacher"  # what the teacher answers: "teacher" (questions it writes) or "data" (chats)
     teacher_topk: int = 0  # > 0: KD on the teacher's top-k tokens + a rest bucket, cached per block (repeats skip the teacher)
+    seq_kd: float = 0.5  # weight of the cross-entropy on the teacher's sampled answer tokens (sequence-level KD)
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.teacher_prompts not in ("data", "teacher"):
             raise RecipeError(f"distill teacher_prompts must be \"data\" or \"teacher\", got {self.teacher_prompts!r}")
         if self.teacher_answers < 0:
-            raise RecipeError(f"distill teacher_answers must be >= 0 (0: the chat text alone), got {self.teacher_answers}")
+            raise RecipeError(f"distill teacher_answers must be >= 0 (0: no teacher-written chats), got {self.teacher_answers}")
+        mix.check_mixture(self.mixture)
+        if self.mixture.get("teacher") and not self.teacher_answers:
+            raise RecipeError("distill mixture has a teacher share but teacher_answers = 0: set teacher_answers = N "
+                              "(chats the teacher writes) or drop teacher from the mixture")
+        if self.seq_kd < 0:
+            raise RecipeError(f"distill seq_kd must be >= 0, got {self.seq_kd}")
         for k in ("steps", "batch_size", "seq_len", "checkpoint_every"):
             if getattr(self, k) < 1:
                 raise RecipeError(f"distill {k} must be >= 1, got {getattr(self, k)}")
@@ -79,24 +97,6 @@ class DistillOptions:
                               "states every step: set teacher_topk = 0 or hidden_loss = 0")
         if self.amp not in ("auto", "bf16", "fp16", "off") or self.device not in ("auto", "cpu", "cuda"):
             raise RecipeError("distill amp is one of auto|bf16|fp16|off and device one of auto|cpu|cuda")
-
-
-def pack(sequences: list[list[int]], seq_len: int) -> np.ndarray:
-    """Chats end to end, cut into [n, seq_len + 1] blocks (inputs and shifted targets)."""
-    flat = np.fromiter((t for s in sequences for t in s), dtype=np.int64)
-    n = len(flat) // (seq_len + 1)
-    if n < 1:
-        raise RecipeError(f"the distillation data has {len(flat)} tokens, fewer than one block of {seq_len + 1}: "
-                          "give more chats or a smaller seq_len")
-    return flat[: n * (seq_len + 1)].reshape(n, seq_len + 1)
-
-
-def batch_indices(n_blocks: int, step: int, batch: int, seed: int) -> np.ndarray:
-    """The blocks of a step: epochs are seeded permutations, so any step can be recomputed after a resume."""
-    per_epoch = max(1, n_blocks // batch)
-    epoch, k = divmod(step, per_epoch)
-    perm = np.random.default_rng(seed + epoch).permutation(n_blocks)
-    return perm[k * batch:(k + 1) * batch] if n_blocks >= batch else perm
 
 
 def lr_at(step: int, opts: DistillOptions) -> float:
@@ -235,15 +235,35 @@ def _amp(opts: DistillOptions, device: str):
     return torch.float16, torch.amp.GradScaler("cuda")
 
 
+def weights_sha256(model) -> str:
+    """SHA-256 (16 hex) over every tensor of a model's state dict, in key order: two runs, same model?"""
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, ckpt_dir: Path | None = None,
         answers: Path | None = None) -> dict:
     """Distill the student in student_dir toward the teacher in teacher_dir; write the result to dst.
-    `answers`: a JSONL of chats ending in the teacher's answers (teacher-answers stage), trained on
-    instead of the chat text."""
+    `answers`: a JSONL of chats ending in the teacher's answers (teacher-answers stage): the "teacher" share."""
     import torch
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        return _run(teacher_dir, student_dir, dst, opts, ckpt_dir, answers)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, ckpt_dir: Path | None,
+         answers: Path | None) -> dict:
+    import torch
+    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from export.data import load_chats, load_jsonl
     from export.load import META, chat_tokenizer, copy_side_files
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if opts.device == "auto" else opts.device
@@ -275,8 +295,13 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
     student.train()
 
     tok = chat_tokenizer(student_dir)
-    chats = load_jsonl(answers, limit=opts.samples) if answers else load_chats(opts.data, "distillation", opts.samples)
-    blocks = pack([tok.encode_chat(c, add_generation_prompt=False) for c in chats], opts.seq_len)
+    eos = json.loads((student_dir / META).read_text())["eos_token_ids"][0]
+    sources = mix.load_sources(tok, opts.mixture, opts.seq_len, eos, answers, opts.data, opts.samples)
+    blocks = np.concatenate([p.ids for p in sources])
+    mask = np.concatenate([p.mask for p in sources])
+    hard = np.concatenate([np.full(len(p.ids), p.name == "teacher") for p in sources])  # the teacher's own samples
+    weights = {p.name: opts.mixture[p.name] for p in sources}
+    order = mix.schedule({p.name: len(p.ids) for p in sources}, weights, opts.steps, opts.batch_size, opts.seed)
 
     decay = [p for n, p in student.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in student.named_parameters() if p.ndim < 2]
@@ -314,9 +339,11 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
     bar = tqdm(range(start, opts.steps), desc="distill", unit="step", initial=start, total=opts.steps)
     for step in bar:
         t0 = time.perf_counter()
-        idx = batch_indices(len(blocks), step, opts.batch_size, opts.seed)
+        idx = order[step]
         xb = torch.from_numpy(blocks[idx]).to(device)
         x = xb[:, :-1]
+        m = torch.from_numpy(mask[idx]).to(device).flatten()
+        h = (torch.from_numpy(hard[idx]).to(device)[:, None] & torch.from_numpy(mask[idx]).to(device)).flatten()
         for g in optim.param_groups:
             g["lr"] = lr_at(step, opts)
         need_teacher = not (cache and cache.has(idx))
@@ -327,13 +354,20 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
                     t_logits = t_out.logits if vmap is None else t_out.logits.index_select(-1, vmap)
                 teacher_steps += 1
             s_out = student(x, output_hidden_states=use_hidden, use_cache=False)
-        # the losses in fp32, outside autocast (under CPU autocast the same KL took 1.8 s instead of 0.1-0.35)
-        if cache:
-            if need_teacher:
-                cache.put(idx, *teacher_topk(t_logits, opts.temperature, cache.logp.shape[-1]))
-            loss = topk_kd_loss(s_out.logits, *cache.get(idx, device), opts.temperature)
+        # the losses in fp32, outside autocast (under CPU autocast the same KL took 1.8 s instead of 0.1-0.35),
+        # on the masked positions only (the teacher's answers, all of chat and prose text)
+        s_logits = s_out.logits.flatten(0, -2)
+        if cache and need_teacher:
+            cache.put(idx, *teacher_topk(t_logits, opts.temperature, cache.logp.shape[-1]))
+        if not bool(m.any()):  # a batch of prompts alone (short blocks): nothing to learn, a zero step
+            loss = s_logits.sum() * 0
+        elif cache:
+            top_logp, top_idx = cache.get(idx, device)
+            loss = topk_kd_loss(s_logits[m], top_logp[m], top_idx[m], opts.temperature)
         else:
-            loss = kd_loss(s_out.logits, t_logits, opts.temperature)
+            loss = kd_loss(s_logits[m], t_logits.flatten(0, -2)[m], opts.temperature)
+        if opts.seq_kd and bool(h.any()):
+            loss = loss + opts.seq_kd * F.cross_entropy(s_logits[h].float(), xb[:, 1:].flatten()[h])
         if use_hidden:
             cos = [1 - torch.nn.functional.cosine_similarity(s_out.hidden_states[i + 1].float(),
                                                              t_out.hidden_states[layer_map[i] + 1].float(), dim=-1).mean()
@@ -359,7 +393,9 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
         if (step + 1) % opts.checkpoint_every == 0 or step + 1 == opts.steps:
             save(step + 1)
         if opts.max_minutes and seconds > opts.max_minutes * 60 and step + 1 < opts.steps:
-            stopped = f"time budget of {opts.max_minutes} min spent after {step + 1} of {opts.steps} steps"
+            stopped = (f"the time cap of {opts.max_minutes:g} min cut distillation short: {step + 1} of the recipe's "
+                       f"{opts.steps} steps ({100 * (step + 1) / opts.steps:.0f}% of its tokens); this is not the model "
+                       "the recipe describes: build again with a larger max_minutes and it resumes from the checkpoint")
             save(step + 1)
             break
     bar.close()
@@ -373,13 +409,24 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
     (dst / META).write_text(json.dumps(meta | {"distilled": True}, indent=2))
     k = max(1, len(losses) // 10)
     mass = cache.mass() if cache else None
+    planned = opts.steps * opts.batch_size * opts.seq_len
     return {
-        "steps": len(losses), "tokens_seen": tokens_seen, "seconds": round(seconds, 1),
-        "tokens_per_s": round(tokens_seen / seconds, 1) if seconds else None, "device": device,
+        "steps": len(losses), "steps_planned": opts.steps, "tokens_seen": tokens_seen, "tokens_planned": planned,
+        "seconds": round(seconds, 1), "tokens_per_s": round(tokens_seen / seconds, 1) if seconds else None,
+        "device": device, "threads": torch.get_num_threads() if device == "cpu" else None,
         "amp": str(amp_dtype).replace("torch.", "") if amp_dtype else "off", "temperature": opts.temperature,
         "loss_first": float(np.mean(losses[:k])), "loss_last": float(np.mean(losses[-k:])),
         "losses": losses[:: max(1, len(losses) // 100)], "blocks": int(len(blocks)), "stopped_early": stopped,
-        "resumed_from_step": start or None, "text": "teacher answers" if answers else "chat text",
+        "cap_hit": stopped is not None, "resumed_from_step": start or None, "text": describe_mixture(weights),
+        "mixture": mix.describe(sources, order[: len(losses)], weights), "seq_kd": opts.seq_kd,
         "teacher_steps": teacher_steps, "teacher_topk": opts.teacher_topk or None,
         "teacher_topk_mass": round(mass, 4) if mass is not None else None,
+        "weights_sha256": weights_sha256(student),
     }
+
+
+def describe_mixture(weights: dict[str, float]) -> str:
+    """"teacher-written chats 40%, chats 20%, prose 40%": the shares of the training rows, in words."""
+    names = {"teacher": "teacher-written chats", "chat": "chats", "prose": "general prose"}
+    total = sum(weights.values())
+    return ", ".join(f"{names[k]} {100 * w / total:.0f}%" for k, w in weights.items())

@@ -42,6 +42,8 @@ class PruneOptions:
     max_tokens: int = 256
     multiple: int = 32  # MLP and hidden sizes rounded down to a multiple of this (kernel-friendly)
     calibration: str | None = None
+    prose_samples: int = 0  # general-prose documents (export/prose.py "train") measured beside the chats
+    vocab_prose: bool = False  # count the prose "train" documents' tokens too when choosing the vocabulary
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -60,8 +62,8 @@ class PruneOptions:
             raise RecipeError(f"prune method {self.method!r} unknown: choose from {', '.join(METHODS)}")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise RecipeError(f"prune vocab_size must be >= 1 (tokens kept), got {self.vocab_size}")
-        if self.samples < 1 or self.multiple < 1:
-            raise RecipeError("prune samples and multiple must be >= 1")
+        if self.samples < 1 or self.multiple < 1 or self.prose_samples < 0:
+            raise RecipeError("prune samples and multiple must be >= 1, prose_samples >= 0")
 
 
 @dataclass
@@ -292,12 +294,21 @@ def prune_state(model, imp: Importance, shape: Shape, vocab_ids: list[int] | Non
     return small.eval()
 
 
-def calibration_sequences(hf_dir: Path, source: str | None, samples: int, max_tokens: int) -> list[list[int]]:
+def calibration_sequences(hf_dir: Path, source: str | None, samples: int, max_tokens: int,
+                          prose: int = 0) -> list[list[int]]:
+    """Calibration chats (and `prose` general-prose "train" documents), as token ids cut at max_tokens.
+
+    Why prose: importance measured on small talk alone keeps the channels small talk uses; a student meant
+    to stay a general model is measured on general text too (as Minitron calibrates on pretraining data)."""
     from export.data import load_chats
     from export.load import chat_tokenizer
 
     tok = chat_tokenizer(hf_dir)
     seqs = [tok.encode_chat(c, add_generation_prompt=False)[:max_tokens] for c in load_chats(source, "calibration", samples)]
+    if prose:
+        from export.mixture import prose_train
+
+        seqs += [tok.encode(t)[:max_tokens] for t in prose_train(prose)]
     return [s for s in seqs if len(s) >= 2]
 
 
@@ -314,11 +325,18 @@ def run(hf_dir: Path, dst: Path, opts: PruneOptions) -> dict:
     target = opts.target_ratio if opts.fit is None else fit_ratio(hf_dir, opts.fit, opts.fit_context)
     if opts.fit is not None and opts.target_ratio is not None:
         target = min(target, opts.target_ratio)
-    seqs = calibration_sequences(hf_dir, opts.calibration, opts.samples, opts.max_tokens)
+    seqs = calibration_sequences(hf_dir, opts.calibration, opts.samples, opts.max_tokens, opts.prose_samples)
     imp = measure(model, seqs, opts.method, opts.seed)
     kept, coverage = None, None
     if opts.vocab_size is not None and opts.vocab_size != model.config.vocab_size:
         counts = vocab.token_counts(hf_dir, opts.calibration)
+        if opts.vocab_prose:
+            from export.load import chat_tokenizer
+            from export.mixture import prose_train
+
+            tok = chat_tokenizer(hf_dir)
+            for text in prose_train():
+                counts.update(tok.encode(text))
         kept = vocab.choose(json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8")), counts, opts.vocab_size)
         kept_set = set(kept)
         coverage = sum(c for i, c in counts.items() if i in kept_set) / max(1, sum(counts.values()))
@@ -349,6 +367,8 @@ def run(hf_dir: Path, dst: Path, opts: PruneOptions) -> dict:
         "intermediate": f"{cfg.intermediate_size} -> {shape.intermediate}",
         "vocab": f"{cfg.vocab_size} -> {small.config.vocab_size}",
         "vocab_coverage": round(coverage, 5) if coverage is not None else None,
+        "vocab_counted": "chat + prose" if opts.vocab_prose else "chat",
+        "prose_samples": opts.prose_samples,
         "block_importance": [round(float(x), 5) for x in imp.blocks],
     }
 
@@ -357,6 +377,7 @@ def describe(metrics: dict) -> str:
     return (f"{metrics['params_before'] / 1e6:.1f}M -> {metrics['params_after'] / 1e6:.1f}M parameters "
             f"({metrics['ratio']:.0%}); layers {metrics['layers']}, heads {metrics['heads']}, hidden {metrics['hidden']}, "
             f"MLP {metrics['intermediate']}"
-            + (f", vocabulary {metrics['vocab']} ({metrics['vocab_coverage']:.1%} of the chat tokens kept)"
+            + (f", vocabulary {metrics['vocab']} ({metrics['vocab_coverage']:.1%} of the "
+               f"{metrics.get('vocab_counted', 'chat')} tokens kept)"
                if metrics.get("vocab_coverage") is not None else ""))
 

@@ -194,7 +194,7 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
             lineage.append(package.EngineArtifact("pruned-only", p_dir, "fp32", report_only=True, dims_dir=pruned_dir,
                                                   lineage=True))
             answers, inputs = None, {"prune": rec.finished}
-            if dopts.teacher_answers:
+            if dopts.teacher_answers and dopts.mixture.get("teacher"):
                 from export import teacher_answers
 
                 aopts = teacher_answers.AnswerOptions(count=dopts.teacher_answers, seed=dopts.seed, data=dopts.data,
@@ -209,8 +209,11 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
                                     lambda d: distill.run(teacher_dir, pruned_dir, d, dopts,
                                                           ckpt_dir=work / ".distill-checkpoint", answers=answers))
             records.append(rec)
-            log(f"[distill] {rec.metrics['steps']} steps, {rec.metrics['tokens_seen']} tokens, loss "
-                f"{rec.metrics['loss_first']:.3f} -> {rec.metrics['loss_last']:.3f}")
+            log(f"[distill] {rec.metrics['steps']} steps, {rec.metrics['tokens_seen']} tokens "
+                f"({rec.metrics.get('text', 'chat text')}), loss {rec.metrics['loss_first']:.3f} -> "
+                f"{rec.metrics['loss_last']:.3f}")
+            if rec.metrics.get("stopped_early"):
+                log(f"[distill] WARNING: {rec.metrics['stopped_early']}")
             mass = rec.metrics.get("teacher_topk_mass")
             if mass is not None and mass < 0.8:
                 log(f"[distill] warning: the teacher's top {dopts.teacher_topk} tokens held only {100 * mass:.0f}% of its "

@@ -49,10 +49,21 @@ def _stage_lines(results: dict) -> list[str]:
                    + (f"; KL over the teacher's top {d['teacher_topk']} tokens (holding {100 * d['teacher_topk_mass']:.1f}% "
                       f"of its mass at T={d['temperature']}) + the rest, cached: the teacher ran in {d['teacher_steps']} "
                       f"of the {d['steps']} steps" if d.get("teacher_topk") and d.get("teacher_topk_mass") is not None else "")
-                   + (f"; {d['stopped_early']}" if d.get("stopped_early") else "") + ".")
+                   + (f"; weights {d['weights_sha256']}" if d.get("weights_sha256") else "") + ".")
+        for name, m in (d.get("mixture") or {}).items():
+            out.append(f"Distillation source {name}: share {m['share']:g}, {m['rows']} rows of {m['blocks']} blocks "
+                       f"({m['epochs']:g} epochs), {m['loss_tokens']} tokens with loss.")
+        if d.get("stopped_early"):  # loud: the bundle is not the model the recipe describes
+            out.append(f"**WARNING: {d['stopped_early']}.**")
     if results.get("recovered") is not None:
         out.append(f"Distillation recovered {100 * results['recovered']:.0f}% of the perplexity increase pruning caused "
-                   "(teacher -> pruned-only -> fp32 rows).")
+                   "on the held-out chats (teacher -> pruned-only -> fp32 rows).")
+    bpb = {k: results["engines"][k]["prose"]["bits_per_byte"] for k in ("teacher", "pruned-only", "fp32")
+           if "bits_per_byte" in (results.get("engines", {}).get(k, {}).get("prose") or {})}
+    if len(bpb) == 3 and bpb["pruned-only"] > bpb["teacher"]:
+        t, p, f = bpb["teacher"], bpb["pruned-only"], bpb["fp32"]
+        out.append(f"On held-out general prose it recovered {100 * (p - f) / (p - t):.0f}% of the rise in bits per byte "
+                   f"pruning caused (teacher {t:.3f} -> pruned-only {p:.3f} -> fp32 {f:.3f}: {f / t:.3f}x the teacher).")
     return out
 
 

@@ -88,19 +88,37 @@ def _teacher_questions(sched, tok, opts: AnswerOptions) -> tuple[list[list[dict]
     reqs = [sched.submit(prefix, SamplingConfig(max_new_tokens=opts.question_tokens, temperature=opts.question_temperature,
                                                 top_p=opts.question_top_p, seed=opts.seed + QUESTION_SEED + i))
             for i in range(n)]
-    chats, seen = [], set()
+    chats, seen, ended = [], set(), 0
     for req in tqdm(reqs, desc="teacher questions", unit="question"):
         text, last = req.answer()
         if last.finish_reason == "error":
             raise RecipeError(f"the teacher failed while writing questions: {last.stats.get('error')}")
         q = text.strip()
-        if last.finish_reason == "stop" and q and q not in seen:
-            seen.add(q)
+        ended += bool(last.finish_reason == "stop" and q)
+        if last.finish_reason == "stop" and q and dedup_key(q) not in seen:
+            seen.add(dedup_key(q))
             chats.append([{"role": "user", "content": q}])
     if not chats:
         raise RecipeError(f"the teacher ended none of {n} questions within question_tokens={opts.question_tokens}: "
                           "raise it")
-    return chats, {"questions_written": n, "questions_kept": len(chats)}
+    return chats, {"questions_written": n, "questions_ended": ended, "questions_kept": len(chats),
+                   "questions_duplicate": ended - len(chats)}
+
+
+def dedup_key(text: str) -> str:
+    """Two questions are the same when they differ only in case, spacing and punctuation."""
+    return " ".join("".join(c if c.isalnum() else " " for c in text.lower()).split())
+
+
+def unique(chats: list[list[dict]]) -> list[list[dict]]:
+    """The chats in order, each kept the first time its turns (by dedup_key) are seen."""
+    out, seen = [], set()
+    for chat in chats:
+        key = "\n".join(dedup_key(m["content"]) for m in chat)
+        if key not in seen:
+            seen.add(key)
+            out.append(chat)
+    return out
 
 
 def run(teacher_dir: Path, dst: Path, opts: AnswerOptions, threads: int | None = None) -> dict:
@@ -134,6 +152,7 @@ def run(teacher_dir: Path, dst: Path, opts: AnswerOptions, threads: int | None =
             chats, questions = _teacher_questions(sched, tok, opts)
         else:
             chats = prompts(load_chats(opts.data, "distillation"), 10 * opts.count, opts.seed)
+            chats = unique(chats)  # the same context twice (chitchat's "hi, how are you?") is asked once
         encoded = ((c, tok.encode_chat(c)) for c in chats)
         asked = [(c, ids) for c, ids in encoded if len(ids) <= MAX_CONTEXT_TOKENS][: opts.count]
         if not asked:

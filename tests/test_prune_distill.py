@@ -173,7 +173,7 @@ def _dopts(**kw):
     from export.distill import DistillOptions
 
     return DistillOptions(**({"steps": 12, "batch_size": 2, "seq_len": 32, "lr": 1e-3, "warmup": 2, "samples": 60,
-                              "checkpoint_every": 4} | kw))
+                              "checkpoint_every": 4, "mixture": {"chat": 1.0}} | kw))
 
 
 def test_distill_loss_falls(loaded, pruned, tmp_path):
@@ -303,8 +303,10 @@ def test_distill_checks(loaded, pruned, tmp_path):
         hp = tmp_path / "hp"
         prune.run(loaded, hp, prune.PruneOptions(target_ratio=1.0, hidden_ratio=0.5, multiple=16, samples=2))
         distill.run(loaded, hp, tmp_path / "x", _dopts(hidden_loss=1.0))
+    from export import mixture
+
     with pytest.raises(RecipeError, match="fewer than one block"):
-        distill.pack([[1, 2, 3]], 32)
+        mixture.pack("chat", [([1, 2, 3], [True] * 3)], 32)
 
 
 def test_teacher_answers_are_the_teachers_own_and_feed_the_distillation(loaded, pruned, tmp_path):
@@ -315,11 +317,11 @@ def test_teacher_answers_are_the_teachers_own_and_feed_the_distillation(loaded, 
     from edge.generate import Generator
     from edge.ort_decoder import OrtDecoder
     from edge.sampling import SamplingConfig
-    from export import distill, fused_graph, teacher_answers
+    from export import distill, fused_graph, mixture, teacher_answers
     from export.architectures import dims_from_hf_config
     from export.load import chat_tokenizer
 
-    opts = teacher_answers.AnswerOptions(count=40, max_tokens=24, temperature=1.0, batch=8)
+    opts = teacher_answers.AnswerOptions(count=40, max_tokens=24, temperature=1.0, batch=8, prompts="data")
     m = teacher_answers.run(loaded, tmp_path / "a", opts, threads=1)
     assert m["asked"] == 40 and m["kept"] == m["ended_at_eos"] > 0 and m["cut_at_max_tokens"] > 0
     assert m["kept"] + m["cut_at_max_tokens"] + m["empty"] == m["asked"]
@@ -336,11 +338,11 @@ def test_teacher_answers_are_the_teachers_own_and_feed_the_distillation(loaded, 
         ids = gen.tokenizer.encode_chat(context)
         alone, last = gen.complete(ids, SamplingConfig(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=r["seed"]))
         assert (alone.strip(), last.finish_reason) == (answer["content"], "stop")
-    out = distill.run(loaded, pruned, tmp_path / "d", _dopts(steps=2, samples=None, seq_len=16),
+    out = distill.run(loaded, pruned, tmp_path / "d", _dopts(steps=2, samples=None, seq_len=16, mixture={"teacher": 1}),
                       answers=tmp_path / "a" / teacher_answers.ANSWERS)
     tok = chat_tokenizer(pruned)
-    want = len(distill.pack([tok.encode_chat(r["messages"], add_generation_prompt=False) for r in rows], 16))
-    assert out["text"] == "teacher answers" and out["blocks"] == want
+    want = len(mixture.pack("teacher", [mixture.chat_sample(tok, r["messages"], True) for r in rows], 16).ids)
+    assert out["text"] == "teacher-written chats 100%" and out["blocks"] == want
     with pytest.raises(RecipeError, match="teacher_answers must be >= 0"):
         _dopts(teacher_answers=-1)
 
@@ -409,7 +411,7 @@ def test_build_with_prune_and_distill_reports_the_lineage(loaded, tmp_path):
     assert [e.name for e in m.engines] == ["fp32", "int8-dynamic"]  # the lineage is reported, not shipped
     assert m.model.num_parameters <= 0.6 * next(s for s in m.stages if s.name == "prune").metrics["params_before"]
     report = (b.root / "report/report.md").read_text()
-    assert "| teacher |" in report and "| pruned-only |" in report and "Distill on chat text: 6 steps" in report
+    assert "| teacher |" in report and "| pruned-only |" in report and "Distill on chats 100%: 6 steps" in report
     assert (b.root / "report/distill_loss.png").is_file()
     gen = Generator.from_bundle(Bundle.open(b.root), engine="int8-dynamic", threads=1)
     text, _ = gen.complete(gen.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), SamplingConfig(max_new_tokens=4))
@@ -579,3 +581,105 @@ def test_distill_a_vocabulary_pruned_student(loaded, tmp_path):
     (stu / vocab.VOCAB_MAP).unlink()
     with pytest.raises(RecipeError, match="no vocab_map.json"):
         distill.run(loaded, stu, tmp_path / "out3", _dopts(steps=1))
+
+
+# --- the distillation mixture (issue 28) ------------------------------------------------------------------
+
+def test_mixture_masks_the_prompt_and_schedules_the_shares(loaded):
+    """Teacher-written chats: loss on the answer only (mask aligned with the shifted targets); chat text:
+    every token. The schedule gives each source its share of the rows, walks each source in epochs, and
+    is the same for the same seed."""
+    from export import mixture
+    from export.load import chat_tokenizer
+
+    tok = chat_tokenizer(loaded)
+    chat = [{"role": "user", "content": "What is the capital of Japan?"}, {"role": "assistant", "content": "Tokyo is."}]
+    ids, m = mixture.chat_sample(tok, chat, answer_only=True)
+    masked = tok.decode([i for i, b in zip(ids, m) if b], skip_special_tokens=False)
+    assert masked.startswith("Tokyo is.") and "capital" not in masked and not m[0]
+    assert mixture.chat_sample(tok, chat, answer_only=False) == (ids, [True] * len(ids))
+    p = mixture.pack("teacher", [([10, 11, 12, 13, 14, 15, 16, 17], [False, False, True, True, False, True, True, True])], 3)
+    assert p.ids.tolist() == [[10, 11, 12, 13], [14, 15, 16, 17]]
+    assert p.mask.tolist() == [[False, True, True], [True, True, True]]  # mask[j] is for target ids[j + 1]
+    sizes, w = {"teacher": 7, "chat": 50, "prose": 3}, {"teacher": 0.4, "chat": 0.2, "prose": 0.4}
+    o = mixture.schedule(sizes, w, 25, 4, seed=0)
+    assert o.shape == (25, 4) and np.array_equal(o, mixture.schedule(sizes, w, 25, 4, seed=0))
+    assert not np.array_equal(o, mixture.schedule(sizes, w, 25, 4, seed=1))
+    flat = o.ravel()
+    assert ((flat < 7).sum(), ((flat >= 7) & (flat < 57)).sum(), (flat >= 57).sum()) == (40, 20, 40)
+    assert sorted(np.bincount(flat[flat >= 57] - 57).tolist()) == [13, 13, 14]  # whole epochs, then part of one
+    assert sorted(flat[flat < 7][:7].tolist()) == list(range(7))  # a block repeats only after its source's epoch
+    assert mixture.shares({"a": 1, "b": 1, "c": 1}, 10) == {"a": 4, "b": 3, "c": 3}
+    with pytest.raises(RecipeError, match=r"unknown sources \['web'\]"):
+        _dopts(mixture={"web": 1.0})
+    with pytest.raises(RecipeError, match="teacher share but teacher_answers = 0"):
+        _dopts(mixture={"teacher": 1.0}, teacher_answers=0)
+    with pytest.raises(RecipeError, match="shares must be >= 0"):
+        _dopts(mixture={"chat": 0})
+
+
+def test_same_recipe_twice_gives_the_same_weights_and_the_cap_is_loud(loaded, pruned, tmp_path):
+    """A recipe fixes its steps: two runs give the same weights hash (a different seed does not); a run the
+    time cap cuts short says so in its metrics and, loudly, in the report."""
+    from export import distill
+    from export.report import _stage_lines
+
+    o = _dopts(steps=6, samples=20, mixture={"chat": 0.5, "prose": 0.5}, teacher_topk=8)
+    a = distill.run(loaded, pruned, tmp_path / "a", o)
+    b = distill.run(loaded, pruned, tmp_path / "b", o)
+    c = distill.run(loaded, pruned, tmp_path / "c", dataclasses.replace(o, seed=1))
+    assert a["weights_sha256"] == b["weights_sha256"] != c["weights_sha256"]
+    assert a["losses"] == b["losses"] and not a["cap_hit"] and a["tokens_seen"] == a["tokens_planned"] == 6 * 2 * 32
+    assert set(a["mixture"]) == {"chat", "prose"} and a["mixture"]["chat"]["rows"] == a["mixture"]["prose"]["rows"] == 6
+    assert a["text"] == "chats 50%, general prose 50%"
+    cut = distill.run(loaded, pruned, tmp_path / "cut", dataclasses.replace(o, max_minutes=1e-9))
+    assert cut["cap_hit"] and cut["steps"] == 1 and cut["steps_planned"] == 6
+    assert "cut distillation short: 1 of the recipe's 6 steps (17% of its tokens)" in cut["stopped_early"]
+    lines = _stage_lines({"stages": {"distill": cut}})
+    assert lines[-1].startswith("**WARNING: the time cap") and "Distillation source prose: share 0.5" in "\n".join(lines)
+
+
+def test_prune_measures_and_counts_general_prose_when_asked(loaded, tmp_path):
+    """prose_samples: importance measured on prose "train" documents beside the chats; vocab_prose: the
+    vocabulary keeps the tokens that prose uses most (never the held-out "eval" documents)."""
+    from collections import Counter
+
+    from export import prune, vocab
+    from export.load import chat_tokenizer
+    from export.mixture import prose_train
+    from export.prose import prose_texts
+
+    chats = prune.calibration_sequences(loaded, None, 4, 64)
+    both = prune.calibration_sequences(loaded, None, 4, 64, prose=3)
+    tok = chat_tokenizer(loaded)
+    assert both[:len(chats)] == chats and both[len(chats):] == [tok.encode(t)[:64] for t in prose_train(3)]
+    assert not set(prose_train()) & set(prose_texts("eval"))
+    m = prune.run(loaded, tmp_path, prune.PruneOptions(target_ratio=1.0, vocab_size=300, samples=4, prose_samples=2,
+                                                       vocab_prose=True))
+    assert m["vocab_counted"] == "chat + prose" and "of the chat + prose tokens kept" in prune.describe(m)
+    prose_counts = Counter(t for text in prose_train() for t in tok.encode(text))
+    kept = set(vocab.teacher_ids(tmp_path).tolist())
+    assert {i for i, _ in prose_counts.most_common(30)} <= kept
+
+
+def test_teacher_questions_and_contexts_are_deduplicated():
+    from export.teacher_answers import dedup_key, unique
+
+    assert dedup_key("What is the capital of France?") == dedup_key("what is  the Capital of france") != dedup_key("Paris?")
+    a, b = [{"role": "user", "content": "Hi, how are you?"}], [{"role": "user", "content": "hi how are you"}]
+    c = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "how are you"}]
+    assert unique([a, b, c, a]) == [a, c]
+
+
+def test_report_recovery_lines_name_their_set():
+    """Recovery on the held-out chats (perplexity) and on held-out prose (bits per byte), each saying which."""
+    from export.report import _stage_lines
+
+    eng = {"teacher": {"prose": {"bits_per_byte": 1.0}}, "pruned-only": {"prose": {"bits_per_byte": 2.0}},
+           "fp32": {"prose": {"bits_per_byte": 1.25}}}
+    lines = _stage_lines({"engines": eng, "recovered": 0.9})
+    assert lines == ["Distillation recovered 90% of the perplexity increase pruning caused on the held-out chats "
+                     "(teacher -> pruned-only -> fp32 rows).",
+                     "On held-out general prose it recovered 75% of the rise in bits per byte pruning caused "
+                     "(teacher 1.000 -> pruned-only 2.000 -> fp32 1.250: 1.250x the teacher)."]
+    assert len(_stage_lines({"engines": {k: {} for k in eng}, "recovered": 0.9})) == 1  # no prose scored: no line
