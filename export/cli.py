@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 
+from edge.precisions import FP16, FP32, INT8_QDQ
 
 
 def _plan(args: argparse.Namespace) -> int:
     from edge.errors import EdgeChatError
-    from edge.precisions import INT8_QDQ
     from edge.profiles import load_profile
     from export.build_memory import build_peak_bytes, machine_ram_bytes
     from export.console import table
@@ -42,7 +42,7 @@ def _plan(args: argparse.Namespace) -> int:
     plans = plan_all(dims, profile, opts, precisions)
     rec = recommend(dims, profile, opts, max_kl=args.max_kl, quality=quality,
                     precisions=[p.precision for p in plans],
-                    allow_fp32=args.allow_fp32 or "fp32" in (args.precision or []))
+                    allow_fp32=args.allow_fp32 or FP32 in (args.precision or []))
     if args.json:
         print(json.dumps({
             "model": name, "parameters": dims.num_parameters, "target": profile.id,
@@ -51,7 +51,7 @@ def _plan(args: argparse.Namespace) -> int:
                                      "expected_kl_source": quality[p.precision].source} for p in plans],
             "recommendation": rec.to_dict(quality),
             "workstation_build": {"peak_ram_bytes": build_peak_bytes(dims),
-                                  "peak_ram_bytes_with_int8_qdq": build_peak_bytes(dims, ("int8-qdq",)),
+                                  "peak_ram_bytes_with_int8_qdq": build_peak_bytes(dims, (INT8_QDQ,)),
                                   "machine_ram_bytes": machine_ram_bytes()},
         }, indent=2))
         return 0
@@ -222,7 +222,7 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--known-hosts", help="known_hosts file (default: ~/.ssh/known_hosts)")
     d.add_argument("--accept-new-host-key", action="store_true", help="trust a host seen for the first time")
     d.add_argument("--profile", default="auto", help="device profile on the device (default: auto-detected)")
-    d.add_argument("--precision", default="fp16", choices=["fp16", "int8-qdq"], help="TensorRT engine precision")
+    d.add_argument("--precision", default=FP16, choices=[FP16, INT8_QDQ], help="TensorRT engine precision")
     d.add_argument("--root", default="~/.edgechat", help="install root on the device")
     d.add_argument("--remote-python", default="python3", help="python on the device (JetPack's python3 by default)")
     d.add_argument("--device-runtime", action="store_true",

@@ -34,6 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from edge.errors import RecipeError
+from edge.precisions import BF16, FP16
 from export import mixture as mix
 from export import vocab
 
@@ -95,7 +96,7 @@ class DistillOptions:
         if self.teacher_topk and self.hidden_loss > 0:
             raise RecipeError("distill teacher_topk caches the teacher's logits only, but hidden_loss needs its hidden "
                               "states every step: set teacher_topk = 0 or hidden_loss = 0")
-        if self.amp not in ("auto", "bf16", "fp16", "off") or self.device not in ("auto", "cpu", "cuda"):
+        if self.amp not in ("auto", BF16, FP16, "off") or self.device not in ("auto", "cpu", "cuda"):
             raise RecipeError("distill amp is one of auto|bf16|fp16|off and device one of auto|cpu|cuda")
 
 
@@ -205,7 +206,7 @@ def cpu_has_bf16() -> bool:
     """Native bf16 dot products (else torch emulates bf16 on the CPU, slower than fp32)."""
     from edge.probe import cpu_flags
 
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})  # noqa: precision (CPU flags)
 
 
 def _layer_map(student_dir: Path, teacher_layers: int, student_layers: int) -> list[int]:
@@ -220,17 +221,17 @@ def _amp(opts: DistillOptions, device: str):
     if opts.amp == "off":
         return None, None
     if device == "cpu":
-        if opts.amp == "fp16":
+        if opts.amp == FP16:
             raise RecipeError("distill amp=fp16 is for CUDA GPUs: on a CPU use amp=bf16 (or auto, or off)")
         if cpu_has_bf16():
             return torch.bfloat16, None
-        if opts.amp == "bf16":
+        if opts.amp == BF16:
             raise RecipeError("distill amp=bf16 but this CPU has no native bf16 (no avx512_bf16/amx_bf16/bf16 "
                               "flag in /proc/cpuinfo; emulated bf16 is slower than fp32): use amp=auto or off")
         return None, None
-    if opts.amp in ("auto", "bf16") and torch.cuda.is_bf16_supported():
+    if opts.amp in ("auto", BF16) and torch.cuda.is_bf16_supported():
         return torch.bfloat16, None
-    if opts.amp == "bf16":
+    if opts.amp == BF16:
         raise RecipeError("distill amp=bf16 but this GPU has no bfloat16 (e.g. a T4): use amp=fp16")
     return torch.float16, torch.amp.GradScaler("cuda")
 

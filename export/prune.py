@@ -23,6 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from edge.errors import RecipeError
+from edge.precisions import INT8_DYNAMIC
 from export import vocab
 
 METHODS = ("activation", "random")
@@ -182,7 +183,7 @@ def count_params(cfg, shape: Shape | None = None) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
-def fit_ratio(hf_dir: Path, profile: str, context: int, precision: str = "int8-dynamic") -> float:
+def fit_ratio(hf_dir: Path, profile: str, context: int, precision: str = INT8_DYNAMIC) -> float:
     """The largest fraction of the parameters whose `precision` model fits `profile` at `context`."""
     from edge.profiles import load_profile
     from export.load import model_dims

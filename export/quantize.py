@@ -21,11 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
+from edge import precisions
 from edge.errors import RecipeError
+from edge.precisions import INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
 from export.onnx_weights import GraphWeights, graph_bytes, lm_head_matmul, weight_matmuls
 
 log = logging.getLogger("edgechat")
-MODES = ("int8-dynamic", "int8-qdq", "int4-weight")
+MODES = precisions.QUANTIZED
 ABLATION = "no-smoothquant"  # sub-folder of the int8-qdq stage: same graph without SmoothQuant (report only)
 
 
@@ -403,9 +405,9 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
     untie_lm_head(gw)
     out = dst / "model.onnx"
     metrics: dict = {"mode": opts.mode}
-    if opts.mode == "int8-dynamic":
+    if opts.mode == INT8_DYNAMIC:
         metrics["block16_nodes"] = _int8_dynamic(gw, dst / "prepared.onnx", out, opts, dims.num_layers)
-    elif opts.mode == "int4-weight":
+    elif opts.mode == INT4_WEIGHT:
         head = getattr(lm_head_matmul(gw.model), "name", None)
         special = {head: (opts.int4_lm_head_bits, 32)} if head and opts.int4_lm_head_bits != 4 else {}
         _nbits(gw, bits=4, symmetric=opts.int4_symmetric, special=special)
@@ -414,7 +416,7 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
         metrics |= _int8_qdq(gw, out, hf_dir, opts, dims)
     # the embedding table: INT8 (shared with the LM head's INT8 weight where they are tied). Graphs ONNX
     # Runtime's quantizers wrote are read back from disk; ours is still in memory, saved once here.
-    ort_wrote = opts.mode == "int8-qdq" or opts.int8_kernel != "nbits" and opts.mode == "int8-dynamic"
+    ort_wrote = opts.mode == INT8_QDQ or opts.int8_kernel != "nbits" and opts.mode == INT8_DYNAMIC
     for path in (out, dst / ABLATION / "model.onnx"):
         if not ort_wrote and path != out or ort_wrote and not path.exists():
             continue

@@ -19,13 +19,15 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from edge.bundle import Bundle, StageRecord
+from edge import precisions
 from edge.errors import RecipeError
+from edge.precisions import FP32, INT8_DYNAMIC
 from export.console import fmt_bytes
 from export.distill import DistillOptions
 from export.prune import PruneOptions
 
-BUILD_PRECISIONS = ("fp32", "int8-dynamic", "int8-qdq", "int4-weight")
-FROM_FUSED = ("int8-dynamic", "int4-weight")  # ONNX Runtime engines: quantized from the fused graph when there is one
+BUILD_PRECISIONS = precisions.EXPORTED
+FROM_FUSED = tuple(p for p in precisions.QUANTIZED if precisions.get(p).variant == "fused")  # quantized from the fused graph when there is one
 
 
 # The module each stage runs: a finished stage is reused only while the edgechat source it imports
@@ -42,7 +44,7 @@ class BuildOptions:
     model: str = "default"
     # what the bundle ships; the fp32 graph is always exported and measured as the reference, and
     # shipped only when asked for (an 8B model's fp32 graph is 32 GB)
-    precisions: tuple[str, ...] = ("int8-dynamic",)
+    precisions: tuple[str, ...] = (INT8_DYNAMIC,)
     max_context: int = 2048
     opset: int = 18  # optimum's recommended minimum for these decoders; TensorRT 10's parser reads 9-20
     parity_atol: float = 1e-3
@@ -185,13 +187,13 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
         hf_dir = pruned_dir
         t_dir, _ = stage("export-teacher", dataclasses.asdict(lineage_eopts) | {"load": records[0].finished},
                              lambda d: onnx_export.run(teacher_dir, d, lineage_eopts))
-        lineage.append(package.EngineArtifact("teacher", t_dir, "fp32", report_only=True, dims_dir=teacher_dir,
+        lineage.append(package.EngineArtifact("teacher", t_dir, FP32, report_only=True, dims_dir=teacher_dir,
                                               lineage=True))
         if opts.distill is not None:
             dopts = opts.distill
             p_dir, _ = stage("export-pruned", dataclasses.asdict(lineage_eopts) | {"prune": rec.finished},
                                  lambda d: onnx_export.run(pruned_dir, d, lineage_eopts))
-            lineage.append(package.EngineArtifact("pruned-only", p_dir, "fp32", report_only=True, dims_dir=pruned_dir,
+            lineage.append(package.EngineArtifact("pruned-only", p_dir, FP32, report_only=True, dims_dir=pruned_dir,
                                                   lineage=True))
             answers, inputs = None, {"prune": rec.finished}
             if dopts.teacher_answers and dopts.mixture.get("teacher"):
@@ -223,8 +225,8 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
     fp32_dir, rec = stage("export", dataclasses.asdict(eopts) | ({"model": shipped_from} if opts.prune else {}),
                               lambda d: onnx_export.run(hf_dir, d, eopts))
     records.append(rec)
-    reference = package.EngineArtifact("fp32", fp32_dir, "fp32", quality={"parity": rec.metrics},
-                                       report_only="fp32" not in opts.precisions, reference=True)
+    reference = package.EngineArtifact(FP32, fp32_dir, FP32, quality={"parity": rec.metrics},
+                                       report_only=FP32 not in opts.precisions, reference=True)
     engines = [] if reference.report_only else [reference]  # what the bundle ships
     report_only: list = [reference] if reference.report_only else []  # measured and shown in the report, not shipped
     exported = rec.finished  # later stages depend on this export: a new export invalidates them
@@ -235,7 +237,7 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
             "the ONNX Runtime engines use the plain graph")
 
     for precision in opts.precisions:
-        if precision == "fp32":
+        if precision == FP32:
             continue
         from export import quantize
 
