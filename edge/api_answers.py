@@ -104,8 +104,13 @@ async def chat_rows(service, body: ChatCompletionRequest) -> Rows:
     n = body.n or 1
     cfgs = [service.sampling(max_tokens, len(prompt), **{**params, "seed": s}) for s in _seeds(body.seed, n)]
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return Rows([prompt], [0] * n, cfgs, [_row_logits(body, vocab, grammar, logprobs) for _ in range(n)],
-                tools=tools, tool_choice=choice if tools else None)
+
+    def row_logits() -> list[RowLogits | None]:
+        return [_row_logits(body, vocab, grammar, logprobs) for _ in range(n)]
+
+    # a matcher per row parses the grammar again: off the event loop when there is one
+    logits = await asyncio.to_thread(row_logits) if grammar is not None else row_logits()
+    return Rows([prompt], [0] * n, cfgs, logits, tools=tools, tool_choice=choice if tools else None)
 
 
 def completion_rows(service, body: CompletionRequest) -> Rows:
