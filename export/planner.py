@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from edge import precisions
 from edge.bundle import ModelDims
 from edge.errors import RecipeError
+from edge.io_contract import DecoderIO
+from edge.precisions import BF16, FP8, FP16, FP32, INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
 from edge.profiles import DeviceProfile
 from edge.tensorrt.settings import TENSORRT_BUILD_RAM_FACTOR
 
@@ -19,15 +22,11 @@ GB = 1e9
 # 4 bits, a 4-bit zero point per block; int4-weight keeps the LM head (vocab x hidden) at 8 bits, see
 # head_bytes. Checked against SmolLM2-135M's bundle: int8-dynamic 151 MB planned / 154 MB on disk,
 # int4-weight 100 / 102 MB (the rest is norms, rotary tables and the graph).
-WEIGHT_BYTES = {
-    "fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0,
-    "int8-dynamic": 1.0 + 4 / 32, "int8-qdq": 1.0, "int4-weight": 0.5 + 4.5 / 32,
-}
-HEAD_BYTES = {"int4-weight": 1.0 + 4 / 32}  # precisions whose LM head is stored apart from the rest
-PRECISIONS = tuple(WEIGHT_BYTES)
-# Highest quality first: the recommendation walks this list.
-QUALITY_ORDER = ("fp32", "fp16", "bf16", "fp8", "int8-qdq", "int8-dynamic", "int4-weight")
-PREFILL_CHUNK = 512
+WEIGHT_BYTES = {p.name: p.weight_bytes for p in precisions.TABLE}  # the table in edge/precisions.py
+HEAD_BYTES = {p.name: p.head_bytes for p in precisions.TABLE if p.head_bytes}  # LM head stored apart from the rest
+PRECISIONS = precisions.NAMES
+QUALITY_ORDER = precisions.BY_QUALITY  # highest quality first: the recommendation walks this list
+PREFILL_CHUNK = DecoderIO().prefill_chunk  # the runtime's prompt chunk (the engines' I/O contract)
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ def plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOpti
     if precision not in WEIGHT_BYTES:
         raise RecipeError(f"unknown precision '{precision}': choose one of {', '.join(PRECISIONS)}")
     gpu = profile.is_gpu
-    act_bytes = 2 if gpu and precision != "fp32" else 4
+    act_bytes = 2 if gpu and precision != FP32 else 4
     kv_dtype = act_bytes  # fp16 KV on GPUs, fp32 on CPU
     params = dims.num_parameters
     weights = weight_bytes(dims, precision)
@@ -99,7 +98,7 @@ def plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOpti
     overhead = profile.runtime_overhead_gb * GB
     total = weights + kv + activations + overhead
     usable = profile.usable_memory_gb * GB
-    needs_build = bool(profile.tensorrt_versions) and precision in ("fp16", "bf16", "fp8", "int8-qdq")
+    needs_build = bool(profile.tensorrt_versions) and precision in (FP16, BF16, FP8, INT8_QDQ)
     build = weights * TENSORRT_BUILD_RAM_FACTOR if needs_build else None
     host = profile.host_ram_gb * GB
     # Roofline: each decoded token reads every weight once plus the whole KV cache so far (worst case: full).
@@ -131,17 +130,17 @@ SMOLLM2 = ("measured on SmolLM2-135M-Instruct by the build's evaluate stage: rec
            "chitchat chats, edge runtime (README, 'Quality kept')")
 NO_GPU = "not measured: EdgeChat has not run TensorRT on a GPU yet"
 DEFAULT_KL: dict[str, tuple[float | None, str]] = {
-    "fp32": (0.0, "the reference itself"),
-    "fp16": (None, NO_GPU),
-    "bf16": (None, NO_GPU),
-    "fp8": (None, NO_GPU),
-    "int8-dynamic": (0.0061, SMOLLM2),
-    "int8-qdq": (0.097, SMOLLM2 + "; SmoothQuant alpha 0.8"),
-    "int4-weight": (0.443, SMOLLM2),
+    FP32: (0.0, "the reference itself"),
+    FP16: (None, NO_GPU),
+    BF16: (None, NO_GPU),
+    FP8: (None, NO_GPU),
+    INT8_DYNAMIC: (0.0061, SMOLLM2),
+    INT8_QDQ: (0.097, SMOLLM2 + "; SmoothQuant alpha 0.8"),
+    INT4_WEIGHT: (0.443, SMOLLM2),
 }
 DEFAULT_MAX_KL = 0.05  # on the defaults above: int8-dynamic is within it, int8-qdq and int4-weight are not
-GPU_FLOOR = ("fp16", "bf16")  # on a GPU the recommendation never goes below these for quality, nor to fp32 unasked
-TENSORRT_FROM_FP32 = ("fp32", "fp16", "bf16")  # engines TensorRT builds on the device from a bundle's fp32 graph
+GPU_FLOOR = (FP16, BF16)  # on a GPU the recommendation never goes below these for quality, nor to fp32 unasked
+TENSORRT_FROM_FP32 = tuple(p.name for p in precisions.TABLE if FP32 in p.trt_sources)  # built on the device from fp32
 
 
 @dataclass(frozen=True)
@@ -175,13 +174,13 @@ def bundle_quality(manifest) -> tuple[dict[str, Expected], set[str]]:
         v = e.quality.get("kl_to_fp32")
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             measured[e.fingerprint.precision] = min(v, measured.get(e.fingerprint.precision, v))
-    base = measured.get("fp32", 0.0)
+    base = measured.get(FP32, 0.0)
     quality = default_quality()
     for prec, v in measured.items():
         quality[prec] = Expected(max(0.0, v - base), f"measured in bundle {manifest.bundle_id}"
                                  + (" (minus its fp32 engine's KL to the teacher)" if base else ""))
     have = {e.fingerprint.precision for e in manifest.engines}
-    return quality, have | (set(TENSORRT_FROM_FP32) if "fp32" in have else set())
+    return quality, have | (set(TENSORRT_FROM_FP32) if FP32 in have else set())
 
 
 @dataclass(frozen=True)
@@ -220,8 +219,8 @@ def recommend(dims: ModelDims, profile: DeviceProfile, opts: PlanOptions, max_kl
         raise RecipeError(f"none of {', '.join(precisions or QUALITY_ORDER)} runs on {profile.display_name} "
                           f"(it supports: {', '.join(profile.precisions)})")
     if profile.is_gpu and not allow_fp32:
-        order = [p for p in order if p != "fp32"] or order
-    floor = next((p for p in (GPU_FLOOR if profile.is_gpu else ("fp32",)) if p in order), None)
+        order = [p for p in order if p != FP32] or order
+    floor = next((p for p in (GPU_FLOOR if profile.is_gpu else (FP32,)) if p in order), None)
 
     def kl(p: str) -> float:
         v = quality.get(p, Expected(None, "")).kl
