@@ -388,6 +388,24 @@ class SharedBatchCache:
         self.lengths = [self.lengths[i] for i in keep]
         self._views = None
 
+    def verify(self, tokens: list[int]) -> np.ndarray:
+        """One row only (speculative decoding, edge.speculative): feed several tokens in one call; returns the
+        logits at each [len(tokens), vocab]. `rollback` then forgets what the target did not accept."""
+        assert len(self.lengths) == 1 and tokens
+        n, past = len(tokens), self.lengths[0]
+        self._reserve(past + n)
+        if self._views is None or self._views[0] != 1:
+            self._views = (1, self._slots(0, 1)[1])
+        logits = self.decoder.run_fused(np.asarray([tokens], dtype=np.int64), np.asarray([past + n - 1], np.int32),
+                                        past + n, self._views[1])
+        self.lengths[0] = past + n
+        return logits[0]
+
+    def rollback(self, length: int) -> None:
+        """Row 0 keeps its first `length` tokens: the in-place buffer is read only up to the row's length, and
+        the next call overwrites the stale columns."""
+        self.lengths[0] = min(self.lengths[0], length)
+
     def step(self, tokens: list[int]) -> np.ndarray:
         """Feed one token per row; returns next-token logits [batch, vocab]."""
         n = len(self.lengths)

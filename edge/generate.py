@@ -28,6 +28,7 @@ class Generator:
         self.defaults = defaults or {}
         self.bundle = bundle
         self.choice = None  # edge.backends.Choice: which backend runs, and why the others did not
+        self.speculative = False  # prompt-lookup speculative decoding for greedy answers (edge.speculative)
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, engine: str | None = None, threads: int | None = None,
@@ -52,7 +53,12 @@ class Generator:
     def stream(self, prompt_ids: list[int], cfg: SamplingConfig,
                cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
         """The answer's text as it is generated; the last event has finish_reason and stats."""
-        yield from Scheduler(self, max_batch=1, max_queue=1, prompt_cache_mb=0).generate(prompt_ids, cfg, cancel)
+        sched = Scheduler(self, max_batch=1, max_queue=1, prompt_cache_mb=0)
+        if self.speculative:
+            from edge.speculative import RowSpeculator
+
+            sched.speculator = self.speculator = RowSpeculator()
+        yield from sched.generate(prompt_ids, cfg, cancel)
 
     def tokens(self, prompt_ids: list[int], cfg: SamplingConfig) -> list[int]:
         """The answer's token ids (EOS not included)."""

@@ -191,6 +191,7 @@ class Scheduler:
         self.error: str | None = None  # the last failure of the loop as a whole (it was restarted)
         self.restarts = 0
         self._calls: deque = deque()  # (fn, Future): run on the scheduler thread between steps (see call)
+        self.speculator = None  # edge.speculative.RowSpeculator: speculative steps while one greedy row decodes
 
     # -- client side -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], cfg: SamplingConfig,
@@ -513,6 +514,8 @@ class Scheduler:
             self._leave([i for i, _ in gone])
 
     def _step(self) -> None:
+        if self.speculator is not None and self.speculator.step(self):  # one greedy user: edge.speculative
+            return
         t = time.perf_counter()
         try:
             logits = self.cache.step([r.last for r in self.rows])

@@ -205,3 +205,45 @@ def pick(sampler, cfg: SamplingConfig, rows: np.ndarray, draft: list[int], seq: 
     p = np.stack([target_probs(rows[i], cfg, np.asarray(seq + draft[:i]) if penal else None)
                   for i in range(len(draft) + 1)])
     return accept_sampled(p, draft, rng)
+
+
+class RowSpeculator:
+    """The scheduler's speculative step (edge.scheduler): while exactly one greedy row is decoding on a fused
+    cache and nothing is being prefilled, draft by prompt lookup and let one target call check the draft.
+    Each checked token goes through the scheduler's own `_accept` (EOS, stop strings, limits, events), so an
+    answer ends exactly as a plain step would end it. With a second user, a long prompt waiting, logits
+    processors (grammar, logprobs, penalties) or sampling it steps no differently from the plain loop.
+    (Speculative sampling is `speculative_tokens`; here a sampled row would need `_accept` to take a token.)"""
+
+    def __init__(self, drafter: Drafter = lookup_draft, policy: AdaptiveK | None = None) -> None:
+        self.drafter = drafter
+        self.policy = policy or AdaptiveK()
+        self.stats = SpecStats()
+
+    def step(self, sched) -> bool:
+        """One speculative step of the scheduler's single row; False (nothing done) when it does not apply."""
+        if len(sched.rows) != 1 or sched.prefilling is not None or not hasattr(sched.cache, "verify"):
+            return False
+        row = sched.rows[0]
+        cfg = row.req.cfg
+        if row.logits is not None or not cfg.greedy:
+            return False
+        base = sched.cache.lengths[0]
+        k = min(self.policy.k, cfg.max_new_tokens - row.n, sched.gen.max_context - base - 2)
+        draft = self.drafter(row.seen, k)[:k] if k > 0 else []
+        if not draft:
+            return False
+        logits = sched.cache.verify([row.last] + draft)
+        self.stats.calls += 1
+        for i in range(len(draft) + 1):
+            if not sched._accept(row, logits[i], base + i + 1):  # the answer ended at this token
+                sched.cache.rollback(base + i + 1)
+                sched._leave([0])
+                break
+            if i == len(draft) or row.last != draft[i]:  # the target's own token: a correction or the bonus
+                sched.cache.rollback(base + i + 1)
+                break
+        self.policy.update(len(draft), i)
+        self.stats.drafted += len(draft)
+        self.stats.accepted += i
+        return True

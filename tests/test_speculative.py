@@ -190,3 +190,32 @@ def test_speculative_sampling_end_to_end_matches_target(fused_generator):
     counts = np.bincount(seconds, minlength=p1.size)
     stat, crit = chi_square_ok(counts, marginal, draws)
     assert stat < crit, f"chi-square {stat:.1f} >= {crit:.1f}"
+
+
+@pytest.mark.parametrize("engine", ["int8-dynamic", "int4-weight"])
+def test_scheduler_speculative_step_same_answer(tiny_bundle, engine):
+    """Generator.stream with the scheduler's speculative step (one greedy row): same tokens, text and finish
+    reason as without it, EOS and max_new_tokens included, and the drafts were really checked."""
+    gen = Generator.from_bundle(tiny_bundle, engine=engine, threads=1)
+    ids = gen.tokenizer.encode_chat(PROMPTS[1])
+    for cfg in (SamplingConfig(max_new_tokens=80), SamplingConfig(max_new_tokens=33, ignore_eos=True),
+                SamplingConfig(max_new_tokens=40, repetition_penalty=1.2)):
+        gen.speculative = False
+        plain_events = list(gen.stream(ids, cfg))
+        gen.speculative = True
+        spec_events = list(gen.stream(ids, cfg))
+        assert spec_events[-1].token_ids == plain_events[-1].token_ids
+        assert "".join(e.text for e in spec_events) == "".join(e.text for e in plain_events)
+        assert spec_events[-1].finish_reason == plain_events[-1].finish_reason
+    assert gen.speculator.stats.calls > 0 and gen.speculator.stats.drafted > 0
+
+
+def test_scheduler_speculation_stays_off_when_sampling(fused_generator):
+    gen = fused_generator
+    gen.speculative = True
+    try:
+        ids = gen.tokenizer.encode_chat(PROMPTS[1])
+        list(gen.stream(ids, SamplingConfig(max_new_tokens=30, temperature=0.8, seed=1)))
+        assert gen.speculator.stats.calls == 0
+    finally:
+        gen.speculative = False
