@@ -52,6 +52,36 @@ BODY = st.fixed_dictionaries(
               "stream": st.booleans() | ANY, "ignore_eos": st.booleans() | ANY, "model": st.text(max_size=8) | ANY,
               "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | ANY}) | ANY,
               "frequency_penalty": ANY, "user": ANY})
+# issue 26's fields: junk, and well-formed requests with generated (often nonsensical) schemas and tools
+SCHEMA = st.recursive(
+    st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "strnig"])},
+                          optional={"maxLength": st.integers(-1, 4) | ANY, "pattern": st.sampled_from(
+                              ["[a-c]{1,3}", "(", "\\", "a*b*c*", "[z-a]"]) | ANY,
+                                    "enum": st.lists(st.text(max_size=3), max_size=3) | ANY,
+                                    "minimum": st.integers(-5, 5), "maximum": st.integers(-5, 5)}),
+    lambda inner: st.fixed_dictionaries({"type": st.just("object")},
+                                        optional={"properties": st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                                                  "required": st.lists(st.text(max_size=4), max_size=2) | ANY,
+                                                  "additionalProperties": st.booleans() | ANY,
+                                                  "$ref": st.sampled_from(["#", "#/x", "#/properties"])})
+    | st.fixed_dictionaries({"type": st.just("array")}, optional={"items": inner, "maxItems": st.integers(0, 3)})
+    | st.fixed_dictionaries({"anyOf": st.lists(inner, max_size=3)}),
+    max_leaves=6)
+TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "get_x", "bad name"])}, optional={"parameters": SCHEMA})})
+BASE = {"messages": st.just([{"role": "user", "content": "Tell me, as JSON."}]),
+        "temperature": st.sampled_from([0, 0.7, 1.5]), "seed": st.integers(0, 9)}
+EXTRA = {"logprobs": st.booleans(), "top_logprobs": st.integers(-1, 21), "logit_bias": ANY,
+         "presence_penalty": st.floats(-3, 3) | ANY, "stop_token_ids": st.lists(st.integers(-1, 500), max_size=2) | ANY}
+STRUCTURED = st.one_of(
+    st.fixed_dictionaries({**BASE, "response_format": st.fixed_dictionaries(
+        {"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries({"name": st.just("x"), "schema": SCHEMA})})},
+        optional=EXTRA),
+    st.fixed_dictionaries({**BASE, "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["json_object", "text"])})}, optional=EXTRA),
+    st.fixed_dictionaries({**BASE, "tools": st.lists(TOOL, min_size=1, max_size=2)},
+                          optional={"tool_choice": st.sampled_from(["auto", "required", "none"]) | ANY, **EXTRA}),
+    st.fixed_dictionaries(BASE, optional={"response_format": ANY, "tools": ANY, "tool_choice": ANY, **EXTRA}))
 
 
 def _post(server, body: dict) -> httpx.Response:
@@ -91,6 +121,51 @@ def test_generated_bodies_get_200_or_a_4xx_error_object_never_5xx(server):
     @given(body=BODY)
     def one(body):
         _check_answer(_post(server, body), body)
+
+    one()
+    _settled(server)
+
+
+def test_generated_structured_output_and_tool_requests_never_5xx(server):
+    """response_format with generated schemas, tools with generated parameters, logprobs, logit_bias, penalties:
+    a 200 (within max_tokens 12) or a 4xx error object, never a 5xx; the server stays healthy."""
+    seen: dict[str, int] = {}
+
+    @fuzz(150)
+    @given(body=STRUCTURED)
+    def one(body):
+        if not (isinstance(body.get("max_tokens"), int) and 0 < body["max_tokens"] <= 12):
+            body["max_tokens"] = 12
+        r = _post(server, body)
+        _check_answer(r, body)
+        constrained = isinstance(body.get("response_format"), dict) or isinstance(body.get("tools"), list)
+        key = f"{r.status_code} {'constrained' if constrained else 'other'}"
+        seen[key] = seen.get(key, 0) + 1
+
+    one()
+    _settled(server)
+    assert seen.get("200 constrained", 0) >= 5 and seen.get("400 constrained", 0) >= 5, seen  # both paths ran
+
+
+def test_generated_completions_never_5xx(server):
+    body = st.fixed_dictionaries({"prompt": st.text(max_size=20) | st.lists(st.integers(-1, 500), max_size=4) | ANY},
+                                 optional={"max_tokens": st.integers(-1, 6) | ANY, "echo": st.booleans() | ANY,
+                                           "logprobs": st.integers(-1, 21) | ANY, "n": st.integers(0, 3) | ANY,
+                                           "stream": st.booleans() | ANY, "stop": ANY, "suffix": ANY})
+
+    @fuzz(60)
+    @given(body=body)
+    def one(body):
+        raw = json.dumps(body, allow_nan=True).encode()
+        r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"},
+                       timeout=60)
+        assert r.status_code < 500, (body, r.status_code, r.text[:500])
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text[:300]
+        elif r.headers["content-type"].startswith("text/event-stream"):
+            assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+        else:
+            assert r.json()["object"] == "text_completion"
 
     one()
     _settled(server)
