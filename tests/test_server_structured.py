@@ -356,3 +356,33 @@ def test_lenient_ignores_fields_the_server_does_not_support(tiny_bundle):
     finally:
         code, out = s.stop()
     assert code == 0, out
+
+
+def test_logprobs_on_the_fused_int8_engine_equal_its_logits_and_are_near_the_fp32_reference(
+        tiny_bundle, fused_generator, tiny_generator):
+    """The default kind of engine (int8-dynamic, fused graph, prefilled in fixed spans, decoded in the shared
+    batch buffer): the server's logprobs equal its own logits replayed alone, and stay within the
+    quantization error of the fp32 engine on the same tokens."""
+    s = ServerProcess(tiny_bundle.root, "--engine", "int8-dynamic", "--max-users", "2", "--no-ui")
+    try:
+        r = _client(s).chat.completions.create(model="x", messages=ASK, temperature=0, max_tokens=12, logprobs=True)
+    finally:
+        code, out = s.stop()
+    assert code == 0, out
+    content = r.choices[0].logprobs.content
+    ids = _ids_from_bytes(fused_generator, content)
+    prompt = fused_generator.tokenizer.encode_chat(ASK)
+    worst = 0.0
+    replay = []
+    for gen in (fused_generator, tiny_generator):
+        cache = gen.decoder.new_cache(capacity=len(prompt) + 16)
+        logits = gen.decoder.prefill(prompt, cache)[0]
+        lps = []
+        for tok in ids:
+            lps.append(_log_softmax(logits)[tok])
+            logits = gen.decoder.forward(np.array([[tok]]), cache)[0]
+        replay.append(lps)
+    assert [e.logprob for e in content] == pytest.approx(replay[0], abs=1e-3)
+    worst = max(abs(e.logprob - ref) for e, ref in zip(content, replay[1]))
+    assert worst < 0.05, f"int8 logprobs differ from fp32's by up to {worst:.3f} nats"
+    print(f"int8-dynamic vs fp32 logprobs on the same 12 tokens: max |diff| {worst:.4f} nats")
