@@ -386,3 +386,37 @@ def test_logprobs_on_the_fused_int8_engine_equal_its_logits_and_are_near_the_fp3
     worst = max(abs(e.logprob - ref) for e, ref in zip(content, replay[1]))
     assert worst < 0.05, f"int8 logprobs differ from fp32's by up to {worst:.3f} nats"
     print(f"int8-dynamic vs fp32 logprobs on the same 12 tokens: max |diff| {worst:.4f} nats")
+
+
+def test_an_lm_evaluation_harness_loglikelihood_request_scores_the_continuation(server, tiny_generator):
+    """The payload lm-evaluation-harness's local-completions model sends for loglikelihood (token-id prompts in a
+    batch, max_tokens 1, echo, logprobs 1, temperature 0, a seed), read the way it reads it: token_logprobs
+    [ctxlen:-1] summed, greedy = each token is the top of its top_logprobs."""
+    gen = tiny_generator
+    ctx = gen.tokenizer.encode("The capital of Japan is")
+    cache = gen.decoder.new_cache(capacity=len(ctx) + 4)
+    first = int(np.argmax(gen.decoder.prefill(ctx, cache)[0]))
+    second = int(np.argmax(gen.decoder.forward(np.array([[first]]), cache)[0]))
+    conts = [gen.tokenizer.encode(" Tokyo."), gen.tokenizer.encode(" a fish."), [first, second]]  # the last: greedy
+    body = {"model": "x", "prompt": [ctx + c for c in conts], "max_tokens": 1, "temperature": 0, "logprobs": 1,
+            "echo": True, "seed": 1234}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    greedy_seen = []
+    for cont, choice in zip(conts, choices):
+        lp = choice["logprobs"]
+        ids = ctx + cont
+        assert len(lp["token_logprobs"]) == len(ids) + 1  # the prompt, then the one generated token
+        cache = gen.decoder.new_cache(capacity=len(ids) + 1)
+        logits = gen.decoder.forward(np.asarray(ids, dtype=np.int64)[None], cache, last_only=False)[0]
+        want = [_log_softmax(logits[j - 1])[ids[j]] for j in range(len(ctx), len(ids))]
+        got = lp["token_logprobs"][len(ctx):-1]
+        assert got == pytest.approx(want, abs=1e-4)
+        greedy_ref = all(int(np.argmax(logits[j - 1])) == ids[j] for j in range(len(ctx), len(ids)))
+        greedy = all(t == max(top, key=top.get) for t, top in zip(lp["tokens"][len(ctx):-1],
+                                                                  lp["top_logprobs"][len(ctx):-1]))
+        assert greedy == greedy_ref
+        greedy_seen.append(greedy)
+    assert greedy_seen[2] is True  # the model's own greedy continuation reads as greedy
