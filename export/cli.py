@@ -100,6 +100,17 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from export.bundle_eval import EvalRequest, run
+
+    req = EvalRequest(bundle=Path(args.bundle), data=args.data, ggufs=tuple(args.gguf or ()), llama_cpp=args.llama_cpp,
+                      reference=args.reference, chats=args.chats, prose_tokens=args.prose_tokens, threads=args.threads)
+    run(req, Path(args.json) if args.json else Path(args.bundle.rstrip("/") + ".eval.json"))
+    return 0
+
+
 def _engines(args: argparse.Namespace) -> int:
     from edge.tensorrt.command import build_engine_command
     from edge.errors import EdgeChatError
@@ -180,6 +191,9 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--calibration", help="JSONL of chats ({\"messages\": [...]}) for calibration/eval instead of chitchat-dataset")
     b.add_argument("--eval-samples", type=Bounded(int, 1), help="held-out chats for the quality evaluation (default 64)")
     b.add_argument("--skip-eval", action="store_true", help="skip the quality evaluation stage")
+    b.add_argument("--int4-budget-mb", type=Bounded(float, 0, above=True), metavar="MB",
+                   help="int4-weight: the engine's size at most; the MatMuls whose 4 bits cost the most KL (measured) "
+                        "get 8 bits within it (recipe key int4_budget_mb; default: int4_extra_ratio of the all-4-bit size)")
     b.add_argument("--fresh", action="store_true", help="ignore finished stages in OUT.work/ and start over")
     b.add_argument("--reuse-stale", action="store_true",
                    help="reuse finished stages even if the edgechat code that ran them has changed since "
@@ -201,6 +215,23 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("-v", "--verbose", action="store_true",
                    help="show every library's output (by default it goes to OUT.work/<stage>/log.txt)")
     b.set_defaults(func=_build)
+
+    v = sub.add_parser("eval", help="score a bundle's engines (and llama.cpp GGUFs) on held-out or your own text",
+                       description="KL to a reference, top-1 agreement and perplexity per engine, on the same token ids "
+                                   "for every engine: held-out chats and held-out prose, or your --data file.")
+    v.add_argument("bundle", help="bundle folder")
+    v.add_argument("--data", help="FILE.jsonl (chats, {\"messages\": [...]} per line) or FILE.txt (text; blank lines "
+                                  "separate documents) instead of the held-out sets")
+    v.add_argument("--gguf", action="append", metavar="FILE", help="also score this GGUF through llama-cpp-python (repeatable)")
+    v.add_argument("--llama-cpp", action="store_true",
+                   help="also score llama.cpp F32, Q8_0, Q4_0 and Q4_K_M of the same weights (made once from the GGUF "
+                        "the bundle was built from, cached in ~/.cache/edgechat/gguf)")
+    v.add_argument("--reference", default="fp32", help="fp32 (default), an engine name, or a .gguf file")
+    v.add_argument("--chats", type=Bounded(int, 1), default=32, help="held-out chats to score (default 32)")
+    v.add_argument("--prose-tokens", type=Bounded(int, 2), default=4096, help="held-out prose tokens (default 4096)")
+    v.add_argument("--threads", type=Bounded(int, 1), help="CPU threads (default: physical cores)")
+    v.add_argument("--json", help="write the results here (default: BUNDLE.eval.json)")
+    v.set_defaults(func=_eval)
 
     from edge.tensorrt.command import add_engine_flags
 

@@ -1,9 +1,11 @@
 """Evaluate stage: measure what ships, with the edge runtime itself.
 
-On held-out chats (never the calibration split): perplexity, mean KL divergence
-to the fp32 teacher, top-1 next-token agreement; greedy answers to fixed golden
-prompts (saved in the bundle so a device can re-check them); decode tokens/s and
-time-to-first-token on this machine; size on disk. Writes the report too.
+On held-out chats (never the calibration split) and on held-out general prose (export/prose.py: chat
+text alone hides what 4 bits cost), with the same token ids for every engine: mean KL divergence to the
+fp32 reference (the headline: it sees every token's whole distribution), top-1 next-token agreement,
+perplexity and bits per UTF-8 byte; greedy answers to fixed golden prompts (saved in the bundle so a
+device can re-check them); decode tokens/s and time-to-first-token on this machine; size on disk.
+Writes the report too.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class EvalOptions:
     bench_runs: int = 3
     threads: int | None = None
     max_context: int = 2048
+    prose_tokens: int = 4096  # held-out prose scored per engine, in windows of prose_window tokens
+    prose_window: int = 512
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -64,14 +68,33 @@ def token_metrics(student: np.ndarray, teacher: np.ndarray, targets: np.ndarray)
     return {"nll": float(nll.sum()), "kl": float(kl.sum()), "agree": int(agree.sum()), "n": int(len(targets))}
 
 
+def prose_windows(tok, texts: list[str], window: int, total: int) -> list[list[int]]:
+    """Token windows of the held-out prose (each document's first `window` tokens) until `total` tokens."""
+    out, n = [], 0
+    for text in texts:
+        ids = tok.encode(text)[:window]
+        if len(ids) < 2:
+            continue
+        out.append(ids)
+        n += len(ids)
+        if n >= total:
+            break
+    return out
+
+
 def summarize(parts: list[dict]) -> dict:
     """Perplexity per reference token (`n_ref`: the teacher's token count for the same text, which a
     vocabulary-pruned student splits into more tokens), so models with different vocabularies compare on the
     same text; KL and agreement per position the model predicts."""
     n = sum(p["n"] for p in parts)
     n_ref = sum(p.get("n_ref", p["n"]) for p in parts)
-    return {"perplexity": float(np.exp(sum(p["nll"] for p in parts) / n_ref)), "kl_to_fp32": sum(p["kl"] for p in parts) / n,
-            "top1_agreement": sum(p["agree"] for p in parts) / n, "eval_tokens": n_ref}
+    out = {"perplexity": float(np.exp(sum(p["nll"] for p in parts) / n_ref)), "kl_to_fp32": sum(p["kl"] for p in parts) / n,
+           "top1_agreement": sum(p["agree"] for p in parts) / n, "eval_tokens": n_ref}
+    if all("bytes" in p for p in parts):
+        from export.prose import bits_per_byte
+
+        out["bits_per_byte"] = bits_per_byte(sum(p["nll"] for p in parts), sum(p["bytes"] for p in parts))
+    return out
 
 
 def speed(dec: Decoder, prompt_ids: list[int], new_tokens: int, runs: int) -> dict:
@@ -113,30 +136,40 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
         d, x = decs[name], np.array([ids[:-1]])
         return d.forward(x, d.new_cache(capacity=x.shape[1]), last_only=False)[0]
 
-    for chat in tqdm(chats, desc="evaluate (held-out chats)", unit="chat"):
-        ref_ids = ref_tok.encode_chat(chat, add_generation_prompt=False)[: opts.max_tokens]
-        if len(ref_ids) < 2:
-            continue
-        ids = ref_ids
-        if t_ids is not None:  # vocabulary-pruned: the same text in the student's tokens (cut until it fits too)
-            while len(ids := tok.encode(ref_tok.decode(ref_ids, skip_special_tokens=False))) > opts.max_tokens:
-                ref_ids = ref_ids[: len(ref_ids) - (len(ids) - opts.max_tokens)]
-            on_student = logits(ref, t_ids[ids].tolist())[:, t_ids]  # the teacher on them, over the kept tokens
-        teacher, y = logits(ref, ref_ids), np.array(ids[1:])
-        for name in decs:
-            if name in own_vocab:  # the teacher on its own tokens
-                parts[name].append(token_metrics(teacher, teacher, np.array(ref_ids[1:])))
+    from export.prose import SOURCE, prose_texts
+
+    sets = {"chats": [ref_tok.encode_chat(c, add_generation_prompt=False)[: opts.max_tokens] for c in chats],
+            "prose": prose_windows(ref_tok, prose_texts("eval"), min(opts.prose_window, opts.max_context), opts.prose_tokens)}
+    parts: dict[str, dict[str, list[dict]]] = {s: {n: [] for n in decs} for s in sets}
+    for kind, seqs in sets.items():
+        for ref_ids in tqdm(seqs, desc=f"evaluate (held-out {kind})", unit="text"):
+            if len(ref_ids) < 2:
                 continue
-            ref_logits = on_student if t_ids is not None else teacher
-            student = ref_logits if name == ref else logits(name, ids)
-            parts[name].append(token_metrics(student, ref_logits, y) | {"n_ref": len(ref_ids) - 1})
+            ids = ref_ids
+            if t_ids is not None:  # vocabulary-pruned: the same text in the student's tokens (cut until it fits too)
+                limit = opts.max_tokens if kind == "chats" else min(opts.prose_window, opts.max_context)
+                while len(ids := tok.encode(ref_tok.decode(ref_ids, skip_special_tokens=False))) > limit:
+                    ref_ids = ref_ids[: len(ref_ids) - (len(ids) - limit)]
+                on_student = logits(ref, t_ids[ids].tolist())[:, t_ids]  # the teacher on them, over the kept tokens
+            teacher, y = logits(ref, ref_ids), np.array(ids[1:])
+            n_bytes = len(ref_tok.decode(ref_ids[1:], skip_special_tokens=False).encode("utf-8"))
+            for name in decs:
+                if name in own_vocab:  # the teacher on its own tokens
+                    parts[kind][name].append(token_metrics(teacher, teacher, np.array(ref_ids[1:])) | {"bytes": n_bytes})
+                    continue
+                ref_logits = on_student if t_ids is not None else teacher
+                student = ref_logits if name == ref else logits(name, ids)
+                parts[kind][name].append(token_metrics(student, ref_logits, y) | {"n_ref": len(ref_ids) - 1, "bytes": n_bytes})
     results: dict = {"engines": {}, "golden": [], "eval_chats": len(chats), "reference": ref,
-                     "data": opts.data or "chitchat-dataset:evaluation", "stages": stages or {}}
+                     "data": opts.data or "chitchat-dataset:evaluation", "stages": stages or {},
+                     "prose": {"source": SOURCE, "texts": len(sets["prose"])}}
     bench_ids = tok.encode_chat(BENCH_PROMPT)
     greedy = SamplingConfig(max_new_tokens=opts.golden_tokens)
     for e in tqdm(engines, desc="golden prompts + speed", unit="engine"):
         d = decs[e.name]
-        q = summarize(parts[e.name])
+        q = summarize(parts["chats"][e.name])
+        if parts["prose"][e.name]:
+            q["prose"] = summarize(parts["prose"][e.name])
         q["size_bytes"] = graph_bytes(e.folder / "model.onnx")
         q["shipped"] = not getattr(e, "report_only", False)
         if getattr(e, "report_only", False) and not getattr(e, "lineage", False) and not getattr(e, "reference", False):
@@ -157,9 +190,11 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
                                       "expect": g["expect"], "passed": ok})
         q["golden_passed"] = f"{passed}/{sum(1 for g in GOLDEN if g['expect'])}"
         results["engines"][e.name] = q
-    base = results["engines"]["fp32"]["perplexity"]
+    base = results["engines"]["fp32"]
     for q in results["engines"].values():
-        q["perplexity_delta_pct"] = 100 * (q["perplexity"] / base - 1)
+        q["perplexity_delta_pct"] = 100 * (q["perplexity"] / base["perplexity"] - 1)
+        if "prose" in q and "prose" in base:
+            q["prose"]["perplexity_delta_pct"] = 100 * (q["prose"]["perplexity"] / base["prose"]["perplexity"] - 1)
         if ref == "teacher":
             q["perplexity_vs_teacher_pct"] = 100 * (q["perplexity"] / results["engines"]["teacher"]["perplexity"] - 1)
     if ref == "teacher" and "pruned-only" in results["engines"]:

@@ -5,23 +5,35 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-COLUMNS = [("size_bytes", "size", lambda v: f"{v / 1e6:.1f} MB"), ("perplexity", "ppl", lambda v: f"{v:.3f}"),
-           ("perplexity_delta_pct", "Δppl", lambda v: f"{v:+.2f}%"),
+# The headline per engine is KL to the reference (it sees every token's whole distribution, where perplexity
+# on small talk can even improve while answers change); "prose." keys: the held-out prose set (export/prose.py).
+COLUMNS = [("size_bytes", "size", lambda v: f"{v / 1e6:.1f} MB"),
+           ("kl_to_fp32", "KL chats", lambda v: f"{v:.4f}"), ("prose.kl_to_fp32", "KL prose", lambda v: f"{v:.4f}"),
+           ("top1_agreement", "top-1 chats", lambda v: f"{100 * v:.1f}%"),
+           ("prose.top1_agreement", "top-1 prose", lambda v: f"{100 * v:.1f}%"),
+           ("perplexity", "ppl chats", lambda v: f"{v:.3f}"),
+           ("perplexity_delta_pct", "Δppl chats", lambda v: f"{v:+.2f}%"),
+           ("prose.perplexity_delta_pct", "Δppl prose", lambda v: f"{v:+.2f}%"),
            ("perplexity_vs_teacher_pct", "Δppl vs teacher", lambda v: f"{v:+.1f}%"),
-           ("kl_to_fp32", "KL to ref", lambda v: f"{v:.4f}"),
-           ("top1_agreement", "top-1 agree", lambda v: f"{100 * v:.1f}%"),
-           ("decode_tok_s", "decode tok/s", lambda v: f"{v:.1f}"), ("ttft_ms", "TTFT", lambda v: f"{v:.0f} ms"),
-           ("golden_passed", "golden", str)]
+           ("golden_passed", "golden", str),
+           ("decode_tok_s", "decode tok/s", lambda v: f"{v:.1f}"), ("ttft_ms", "TTFT", lambda v: f"{v:.0f} ms")]
+
+
+def _get(q: dict, key: str):
+    """q[key], or q["prose"]["kl_to_fp32"] for "prose.kl_to_fp32"; None when absent."""
+    for part in key.split("."):
+        q = q.get(part) if isinstance(q, dict) else None
+    return q
 
 
 def _columns(results: dict) -> list:
-    return [c for c in COLUMNS if any(c[0] in q for q in results["engines"].values())]
+    return [c for c in COLUMNS if any(_get(q, c[0]) is not None for q in results["engines"].values())]
 
 
 def _rows(results: dict) -> list[list[str]]:
     rows = []
     for name, q in results["engines"].items():
-        rows.append([name] + [fmt(q[k]) if k in q else "-" for k, _, fmt in _columns(results)])
+        rows.append([name] + [fmt(_get(q, k)) if _get(q, k) is not None else "-" for k, _, fmt in _columns(results)])
     return rows
 
 
@@ -212,7 +224,9 @@ def write_report(results: dict, dst: Path) -> None:
     ref = "the fp32 teacher (the model before pruning)" if results.get("reference") == "teacher" else "the fp32 graph"
     stages = _stage_lines(results)
     md = ["# EdgeChat export report", "",
-          f"Held-out data: {results['data']} ({results['eval_chats']} chats). KL and top-1 agreement are against {ref}.", "",
+          f"Held-out data: {results['data']} ({results['eval_chats']} chats)"
+          + (f" and prose: {results['prose']['source']} ({results['prose']['texts']} held-out texts)" if results.get("prose") else "")
+          + f". KL (the headline) and top-1 agreement are against {ref}, on the same token ids for every engine.", "",
           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
     md += ([""] + stages) if stages else []
@@ -236,7 +250,8 @@ def write_report(results: dict, dst: Path) -> None:
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>EdgeChat export report</title>
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:48%}}</style></head><body>
-<h1>EdgeChat export report</h1><p>Held-out data: {e(results['data'])} ({results['eval_chats']} chats).
-KL and top-1 agreement are measured against {e(ref)}.</p>{table}{''.join(f"<p>{e(x)}</p>" for x in stages)}
+<h1>EdgeChat export report</h1><p>Held-out data: {e(results['data'])} ({results['eval_chats']} chats){
+e(f" and prose: {results['prose']['source']} ({results['prose']['texts']} held-out texts)") if results.get("prose") else ""}.
+KL (the headline) and top-1 agreement are measured against {e(ref)}, on the same token ids for every engine.</p>{table}{''.join(f"<p>{e(x)}</p>" for x in stages)}
 {''.join(f'<img src="{i}" alt="{i}">' for i in images)}<h2>Golden prompts (greedy)</h2>{golden}</body></html>"""
     (dst / "report.html").write_text(page, encoding="utf-8")

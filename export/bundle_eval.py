@@ -1,0 +1,173 @@
+"""`edge-export eval`: score a built bundle's engines (and llama.cpp GGUFs) on the same token ids.
+
+Every engine sees exactly the reference's token ids; the table gives KL to the reference (the headline),
+top-1 agreement and perplexity, on held-out chats and held-out prose (or the user's own file).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from tqdm import tqdm
+
+from edge.errors import DataError
+from export.evaluate import prose_windows, summarize, token_metrics
+
+Logits = Callable[[list[int]], np.ndarray]  # token ids -> [len - 1, vocab] logits predicting ids[1:]
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    bundle: Path
+    data: str | None = None  # FILE.jsonl (chats) or FILE.txt (text, documents split by blank lines)
+    ggufs: tuple[str, ...] = ()
+    llama_cpp: bool = False  # add F32 / Q8_0 / Q4_0 / Q4_K_M of the GGUF the bundle was built from
+    reference: str = "fp32"  # fp32 | an engine name | a .gguf path
+    chats: int = 32
+    max_tokens: int = 256
+    prose_tokens: int = 4096
+    window: int = 512
+    threads: int | None = None
+
+
+def _onnx_logits(path: Path, dims, io: dict, threads: int | None) -> Logits:
+    from edge.io_contract import DecoderIO
+    from edge.ort_decoder import OrtDecoder
+
+    dec = OrtDecoder(path, dims, DecoderIO.from_dict(io), threads=threads)
+
+    def run(ids: list[int]) -> np.ndarray:
+        x = np.array([ids[:-1]])
+        return dec.forward(x, dec.new_cache(capacity=x.shape[1]), last_only=False)[0]
+    return run
+
+
+def _gguf_logits(path: str, n_ctx: int, vocab: int, threads: int | None) -> Logits:
+    from export.eval_gguf import GGUFModel
+
+    m = GGUFModel(path, n_ctx=n_ctx, threads=threads)
+    if m.n_vocab != vocab:
+        raise DataError(f"{path} has {m.n_vocab} tokens, the bundle {vocab}: compare a GGUF of the same model")
+    return lambda ids: m.logits(ids)[:, :vocab]
+
+
+def eval_sets(tok, req: EvalRequest, max_context: int) -> dict[str, list[list[int]]]:
+    """Token id sequences to score, by set name: the user's file, or held-out chats and held-out prose."""
+    import dataclasses
+
+    from export.data import load_chitchat, load_jsonl
+    from export.prose import prose_texts
+
+    req = dataclasses.replace(req, max_tokens=min(req.max_tokens, max_context), window=min(req.window, max_context))
+
+    if req.data:
+        p = Path(req.data)
+        if p.suffix == ".jsonl":
+            return {p.name: [tok.encode_chat(c, add_generation_prompt=False)[: req.max_tokens]
+                             for c in load_jsonl(p, limit=req.chats)]}
+        if not p.is_file():
+            raise DataError(f"data file {p} does not exist")
+        docs = [d.strip() for d in p.read_text(encoding="utf-8").split("\n\n") if d.strip()]
+        if not docs:
+            raise DataError(f"{p} holds no text")
+        return {p.name: prose_windows(tok, docs, req.window, req.prose_tokens)}
+    return {"chats": [tok.encode_chat(c, add_generation_prompt=False)[: req.max_tokens]
+                      for c in load_chitchat("evaluation", req.chats)],
+            "prose": prose_windows(tok, prose_texts("eval"), req.window, req.prose_tokens)}
+
+
+def evaluate_bundle(req: EvalRequest) -> dict:
+    from edge.bundle import Bundle
+    from edge.tokenizer import ChatTokenizer
+
+    bundle = Bundle.open(req.bundle)
+    m = bundle.manifest
+    tok = ChatTokenizer(bundle.path(m.tokenizer.file), m.tokenizer)
+    sets = eval_sets(tok, req, m.model.max_context)
+    longest = max(len(s) for seqs in sets.values() for s in seqs)
+    models: dict[str, tuple[Logits, int]] = {}  # name -> (logits, size in bytes)
+    for e in m.engines:
+        if e.fingerprint.format == "onnx":
+            models[e.name] = (_onnx_logits(bundle.path(e.file), m.model, m.engine_io(e), req.threads), m.engine_bytes(e.name))
+    ggufs = {f"llama.cpp {Path(g).stem}": g for g in req.ggufs}
+    if req.llama_cpp:
+        from export.eval_gguf import same_weights
+
+        src = (m.source or "").removeprefix("gguf:")
+        if not m.source or not m.source.startswith("gguf:") or not Path(src).is_file():
+            raise DataError(f"--llama-cpp needs the GGUF the bundle was built from; this one was built from "
+                            f"{m.source or 'an unrecorded source'}: pass GGUFs of the same weights with --gguf")
+        ggufs |= {f"llama.cpp {k}": str(p) for k, p in same_weights(Path(src)).items()}
+    for name, g in ggufs.items():
+        models[name] = (_gguf_logits(g, longest, m.model.vocab_size, req.threads), Path(g).stat().st_size)
+    ref = req.reference
+    if ref.endswith(".gguf"):
+        ref_name = f"llama.cpp {Path(ref).stem}"
+        models.setdefault(ref_name, (_gguf_logits(ref, longest, m.model.vocab_size, req.threads), Path(ref).stat().st_size))
+        ref = ref_name
+    elif ref == "fp32" and "fp32" not in models:
+        work = bundle.root.with_name(bundle.root.name + ".work") / "export" / "model.onnx"
+        if not work.is_file():
+            raise DataError(f"{bundle.root} ships no fp32 engine and {work} is gone: pass --reference ENGINE or a .gguf")
+        models["fp32 (build reference)"] = (_onnx_logits(work, m.model, _plain_io(), req.threads), 0)
+        ref = "fp32 (build reference)"
+    if ref not in models:
+        raise DataError(f"reference {req.reference!r} is neither an engine of the bundle ({', '.join(models)}) nor a .gguf")
+    parts: dict[str, dict[str, list[dict]]] = {s: {n: [] for n in models} for s in sets}
+    for kind, seqs in sets.items():
+        for ids in tqdm(seqs, desc=f"eval ({kind})", unit="text"):
+            if len(ids) < 2:
+                continue
+            teacher = models[ref][0](ids)
+            y = np.array(ids[1:])
+            n_bytes = len(tok.decode(ids[1:], skip_special_tokens=False).encode("utf-8"))
+            for name, (run, _) in models.items():
+                student = teacher if name == ref else run(ids)
+                parts[kind][name].append(token_metrics(student, teacher, y) | {"bytes": n_bytes})
+    out: dict = {"bundle": str(bundle.root), "reference": ref, "sets": {k: len(v) for k, v in sets.items()},
+                 "data": req.data or "held-out chats (chitchat-dataset) + held-out prose (export/prose.py)",
+                 "engines": {}}
+    for name, (_, size) in models.items():
+        out["engines"][name] = {"size_bytes": size} | {k: summarize(parts[k][name]) for k in sets}
+    for k in sets:
+        base = out["engines"][ref][k]["perplexity"]
+        for q in out["engines"].values():
+            q[k]["perplexity_delta_pct"] = 100 * (q[k]["perplexity"] / base - 1)
+    return out
+
+
+def _plain_io() -> dict:
+    from edge.io_contract import io_for_variant
+
+    return io_for_variant("plain").to_dict()
+
+
+def table_text(res: dict) -> str:
+    from export.console import table
+
+    sets = list(res["sets"])
+    head = ["engine", "size"] + [f"{h} {s}" for s in sets for h in ("KL", "top-1", "ppl")]
+    rows = []
+    for name, q in res["engines"].items():
+        row = [name, f"{q['size_bytes'] / 1e6:.1f} MB" if q["size_bytes"] else "-"]
+        for s in sets:
+            r = q[s]
+            row += [f"{r['kl_to_fp32']:.4f}", f"{100 * r['top1_agreement']:.1f}%",
+                    f"{r['perplexity']:.2f} ({r['perplexity_delta_pct']:+.1f}%)"]
+        rows.append(row)
+    return table(rows, head)
+
+
+def run(req: EvalRequest, json_path: Path | None) -> dict:
+    res = evaluate_bundle(req)
+    print(f"reference: {res['reference']}; " + ", ".join(f"{k}: {n} texts" for k, n in res["sets"].items())
+          + "; KL in nats per token, the same token ids for every row")
+    print(table_text(res))
+    if json_path:
+        json_path.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {json_path}")
+    return res
