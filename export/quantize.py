@@ -7,15 +7,20 @@
   Masks, softmax and RoPE are never quantized (a whole-graph quantize_static
   gives infinite scales on the attention-mask nodes).
 - int4-weight: MatMulNBits 4-bit, block 32, asymmetric (per-block zero points), the LM head at
-  8 bits. Measured on SmolLM2-135M, 24 held-out chats: symmetric with a 4-bit head +19.6%
-  perplexity, asymmetric with an 8-bit head +2.7% (KL 0.44 either way: 4 bits cost that here).
+  8 bits, and mixed precision by measured sensitivity (export/sensitivity.py): the weight MatMuls
+  whose 4-bit form moves KL to fp32 most, per extra byte, are kept at 8 bits within a byte budget
+  (`int4_budget_mb`, else `int4_extra_ratio` of the all-4-bit size), as llama.cpp's k-quants spend
+  more bits on attn_v / ffn_down, but chosen by measurement. docs/quality.md has the figures.
 In every mode the tied embedding / LM head is stored as INT8 (a per-row
 quantized Gather and an INT8 LM-head MatMul) rather than read as fp32.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,8 +68,18 @@ class QuantizeOptions:
     qdq_float_nodes: tuple[str, ...] = ("layers.0/mlp/down_proj/", "layers.{last}/mlp/down_proj/")
     int4_symmetric: bool = False  # int4-weight: False = per-block zero points (asymmetric), see the module docstring
     int4_lm_head_bits: int = 8  # int4-weight: the LM head (and the tied embedding that shares it) at 8 bits
+    int4_rounding: str = "minmax"  # int4-weight: "minmax" (ONNX Runtime's RTN) or "kquant" (llama.cpp's search), export/int4.py
+    int4_budget_mb: float | None = None  # int4-weight: the engine's size in MB (1e6) at most; None: int4_extra_ratio
+    int4_extra_ratio: float = 0.0  # ...else this share of the all-4-bit size spent on 8-bit MatMuls
+    sensitivity_samples: int = 4  # texts (half calibration chats, half training prose) the sensitivity is measured on
+    sensitivity_tokens: int = 128  # tokens per text
 
     def __post_init__(self) -> None:
+        if self.int4_rounding not in ("minmax", "kquant"):
+            raise RecipeError(f"int4_rounding must be 'minmax' or 'kquant', got {self.int4_rounding!r}")
+        if self.int4_budget_mb is not None and self.int4_budget_mb <= 0 or self.int4_extra_ratio < 0:
+            raise RecipeError(f"int4_budget_mb must be positive and int4_extra_ratio >= 0, got "
+                              f"{self.int4_budget_mb} and {self.int4_extra_ratio}")
         if self.int4_lm_head_bits not in (4, 8):
             raise RecipeError(f"int4_lm_head_bits must be 4 or 8, got {self.int4_lm_head_bits}")
         if self.mode not in MODES:
@@ -200,8 +215,14 @@ def _int8_dynamic(gw: GraphWeights, src: Path, dst: Path, opts: QuantizeOptions,
     return []
 
 
+def nbits_bytes(k: int, n: int, bits: int, block: int, symmetric: bool) -> int:
+    """Bytes of one MatMulNBits weight: packed levels, fp32 scales, packed zero points (asymmetric)."""
+    kb = -(-k // block)
+    return n * kb * block * bits // 8 + n * kb * 4 + (0 if symmetric else n * -(-kb * bits // 8))
+
+
 def _nbits(gw: GraphWeights, bits: int, accuracy_level: int = 4, symmetric: bool = True,
-           special: dict[str, tuple[int, int]] | None = None) -> None:
+           special: dict[str, tuple[int, int]] | None = None, rounding: str = "minmax") -> None:
     """MatMulNBits over every weight MatMul, block 32; the `special` ones (name -> (bits, block size))
     quantized symmetric (so a tied embedding can gather its rows from the LM head's table).
 
@@ -224,7 +245,13 @@ def _nbits(gw: GraphWeights, bits: int, accuracy_level: int = 4, symmetric: bool
                 block_size=block, is_symmetric=sym, accuracy_level=accuracy_level, bits=b))
         w = gw.array(node.input[1]).astype(np.float32, copy=False)
         k, n = w.shape
-        packed, scales, zero_points = quantizers[key].qbits_block_quant(w)
+        if rounding == "kquant" and not sym and b == 4:
+            from export.int4 import block_quant, pack
+
+            q, scales, zp = block_quant(w, b, block, "kquant")
+            packed, zero_points = pack(q, zp, b)
+        else:
+            packed, scales, zero_points = quantizers[key].qbits_block_quant(w)
         del w
         wname = node.input[1]
         gw.set(wname + f"_Q{b}", packed)
@@ -397,6 +424,80 @@ def _qdq(pre: Path, dst: Path, reader, nodes: list[str]) -> None:
     )
 
 
+def sensitivity_feeds(hf_dir: Path, opts: QuantizeOptions, dims) -> list[dict]:
+    """Plain-graph prefill inputs: calibration chats and training prose (never the held-out texts)."""
+    from export.load import chat_tokenizer
+    from export.prose import prose_texts
+
+    half = max(1, opts.sensitivity_samples // 2)
+    copts = QuantizeOptions(mode=opts.mode, calibration=opts.calibration, samples=half,
+                            max_calibration_tokens=opts.sensitivity_tokens)
+    feeds = calibration_feeds(hf_dir, copts, dims.num_layers, dims.num_kv_heads, dims.head_dim)
+    tok = chat_tokenizer(hf_dir)
+    for text in prose_texts("train")[: opts.sensitivity_samples - len(feeds)]:
+        ids = tok.encode(text)[: opts.sensitivity_tokens]
+        n = len(ids)
+        feeds.append(feeds[0] | {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, n), np.int64),
+                                 "position_ids": np.arange(n, dtype=np.int64)[None]})
+    return feeds
+
+
+def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, dims,
+                special: dict[str, tuple[int, int]]) -> dict:
+    """Measure each weight MatMul's 4-bit sensitivity, then pick the ones kept at 8 bits within the budget."""
+    from export import onnx_export, sensitivity
+    from export.int4 import fake_quant
+
+    fused = fp32_dir.name == onnx_export.FUSED_DIR
+    plain = (fp32_dir.parent if fused else fp32_dir) / "model.onnx"
+    nodes = {n.name: gw.shape(n.input[1]) for n in weight_matmuls(gw.model)}
+    sym = opts.int4_symmetric
+    four = {t: nbits_bytes(*nodes[t], 4, 32, sym) for t in nodes}
+    cost = {t: nbits_bytes(*nodes[t], 8, 32, True) - four[t] for t in nodes if t not in special}
+    # the engine at all-4-bit (special MatMuls at their bits), written and measured: what a promotion adds
+    # to it is exact (the nbits_bytes difference), what the graph's own records weigh is not worth predicting
+    trial = dst / "all-4-bit"
+    trial.mkdir(exist_ok=True)
+    g = GraphWeights(fp32_dir / "model.onnx")
+    untie_lm_head(g)
+    _nbits(g, bits=4, symmetric=sym, special=special, rounding=opts.int4_rounding)
+    quantize_embedding(g)
+    g.save(trial / "model.onnx")
+    del g
+    base = graph_bytes(trial / "model.onnx")
+    shutil.rmtree(trial)
+    budget = int(opts.int4_budget_mb * 1e6) if opts.int4_budget_mb is not None else int(base * (1 + opts.int4_extra_ratio))
+    if budget < base:
+        raise RecipeError(f"int4_budget_mb {budget / 1e6:.1f} is less than the all-4-bit engine ({base / 1e6:.1f} MB): "
+                          "raise it, or leave it unset")
+    feeds = sensitivity_feeds(hf_dir, opts, dims)
+    # measured once per exported graph, rounding and text: a new budget re-uses it (the .work folder's root)
+    key = hashlib.sha256(json.dumps([str(plain.resolve()), plain.stat().st_mtime_ns, graph_bytes(plain), opts.int4_rounding,
+                                     sorted(cost), [f["input_ids"].tolist() for f in feeds]]).encode()).hexdigest()[:16]
+    cache = dst.parent / f"int4-sensitivity-{key}.json"
+    if cache.is_file():
+        sens, tokens = json.loads(cache.read_text())
+    else:
+        probe = sensitivity.Probe(plain, dst, feeds)
+        try:
+            sens = sensitivity.measure(probe, lambda w: fake_quant(w, 4, 32, opts.int4_rounding), fused,
+                                       skip=lambda t: t not in cost)
+            tokens = probe.tokens
+        finally:
+            del probe
+            for f in ("probe.onnx", "probe.onnx.data", "probe-inputs.onnx"):
+                (dst / f).unlink(missing_ok=True)
+        cache.write_text(json.dumps([sens, tokens]))
+    missing = [t for t in cost if t not in sens]
+    if missing:
+        raise RecipeError(f"sensitivity: no plain-graph MatMul maps to {missing[0]} (export/sensitivity.py FUSED)")
+    chosen = sensitivity.allocate(sens, cost, budget - base)
+    return {"int4_budget_bytes": budget, "int4_all4_bytes": base,
+            "int4_planned_bytes": base + sum(cost[t] for t in chosen), "int4_8bit_matmuls": chosen,
+            "int4_sensitivity": dict(sorted(sens.items(), key=lambda kv: -kv[1])),
+            "sensitivity_tokens": tokens}
+
+
 def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
     from export.load import model_dims
 
@@ -405,13 +506,18 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
     untie_lm_head(gw)
     out = dst / "model.onnx"
     metrics: dict = {"mode": opts.mode}
+    special: dict[str, tuple[int, int]] = {}
     if opts.mode == INT8_DYNAMIC:
         metrics["block16_nodes"] = _int8_dynamic(gw, dst / "prepared.onnx", out, opts, dims.num_layers)
     elif opts.mode == INT4_WEIGHT:
         head = getattr(lm_head_matmul(gw.model), "name", None)
         special = {head: (opts.int4_lm_head_bits, 32)} if head and opts.int4_lm_head_bits != 4 else {}
-        _nbits(gw, bits=4, symmetric=opts.int4_symmetric, special=special)
+        if opts.int4_budget_mb is not None or opts.int4_extra_ratio > 0:
+            metrics |= _int4_mixed(gw, fp32_dir, hf_dir, dst, opts, dims, special)
+            special |= {name: (8, 32) for name in metrics["int4_8bit_matmuls"]}
+        _nbits(gw, bits=4, symmetric=opts.int4_symmetric, special=special, rounding=opts.int4_rounding)
         metrics["lm_head_bits"] = opts.int4_lm_head_bits if head else None
+        metrics["int4_rounding"] = opts.int4_rounding
     else:
         metrics |= _int8_qdq(gw, out, hf_dir, opts, dims)
     # the embedding table: INT8 (shared with the LM head's INT8 weight where they are tied). Graphs ONNX
@@ -425,6 +531,21 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
         g.save(path)
         if path == out:
             metrics["embedding_bytes_saved"] = saved
+    chosen = list(metrics.get("int4_8bit_matmuls", []))
+    while "int4_budget_bytes" in metrics and graph_bytes(out) > metrics["int4_budget_bytes"]:
+        # the plan misses the graph's own growth (node and initializer records): the least KL per byte goes
+        # back to 4 bits until the file fits
+        if not chosen:
+            raise RecipeError(f"the all-4-bit engine is {graph_bytes(out) / 1e6:.2f} MB, more than int4_budget_mb "
+                              f"{metrics['int4_budget_bytes'] / 1e6:.2f}: raise it, or leave it unset")
+        chosen.pop()
+        g = GraphWeights(fp32_dir / "model.onnx")
+        untie_lm_head(g)
+        _nbits(g, bits=4, symmetric=opts.int4_symmetric, rounding=opts.int4_rounding,
+               special={n: b for n, b in special.items() if n not in metrics["int4_8bit_matmuls"] or n in chosen})
+        quantize_embedding(g)
+        g.save(out)
+        metrics["int4_8bit_matmuls"] = list(chosen)
     for f in dst.iterdir():
         if f.name.startswith(("prepared.onnx", "smoothed.onnx", "stats.onnx", "stats-aug.onnx")):
             f.unlink()

@@ -21,7 +21,7 @@ else:  # pragma: no cover
 from edge.bundle import Bundle, StageRecord
 from edge import precisions
 from edge.errors import RecipeError
-from edge.precisions import FP32, INT8_DYNAMIC
+from edge.precisions import FP32, INT4_WEIGHT, INT8_DYNAMIC
 from export.console import fmt_bytes
 from export.distill import DistillOptions
 from export.prune import PruneOptions
@@ -51,6 +51,11 @@ class BuildOptions:
     calibration: str | None = None
     calibration_samples: int = 64
     smoothquant_alpha: float = 0.5
+    # int4-weight: the engine's size in MB at most (the most sensitive MatMuls go to 8 bits within it), else
+    # int4_extra_ratio of the all-4-bit size; int4_rounding: "minmax" or "kquant" (export/quantize.py)
+    int4_budget_mb: float | None = None
+    int4_extra_ratio: float = 0.0
+    int4_rounding: str = "minmax"
     eval_samples: int = 64
     skip_eval: bool = False
     fresh: bool = False
@@ -123,6 +128,7 @@ class BuildOptions:
                     calibration=a.calibration, eval_samples=a.eval_samples, skip_eval=a.skip_eval or None,
                     fresh=a.fresh or None, reuse_stale=getattr(a, "reuse_stale", False) or None, online=a.online or None,
                     fused=False if getattr(a, "no_fused", False) else None,
+                    int4_budget_mb=getattr(a, "int4_budget_mb", None),
                     ram_check=False if getattr(a, "skip_ram_check", False) else None)
         base = cls.from_toml(a.recipe, **over) if a.recipe else \
             cls(**{k: (Path(v) if k == "output" else v) for k, v in over.items() if v is not None})
@@ -242,7 +248,9 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
         from export import quantize
 
         qopts = quantize.QuantizeOptions(mode=precision, calibration=opts.calibration,
-                                         samples=opts.calibration_samples, smoothquant_alpha=opts.smoothquant_alpha)
+                                         samples=opts.calibration_samples, smoothquant_alpha=opts.smoothquant_alpha,
+                                         **({"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio,
+                                             "int4_rounding": opts.int4_rounding} if precision == INT4_WEIGHT else {}))
         variant = "fused" if has_fused and precision in FROM_FUSED else "plain"
         src_dir = fused_dir if variant == "fused" else fp32_dir
         qdir, rec = stage(f"quantize-{precision}",

@@ -1,0 +1,104 @@
+"""Which weights 4 bits hurt, measured: KL to fp32 when only one weight MatMul is 4-bit, and a byte
+budget spent on the worst ones (8 bits instead), as llama.cpp's k-quants give attn_v and ffn_down more
+bits, but chosen by measurement on this model rather than by tensor name.
+
+One ONNX Runtime session over the plain fp32 graph with its weight MatMuls reading B from graph inputs:
+each measurement feeds one weight (or a fused group: q/k/v, gate/up) in its 4-bit form, the others as
+they are, so nothing is rebuilt per tensor and any architecture the exporter writes works.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from export.onnx_weights import GraphWeights, weight_matmuls
+
+# plain-graph MatMul name -> the fused graph's name for the MatMul it is packed into (export/fused_graph.py)
+FUSED = [(re.compile(r"/self_attn/[qkv]_proj/"), "/attn/qkv_proj/"), (re.compile(r"/self_attn/o_proj/"), "/attn/o_proj/"),
+         (re.compile(r"/mlp/(gate|up)_proj/"), "/mlp/gate_up_proj/")]
+
+
+def target_name(plain: str, fused: bool) -> str:
+    if fused:
+        for pat, rep in FUSED:
+            plain = pat.sub(rep, plain)
+    return plain
+
+
+def _log_softmax32(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def _kl(ref_logp: np.ndarray, logits: np.ndarray) -> float:
+    return float((np.exp(ref_logp) * (ref_logp - _log_softmax32(logits))).sum(dtype=np.float64))
+
+
+class Probe:
+    """The plain fp32 graph with every weight MatMul's B as a graph input, and the reference logits."""
+
+    def __init__(self, plain: Path, work: Path, feeds: list[dict], threads: int | None = None) -> None:
+        import onnx
+        import onnxruntime as ort
+
+        from export.quantize import untie_lm_head
+
+        gw = GraphWeights(plain)
+        untie_lm_head(gw)
+        gw.save(work / "probe.onnx")
+        gw = GraphWeights(work / "probe.onnx")
+        model = gw.model
+        self.nodes = {n.name: n.input[1] for n in weight_matmuls(model)}
+        self.weights = {w: np.ascontiguousarray(gw.array(w), np.float32) for w in self.nodes.values()}
+        keep = [i for i in model.graph.initializer if i.name not in self.weights]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(keep)
+        for w, a in self.weights.items():
+            model.graph.input.append(onnx.helper.make_tensor_value_info(w, onnx.TensorProto.FLOAT, list(a.shape)))
+        onnx.save_model(model, str(work / "probe-inputs.onnx"))
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if threads:
+            so.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(work / "probe-inputs.onnx"), so, providers=["CPUExecutionProvider"])
+        self.feeds = feeds
+        self.tokens = sum(f["input_ids"].shape[1] for f in feeds)
+        self.ref = [_log_softmax32(lo[0]) for lo in self.logits({})]
+
+    def logits(self, swap: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return [self.session.run(["logits"], f | self.weights | swap)[0] for f in self.feeds]
+
+    def kl(self, swap: dict[str, np.ndarray]) -> float:
+        """Mean KL(fp32 || this) per token with the weights in `swap` replaced."""
+        return sum(_kl(r, lo[0]) for r, lo in zip(self.ref, self.logits(swap))) / self.tokens
+
+
+def measure(probe: Probe, quant: Callable[[np.ndarray], np.ndarray], fused: bool,
+            skip: Callable[[str], bool] = lambda name: False, progress: bool = True) -> dict[str, float]:
+    """Target MatMul name -> KL to fp32 when only it is quantized by `quant` (fused groups together)."""
+    from tqdm import tqdm
+
+    groups: dict[str, list[str]] = {}
+    for node, w in probe.nodes.items():
+        t = target_name(node, fused)
+        if not skip(t):
+            groups.setdefault(t, []).append(w)
+    out = {}
+    for t, ws in tqdm(groups.items(), desc="sensitivity (KL per 4-bit MatMul)", unit="matmul", disable=not progress):
+        out[t] = probe.kl({w: quant(probe.weights[w]) for w in ws})
+    return out
+
+
+def allocate(sensitivity: dict[str, float], extra_bytes: dict[str, int], budget: int) -> list[str]:
+    """The MatMuls to keep at 8 bits: most KL removed per extra byte first, while the extra bytes fit `budget`."""
+    order = sorted(sensitivity, key=lambda t: sensitivity[t] / max(extra_bytes[t], 1), reverse=True)
+    chosen, spent = [], 0
+    for t in order:
+        if spent + extra_bytes[t] <= budget:
+            chosen.append(t)
+            spent += extra_bytes[t]
+    return chosen
