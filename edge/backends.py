@@ -68,7 +68,9 @@ def engine_mismatch(fp: Fingerprint, m: Machine) -> str | None:
     return None
 
 
-def _first(engines: list[EngineEntry], order: tuple[str, ...]) -> EngineEntry | None:
+def first_engine(engines: list[EngineEntry], order: tuple[str, ...]) -> EngineEntry | None:
+    """The ONNX engine of the best-ranked precision in `order`; between two of one precision, the table's variant
+    (edge.precisions); then the manifest's order. None when no engine's precision is in `order`."""
     onnx = [e for e in engines if e.fingerprint.format == "onnx" and e.fingerprint.precision in order]
     onnx.sort(key=lambda e: (order.index(e.fingerprint.precision),
                              e.fingerprint.variant != precisions.get(e.fingerprint.precision).variant))
@@ -104,17 +106,17 @@ def decide(manifest: Manifest, m: Machine, engine: str | None = None) -> Choice:
                        f"({m.gpu_error or 'none found'})")
     else:
         if "TensorrtExecutionProvider" in gpu_eps and m.tensorrt:
-            e = _first(engines, ORT_TRT_ORDER)
+            e = first_engine(engines, ORT_TRT_ORDER)
             if e:
                 return Choice("onnxruntime-tensorrt", e.name,
                               ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"), skipped)
             skipped.append(f"ONNX Runtime TensorRT EP: no {'/'.join(ORT_TRT_ORDER)} graph in the bundle")
         if "CUDAExecutionProvider" in gpu_eps:
-            e = _first(engines, CUDA_ORDER)
+            e = first_engine(engines, CUDA_ORDER)
             if e:
                 return Choice("onnxruntime-cuda", e.name, ("CUDAExecutionProvider", "CPUExecutionProvider"), skipped)
             skipped.append(f"ONNX Runtime CUDA EP: no graph the CUDA EP runs well ({', '.join(CUDA_ORDER)})")
-    e = _first(engines, CPU_ORDER)
+    e = first_engine(engines, CPU_ORDER)
     if e is None:
         have = ", ".join(f"{x.name} ({x.fingerprint.format})" for x in engines) or "none"
         raise BundleError(f"nothing in this bundle runs on this machine (engines: {have}); {'; '.join(skipped)}")

@@ -34,13 +34,15 @@ from edge.errors import (
 )
 
 log = logging.getLogger("edgechat")
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # 2: an engine may carry its own `io` contract (the fused graph's differs from the plain one's);
 # a version-1 manifest still reads, every engine using the manifest's `io`.
 # 3: a fused engine's `io` may name `logit_positions` (the graph returns logits at those positions only);
 # an edgechat that reads only 1-2 refuses such a bundle by its version instead of failing on the key.
 # 4: a stage record may carry `memory` (its measured peak resident memory).
-READS_SCHEMA_VERSIONS = (1, 2, 3, 4)
+# 5: `io` carries `prefill_chunk` (the most prompt tokens one plain-graph call takes); a reader of 1-4 builds its
+# DecoderIO from every key and would fail on it.
+READS_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
 MANIFEST = "manifest.json"
 PARTIAL_TAG = ".partial-"
 

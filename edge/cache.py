@@ -420,7 +420,75 @@ class SharedBatchCache:
         return logits[:, 0]
 
 
+class OneRowCache:
+    """One row, any graph, any device: a single user's answer on a fused graph whose K/V live on a GPU, where
+    `SharedBatchCache` cannot go (it moves rows through numpy views of host memory). The row is a plain
+    `Decoder.new_cache`, prefilled by `Decoder.prefill` and stepped by `Decoder.forward`: the calls a batch
+    cache makes for one row. No prompt cache."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self.row: KVCache | None = None
+        self.side: KVCache | None = None
+        self.lengths: list[int] = []
+        self.reused = 0
+
+    def fresh(self) -> "OneRowCache":
+        return OneRowCache(self.decoder)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def _new(self, prompt_len: int) -> KVCache:
+        if self.row is not None or self.side is not None:
+            raise EdgeChatError("this cache holds one row, and it is taken")
+        return self.decoder.new_cache(capacity=max(prompt_len + 1, ONE_ROW_CAPACITY))
+
+    def admit(self, prompt: list[int]) -> np.ndarray:
+        row = self._new(len(prompt))
+        logits = self.decoder.prefill(prompt, row)[0]
+        self.row, self.lengths = row, [row.length]
+        return logits
+
+    def step(self, tokens: list[int]) -> np.ndarray:
+        assert self.row is not None and len(tokens) == 1
+        logits = self.decoder.forward(np.asarray([tokens], dtype=np.int64), self.row)
+        self.lengths = [self.row.length]
+        return logits
+
+    def remove(self, rows: list[int]) -> None:
+        if 0 in rows:
+            self.row, self.lengths = None, []
+
+    def remember(self, row: int, ids: list[int]) -> None:
+        """No prompt cache here."""
+
+    def side_row(self, prompt_len: int) -> KVCache:
+        self.side = self._new(prompt_len)
+        return self.side
+
+    def reuse_side(self, prompt: list[int]) -> int:
+        return 0
+
+    def side_view(self) -> KVCache:
+        assert self.side is not None
+        return self.side
+
+    def add_side(self) -> None:
+        assert self.side is not None
+        self.row, self.side, self.lengths = self.side, None, [self.side.length]
+
+    def drop_side(self) -> None:
+        self.side = None
+
+
+ONE_ROW_CAPACITY = 256  # columns a OneRowCache allocates up front (as SharedBatchCache's default); it grows by doubling
+
+
 def batch_cache(decoder: Decoder, slots: int, prompt_cache_bytes: int = 0) -> RowCache:
-    """The batch cache the decoder's graph calls for (a prompt cache on fused graphs only)."""
+    """The batch cache the decoder's graph calls for (a prompt cache on fused graphs only). A fused graph on a
+    GPU serves one row at a time (`OneRowCache`); batching it there is refused by SharedBatchCache."""
+    if decoder.io.fused and decoder.device != "cpu" and slots == 1:
+        return OneRowCache(decoder)
     return SharedBatchCache(decoder, slots, prompt_cache_bytes=prompt_cache_bytes) if decoder.io.fused \
         else BatchCache(decoder)

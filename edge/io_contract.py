@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from edge.errors import ManifestError
+
 
 @dataclass(frozen=True)
 class DecoderIO:
@@ -61,7 +63,14 @@ class DecoderIO:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DecoderIO":
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+        """The contract a manifest records. A key this runtime does not know is refused, not dropped: it may name
+        an input the graph needs (a newer exporter bumps the manifest's schema version for a new key, so a
+        runtime that cannot bind it refuses the bundle by version, see edge/bundle.py)."""
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ManifestError(f"the engine's I/O contract (manifest 'io') has keys this edgechat does not know: "
+                                f"{unknown}; upgrade edgechat or re-export the bundle")
+        return cls(**d)
 
 
 FUSED_IO = DecoderIO(attention_mask="", position_ids="", past_axis="max_sequence_length",

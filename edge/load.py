@@ -11,7 +11,7 @@ import dataclasses
 import logging
 
 from edge import precisions
-from edge.backends import Choice, decide
+from edge.backends import Choice, decide, first_engine
 from edge.bundle import Bundle, EngineEntry
 from edge.decoder import Decoder
 from edge.errors import BundleError, EdgeChatError
@@ -20,23 +20,25 @@ from edge.machine import detect
 log = logging.getLogger("edgechat")
 
 
-def pick_engine(bundle: Bundle, name: str | None = None, prefer_gpu: bool = False) -> EngineEntry:
-    """An ONNX engine: by name, else the best-ranked precision the bundle has for CPU (or a GPU execution
-    provider), its table variant first."""
+def pick_engine(bundle: Bundle, name: str | None = None, prefer_gpu: bool = False,
+                providers: list[str] | None = None) -> EngineEntry:
+    """An ONNX engine: by name, else what the fallback chain (edge.backends.decide) takes for these ONNX Runtime
+    execution providers: the TensorRT EP's order, then the CUDA EP's (`prefer_gpu`), then CPU's, each the
+    best-ranked precision the bundle has, its table variant first."""
     m = bundle.manifest
     if name:
         return m.engine(name)
     onnx = [e for e in m.engines if e.fingerprint.format == "onnx"]
     if not onnx:
         raise BundleError("bundle has no ONNX engine to run with ONNX Runtime")
-    order = precisions.order("cuda" if prefer_gpu else "cpu")
-
-    def rank(e: EngineEntry) -> tuple[int, bool]:
-        p = e.fingerprint.precision
-        table_variant = precisions.PRECISIONS[p].variant if p in precisions.PRECISIONS else "plain"
-        return (order.index(p) if p in order else 99, e.fingerprint.variant != table_variant)
-
-    return min(onnx, key=rank)
+    eps = providers or []
+    kinds = (["ort_trt"] if any("Tensorrt" in p for p in eps) else []) \
+        + (["cuda"] if prefer_gpu or any("CUDA" in p or "Tensorrt" in p for p in eps) else []) + ["cpu"]
+    for kind in kinds:
+        e = first_engine(onnx, precisions.order(kind))
+        if e is not None:
+            return e
+    return onnx[0]  # no precision the table ranks: the bundle's first (ONNX Runtime says if it cannot run it)
 
 
 def _ort_decoder(bundle: Bundle, entry: EngineEntry, threads: int | None, providers: list[str] | None,
@@ -58,8 +60,7 @@ def load_decoder(bundle: Bundle, engine: str | None = None, threads: int | None 
     unless `providers` forces ONNX Runtime execution providers (then the choice is None)."""
     m = bundle.manifest
     if providers is not None:
-        want_gpu = any("CUDA" in p or "Tensorrt" in p for p in providers)
-        return _ort_decoder(bundle, pick_engine(bundle, engine, prefer_gpu=want_gpu), threads, providers, spin), None
+        return _ort_decoder(bundle, pick_engine(bundle, engine, providers=providers), threads, providers, spin), None
     here = detect()
     choice = decide(m, here, engine)
     failed: list[str] = []
@@ -69,12 +70,15 @@ def load_decoder(bundle: Bundle, engine: str | None = None, threads: int | None 
         try:
             dec = _tensorrt_decoder(bundle, m.engine(choice.engine))
             break
-        except EdgeChatError as e:
+        except Exception as e:  # TensorRT and the CUDA bindings raise their own types (RuntimeError, TypeError...)
             if engine:  # asked for by name: no fallback
                 raise
-            failed.append(f"TensorRT '{choice.engine}': it did not load here: {e}")
+            why = str(e) if isinstance(e, EdgeChatError) else f"{type(e).__name__}: {e}"
+            failed.append(f"TensorRT '{choice.engine}': it did not load here: {why}")
             dropped.add(choice.engine)
             choice = decide(dataclasses.replace(m, engines=[x for x in m.engines if x.name not in dropped]), here)
+    if failed:  # the engines left out above are not "no TensorRT engine in the bundle"
+        choice = dataclasses.replace(choice, skipped=[s for s in choice.skipped if not s.startswith("TensorRT: ")])
     choice = dataclasses.replace(choice, skipped=failed + choice.skipped)
     for line in choice.skipped:
         (log.warning if line.startswith("TensorRT '") else log.info)("skipped %s", line)

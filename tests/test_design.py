@@ -17,42 +17,65 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_imports(path: Path) -> set[str]:
-    """Modules `path` imports when it runs: module level and inside functions, not under TYPE_CHECKING."""
+def _type_only(test: ast.expr) -> bool | None:
+    """True for `if TYPE_CHECKING:` (its body runs only under a type checker), False for `if not TYPE_CHECKING:`
+    (its else branch does), None for any other test."""
+    names = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+    if ast.unparse(test) in names:
+        return True
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and ast.unparse(test.operand) in names:
+        return False
+    return None
+
+
+def _names(node: ast.stmt, mod: str, is_package: bool) -> set[str]:
+    """Modules an import statement in module `mod` names (relative imports resolved)."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    if not isinstance(node, ast.ImportFrom):
+        return set()
+    base = node.module or ""
+    if node.level:
+        parts = mod.split(".") if is_package else mod.split(".")[:-1]
+        parts = parts[: len(parts) - (node.level - 1)]
+        base = ".".join(p for p in [*parts, node.module or ""] if p)
+    out = {base} if base else set()
+    out.update(f"{base}.{a.name}" if base else a.name for a in node.names)
+    return out
+
+
+def _outside_functions(tree: ast.AST):
+    """Every node that runs when the module is imported: module level, `try`/`if` blocks and class bodies
+    included, function bodies not."""
+    todo = list(ast.iter_child_nodes(tree))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def _runtime_imports(path: Path, top_level_only: bool = False) -> set[str]:
+    """Modules `path` imports when it runs: module level and inside functions (unless `top_level_only`),
+    relative imports resolved, not what only a type checker reads (`if TYPE_CHECKING:`)."""
     tree = ast.parse(path.read_text(), str(path))
+    mod, is_package = _module(path), path.name == "__init__.py"
     skip: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for b in node.body for n in ast.walk(b))
+        if isinstance(node, ast.If) and (kind := _type_only(node.test)) is not None:
+            skip.update(id(n) for b in (node.body if kind else node.orelse) for n in ast.walk(b))
+    nodes = _outside_functions(tree) if top_level_only else ast.walk(tree)
     out: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
+    for node in nodes:
+        if id(node) not in skip:
+            out |= _names(node, mod, is_package)
     return out
 
 
 def _graph(top_level_only: bool) -> dict[str, set[str]]:
     files = {_module(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
-    graph = {}
-    for mod, path in files.items():
-        if top_level_only:
-            tree = ast.parse(path.read_text())
-            names: set[str] = set()
-            for node in tree.body:  # module level: what importing the module runs
-                if isinstance(node, ast.Import):
-                    names.update(a.name for a in node.names)
-                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    names.add(node.module)
-                    names.update(f"{node.module}.{a.name}" for a in node.names)
-        else:
-            names = _runtime_imports(path)
-        graph[mod] = {n for n in names if n in files and n != mod}
-    return graph
+    return {mod: {n for n in _runtime_imports(path, top_level_only) if n in files and n != mod}
+            for mod, path in files.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:

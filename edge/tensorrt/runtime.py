@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 
 import numpy as np
 
@@ -63,9 +64,13 @@ class TensorRTDecoder(Decoder):
         if self.engine_ is None:
             raise BundleError(f"TensorRT could not load {self.name}: built by another TensorRT version or for another "
                               "GPU; rebuild it here with edge-chat build-engine")
+        self._lock = threading.Lock()
         self.contexts = []
         for i in range(self.engine_.num_optimization_profiles):
             ctx = self.engine_.create_execution_context()
+            if ctx is None:  # TensorRT logs why (device memory, most often) and answers None
+                raise BundleError(f"TensorRT could not create an execution context for {self.name} (not enough "
+                                  "free GPU memory?)")
             ctx.set_optimization_profile_async(i, self.cuda.stream_handle)
             self.contexts.append(ctx)
         self.providers = ["TensorRT"]
@@ -101,6 +106,10 @@ class TensorRTDecoder(Decoder):
         return DeviceArray.from_numpy(self.cuda, np.asarray(array, dtype=self._kv_dtype))
 
     def run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list) -> tuple[np.ndarray, list]:
+        with self._lock:  # the contexts' shapes and addresses are set per call: one caller at a time
+            return self._run(ids, mask, positions, past)
+
+    def _run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list) -> tuple[np.ndarray, list]:
         batch, seq = ids.shape
         # profile 0 = prefill (batch 1, many tokens), 1 = decode (one token per sequence)
         past_len = past[0].shape[2] if past else 0
