@@ -211,6 +211,10 @@ def test_completions_echo_and_logprobs_match_the_chat_path_on_the_same_tokens(se
     parts = [ch.choices[0].text for ch in client.completions.create(model="x", prompt=text, max_tokens=12,
                                                                     temperature=0, stream=True) if ch.choices]
     assert text + "".join(parts) == full.choices[0].text
+    cont = full.choices[0].text[len(text):]
+    stop = cont[len(cont) // 2:len(cont) // 2 + 2]
+    cut = client.completions.create(model="x", prompt=text, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == cont[:cont.find(stop)]
 
 
 def test_n3_gives_three_answers_each_equal_to_the_single_answer_with_its_seed(server):
