@@ -38,11 +38,13 @@ _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 
 def template_takes_tools(chat_template: str) -> bool:
     """Whether a chat template reads the `tools` variable (so it has its own way of showing them)."""
-    import jinja2
     from jinja2 import meta
 
+    from edge.tokenizer import _template_env
+
+    env, jinja2 = _template_env()  # the tokenizer's settings: loop controls as in Hugging Face templates
     try:
-        return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(chat_template))
+        return "tools" in meta.find_undeclared_variables(env.parse(chat_template))
     except jinja2.TemplateSyntaxError:
         return False
 

@@ -40,6 +40,7 @@ def _tokenizer(tmp_path, template: str):
 def test_a_template_that_reads_tools_renders_them_and_the_calls_itself(tmp_path):
     assert template_takes_tools(NATIVE) and not template_takes_tools(PLAIN)
     assert not template_takes_tools("{% for %}")  # a template that does not parse is not asked
+    assert template_takes_tools("{% for t in tools %}{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}")
     tok = _tokenizer(tmp_path, NATIVE)
     text = tok.render(prompt_messages(HISTORY, [ADD], native=True), tools=[ADD])
     assert '"name": "add", "description": "Add two integers."' in text  # the template's own tool listing
