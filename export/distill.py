@@ -160,6 +160,24 @@ def topk_kd_loss(student_logits, top_logp, top_idx, temperature: float, rows: in
     return total / s2.shape[0] * t * t
 
 
+def masked_loss(s_logits, teacher, mask, hard, targets, temperature: float, seq_kd: float):
+    """The distillation loss of one step, on [positions, vocab] student logits: the KL to the teacher where
+    `mask` is set (`teacher`: its logits, or the cached (top log-probs, top ids) pair), plus seq_kd x the
+    cross-entropy of the tokens the teacher sampled where `hard` is set. Positions outside the mask (a
+    teacher-written chat's prompt) do not count; a batch with none in it is a zero step."""
+    import torch.nn.functional as F
+
+    if not bool(mask.any()):
+        return s_logits.sum() * 0
+    if isinstance(teacher, tuple):
+        loss = topk_kd_loss(s_logits[mask], teacher[0][mask], teacher[1][mask], temperature)
+    else:
+        loss = kd_loss(s_logits[mask], teacher[mask], temperature)
+    if seq_kd and bool(hard.any()):
+        loss = loss + seq_kd * F.cross_entropy(s_logits[hard].float(), targets[hard])
+    return loss
+
+
 class TopkCache:
     """Top-k teacher log-probs of every block seen so far (numpy, [blocks, seq_len, k]), saved with the
     checkpoint so a resumed run reads the same numbers it would have computed."""
@@ -262,7 +280,6 @@ def run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, c
 def _run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, ckpt_dir: Path | None,
          answers: Path | None) -> dict:
     import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     from export.load import META, chat_tokenizer, copy_side_files
@@ -360,15 +377,8 @@ def _run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, 
         s_logits = s_out.logits.flatten(0, -2)
         if cache and need_teacher:
             cache.put(idx, *teacher_topk(t_logits, opts.temperature, cache.logp.shape[-1]))
-        if not bool(m.any()):  # a batch of prompts alone (short blocks): nothing to learn, a zero step
-            loss = s_logits.sum() * 0
-        elif cache:
-            top_logp, top_idx = cache.get(idx, device)
-            loss = topk_kd_loss(s_logits[m], top_logp[m], top_idx[m], opts.temperature)
-        else:
-            loss = kd_loss(s_logits[m], t_logits.flatten(0, -2)[m], opts.temperature)
-        if opts.seq_kd and bool(h.any()):
-            loss = loss + opts.seq_kd * F.cross_entropy(s_logits[h].float(), xb[:, 1:].flatten()[h])
+        teacher_says = cache.get(idx, device) if cache else t_logits.flatten(0, -2)
+        loss = masked_loss(s_logits, teacher_says, m, h, xb[:, 1:].flatten(), opts.temperature, opts.seq_kd)
         if use_hidden:
             cos = [1 - torch.nn.functional.cosine_similarity(s_out.hidden_states[i + 1].float(),
                                                              t_out.hidden_states[layer_map[i] + 1].float(), dim=-1).mean()

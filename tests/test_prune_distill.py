@@ -683,3 +683,32 @@ def test_report_recovery_lines_name_their_set():
                      "On held-out general prose it recovered 75% of the rise in bits per byte pruning caused "
                      "(teacher 1.000 -> pruned-only 2.000 -> fp32 1.250: 1.250x the teacher)."]
     assert len(_stage_lines({"engines": {k: {} for k in eng}, "recovered": 0.9})) == 1  # no prose scored: no line
+
+
+def test_the_loss_is_taken_where_the_mask_is():
+    """Student logits outside the mask (a teacher-written chat's prompt) do not change the loss or get a
+    gradient; inside it they do; `hard` positions add the cross-entropy of the teacher's sampled tokens."""
+    import torch
+
+    from export.distill import masked_loss, teacher_topk
+
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(10, 30, generator=g, requires_grad=True)
+    t = torch.randn(10, 30, generator=g) * 2
+    y = torch.randint(0, 30, (10,), generator=g)
+    mask = torch.tensor([False] * 4 + [True] * 6)
+    none = torch.zeros(10, dtype=torch.bool)
+    for teacher in (t, teacher_topk(t, 1.0, 8)):
+        base = masked_loss(s, teacher, mask, none, y, 1.0, 0.5)
+        (grad,) = torch.autograd.grad(base, s)
+        assert grad[:4].abs().max() == 0 and grad[4:].abs().max() > 0
+        prompt_changed = s.detach().clone()
+        prompt_changed[:4, 0] += 5  # one logit (a whole row shifted is the same softmax)
+        torch.testing.assert_close(masked_loss(prompt_changed, teacher, mask, none, y, 1.0, 0.5), base.detach())
+        answer_changed = s.detach().clone()
+        answer_changed[6, 0] += 5
+        assert not torch.isclose(masked_loss(answer_changed, teacher, mask, none, y, 1.0, 0.5), base.detach())
+        with_ce = masked_loss(s, teacher, mask, mask, y, 1.0, 0.5)
+        ce = torch.nn.functional.cross_entropy(s[mask], y[mask])
+        torch.testing.assert_close(with_ce, base + 0.5 * ce)
+    assert float(masked_loss(s, t, none, none, y, 1.0, 0.5)) == 0
