@@ -54,3 +54,13 @@ def test_a_gguf_of_the_same_weights_scores_like_the_fp32_graph(tiny_bundle, tiny
         assert row[s]["kl_to_fp32"] < 1e-4 and row[s]["top1_agreement"] > 0.98
     res = evaluate_bundle(EvalRequest(tiny_bundle.root, reference=str(gguf), chats=1, prose_tokens=100, threads=1))
     assert res["reference"] == "llama.cpp tiny-f32" and res["engines"]["fp32"]["prose"]["kl_to_fp32"] < 1e-4
+
+
+def test_the_build_report_heads_each_engine_with_kl_on_chats_and_prose(tiny_bundle):
+    q = tiny_bundle.manifest.engine("int4-weight").quality
+    assert q["prose"]["kl_to_fp32"] > 0 and q["prose"]["eval_tokens"] > 100 and q["prose"]["bits_per_byte"] > 0
+    assert q["kl_to_fp32"] > 0  # chats, as before
+    report = (tiny_bundle.root / "report" / "report.md").read_text()
+    head = next(line for line in report.splitlines() if line.startswith("| engine"))
+    assert head.split("|")[2:4] == [" size ", " KL chats "] and "KL prose" in head
+    assert "held-out texts" in report
