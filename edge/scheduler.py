@@ -254,6 +254,12 @@ class Scheduler:
                 self.pending.clear()
                 self._reset()
 
+    @property
+    def _fail_level(self) -> int:
+        """A request's failure is logged with its traceback when served; `generate` raises it to its caller instead
+        (the CLIs print one line), so there it is a debug record."""
+        return logging.ERROR if self._thread is not None else logging.DEBUG
+
     def retry_after(self) -> float:
         """Rough seconds until a slot frees: a typical answer's remaining steps."""
         return max(1.0, round(self.step_s * self.admission.retry_steps))
@@ -487,7 +493,7 @@ class Scheduler:
                 ev.logprobs, row.lps = row.lps, []
                 row.req.emit(ev)
         except Exception as e:
-            log.exception("request %d failed", row.req.id)
+            log.log(self._fail_level, "request %d failed", row.req.id, exc_info=True)
             self._emit_final(row.req, row.text, "error", _why(e))
             return False
         row.seen.append(tok)
@@ -520,7 +526,7 @@ class Scheduler:
         try:
             logits = self.cache.step([r.last for r in self.rows])
         except Exception as e:  # the step itself failed: its rows cannot go on; the rest of the queue can
-            log.exception("a decode step failed; failing its %d rows", len(self.rows))
+            log.log(self._fail_level, "a decode step failed; failing its %d rows", len(self.rows), exc_info=True)
             for r in self.rows:
                 self._emit_final(r.req, r.text, "error", _why(e))
             self.rows = []
