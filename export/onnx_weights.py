@@ -331,3 +331,27 @@ class TensorFile:
         t.data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
         append_external(self._f, t, [array.reshape(-1).view(np.uint8)], array.nbytes, self.path.name)
         return t
+
+
+def untie_lm_head(gw: GraphWeights) -> None:
+    """Give the LM head its own [hidden, vocab] weight when it is Transpose(embedding), so it can be quantized.
+
+    The transposed copy is computed when first read (quantized, or written on save), never held twice."""
+    from onnx import helper
+
+    model = gw.model
+    inits = gw.names()
+    producers = {o: n for n in model.graph.node for o in n.output}
+    for node in model.graph.node:
+        if node.op_type != "MatMul":
+            continue
+        p = producers.get(node.input[1])
+        if p is not None and p.op_type == "Transpose" and p.input[0] in inits:
+            src = p.input[0]
+            rows, cols = gw.shape(src)
+            name = src + ".lm_head_T"
+            dtype = helper.tensor_dtype_to_np_dtype(gw.initializer(src).data_type)
+            gw.set(name, lambda s=src: np.ascontiguousarray(gw.array(s).T), dims=(cols, rows), dtype=dtype)
+            node.input[1] = name
+            if not any(p.output[0] in n.input for n in model.graph.node):
+                model.graph.node.remove(p)

@@ -29,7 +29,7 @@ import numpy as np
 from edge import precisions
 from edge.errors import RecipeError
 from edge.precisions import INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
-from export.onnx_weights import GraphWeights, graph_bytes, lm_head_matmul, weight_matmuls
+from export.onnx_weights import GraphWeights, graph_bytes, lm_head_matmul, untie_lm_head, weight_matmuls
 
 log = logging.getLogger("edgechat")
 MODES = precisions.QUANTIZED
@@ -92,30 +92,6 @@ class QuantizeOptions:
 # Every edit goes through export.onnx_weights.GraphWeights: the graph in memory, the weights read one
 # tensor at a time from disk and streamed into one external data file on save, so a model of any size
 # (past protobuf's 2 GB) quantizes in memory bounded by its largest tensor plus the quantized output.
-
-
-def untie_lm_head(gw: GraphWeights) -> None:
-    """Give the LM head its own [hidden, vocab] weight when it is Transpose(embedding), so it can be quantized.
-
-    The transposed copy is computed when first read (quantized, or written on save), never held twice."""
-    from onnx import helper
-
-    model = gw.model
-    inits = gw.names()
-    producers = {o: n for n in model.graph.node for o in n.output}
-    for node in model.graph.node:
-        if node.op_type != "MatMul":
-            continue
-        p = producers.get(node.input[1])
-        if p is not None and p.op_type == "Transpose" and p.input[0] in inits:
-            src = p.input[0]
-            rows, cols = gw.shape(src)
-            name = src + ".lm_head_T"
-            dtype = helper.tensor_dtype_to_np_dtype(gw.initializer(src).data_type)
-            gw.set(name, lambda s=src: np.ascontiguousarray(gw.array(s).T), dims=(cols, rows), dtype=dtype)
-            node.input[1] = name
-            if not any(p.output[0] in n.input for n in model.graph.node):
-                model.graph.node.remove(p)
 
 
 def quantize_embedding(gw: GraphWeights) -> int:

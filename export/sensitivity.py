@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from export.onnx_weights import GraphWeights, weight_matmuls
+from export.onnx_weights import GraphWeights, untie_lm_head, weight_matmuls
 
 # plain-graph MatMul name -> the fused graph's name for the MatMul it is packed into (export/fused_graph.py)
 FUSED = [(re.compile(r"/self_attn/[qkv]_proj/"), "/attn/qkv_proj/"), (re.compile(r"/self_attn/o_proj/"), "/attn/o_proj/"),
@@ -44,8 +44,6 @@ class Probe:
     def __init__(self, plain: Path, work: Path, feeds: list[dict], threads: int | None = None) -> None:
         import onnx
         import onnxruntime as ort
-
-        from export.quantize import untie_lm_head
 
         gw = GraphWeights(plain)
         untie_lm_head(gw)
