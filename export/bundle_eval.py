@@ -15,6 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from edge.errors import DataError
+from edge.precisions import FP32
 from export.evaluate import prose_windows, summarize, token_metrics
 
 Logits = Callable[[list[int]], np.ndarray]  # token ids -> [len - 1, vocab] logits predicting ids[1:]
@@ -26,7 +27,7 @@ class EvalRequest:
     data: str | None = None  # FILE.jsonl (chats) or FILE.txt (text, documents split by blank lines)
     ggufs: tuple[str, ...] = ()
     llama_cpp: bool = False  # add F32 / Q8_0 / Q4_0 / Q4_K_M of the GGUF the bundle was built from
-    reference: str = "fp32"  # fp32 | an engine name | a .gguf path
+    reference: str = FP32  # fp32 | an engine name | a .gguf path
     chats: int = 32
     max_tokens: int = 256
     prose_tokens: int = 4096
@@ -109,7 +110,7 @@ def evaluate_bundle(req: EvalRequest) -> dict:
         ref_name = f"llama.cpp {Path(ref).stem}"
         models.setdefault(ref_name, (_gguf_logits(ref, longest, m.model.vocab_size, req.threads), Path(ref).stat().st_size))
         ref = ref_name
-    elif ref == "fp32" and "fp32" not in models:
+    elif ref == FP32 and FP32 not in models:
         work = bundle.root.with_name(bundle.root.name + ".work") / "export" / "model.onnx"
         if not work.is_file():
             raise DataError(f"{bundle.root} ships no fp32 engine and {work} is gone: pass --reference ENGINE or a .gguf")

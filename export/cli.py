@@ -226,7 +226,7 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("--llama-cpp", action="store_true",
                    help="also score llama.cpp F32, Q8_0, Q4_0 and Q4_K_M of the same weights (made once from the GGUF "
                         "the bundle was built from, cached in ~/.cache/edgechat/gguf)")
-    v.add_argument("--reference", default="fp32", help="fp32 (default), an engine name, or a .gguf file")
+    v.add_argument("--reference", default=FP32, help="fp32 (default), an engine name, or a .gguf file")
     v.add_argument("--chats", type=Bounded(int, 1), default=32, help="held-out chats to score (default 32)")
     v.add_argument("--prose-tokens", type=Bounded(int, 2), default=4096, help="held-out prose tokens (default 4096)")
     v.add_argument("--threads", type=Bounded(int, 1), help="CPU threads (default: physical cores)")

@@ -22,6 +22,7 @@ from edge.io_contract import io_for_variant
 from edge.generate import Generator
 from edge.ort_decoder import OrtDecoder
 from edge.sampling import SamplingConfig
+from edge.precisions import FP32
 from export import vocab
 from export.onnx_weights import graph_bytes
 
@@ -125,7 +126,7 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
     tok = chat_tokenizer(hf_dir)
     decs = {e.name: OrtDecoder(e.folder / "model.onnx", model_dims(getattr(e, "dims_dir", None) or hf_dir, opts.max_context),
                             io_for_variant(e.variant), threads=opts.threads, name=e.name) for e in engines}
-    ref = "teacher" if "teacher" in decs else "fp32"
+    ref = "teacher" if "teacher" in decs else FP32
     chats = load_chats(opts.data, "evaluation", opts.samples)
     parts: dict[str, list[dict]] = {n: [] for n in decs}
     t_ids = vocab.teacher_ids(hf_dir) if ref == "teacher" else None  # the shipped model's tokens in the teacher's ids
@@ -190,7 +191,7 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
                                       "expect": g["expect"], "passed": ok})
         q["golden_passed"] = f"{passed}/{sum(1 for g in GOLDEN if g['expect'])}"
         results["engines"][e.name] = q
-    base = results["engines"]["fp32"]
+    base = results["engines"][FP32]
     for q in results["engines"].values():
         q["perplexity_delta_pct"] = 100 * (q["perplexity"] / base["perplexity"] - 1)
         if "prose" in q and "prose" in base:
@@ -198,7 +199,7 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
         if ref == "teacher":
             q["perplexity_vs_teacher_pct"] = 100 * (q["perplexity"] / results["engines"]["teacher"]["perplexity"] - 1)
     if ref == "teacher" and "pruned-only" in results["engines"]:
-        t, p, f = (results["engines"][k]["perplexity"] for k in ("teacher", "pruned-only", "fp32"))
+        t, p, f = (results["engines"][k]["perplexity"] for k in ("teacher", "pruned-only", FP32))
         results["recovered"] = (p - f) / (p - t) if p > t else None  # share of pruning's perplexity rise won back
     write_report(results, dst)
     return results

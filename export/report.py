@@ -5,6 +5,8 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from edge.precisions import FP32
+
 # The headline per engine is KL to the reference (it sees every token's whole distribution, where perplexity
 # on small talk can even improve while answers change); "prose." keys: the held-out prose set (export/prose.py).
 COLUMNS = [("size_bytes", "size", lambda v: f"{v / 1e6:.1f} MB"),
@@ -70,10 +72,10 @@ def _stage_lines(results: dict) -> list[str]:
     if results.get("recovered") is not None:
         out.append(f"Distillation recovered {100 * results['recovered']:.0f}% of the perplexity increase pruning caused "
                    "on the held-out chats (teacher -> pruned-only -> fp32 rows).")
-    bpb = {k: results["engines"][k]["prose"]["bits_per_byte"] for k in ("teacher", "pruned-only", "fp32")
+    bpb = {k: results["engines"][k]["prose"]["bits_per_byte"] for k in ("teacher", "pruned-only", FP32)
            if "bits_per_byte" in (results.get("engines", {}).get(k, {}).get("prose") or {})}
     if len(bpb) == 3 and bpb["pruned-only"] > bpb["teacher"]:
-        t, p, f = bpb["teacher"], bpb["pruned-only"], bpb["fp32"]
+        t, p, f = bpb["teacher"], bpb["pruned-only"], bpb[FP32]
         out.append(f"On held-out general prose it recovered {100 * (p - f) / (p - t):.0f}% of the rise in bits per byte "
                    f"pruning caused (teacher {t:.3f} -> pruned-only {p:.3f} -> fp32 {f:.3f}: {f / t:.3f}x the teacher).")
     return out
@@ -179,7 +181,7 @@ def _plots(results: dict, dst: Path) -> list[str]:
         ax.invert_yaxis()
         # the planner's bound is on what a precision loses against the fp32 model shipped: against a teacher,
         # that model's own KL comes on top (export.planner.bundle_quality)
-        base = eng.get("fp32", {}).get("kl_to_fp32", 0.0) if results.get("reference") == "teacher" else 0.0
+        base = eng.get(FP32, {}).get("kl_to_fp32", 0.0) if results.get("reference") == "teacher" else 0.0
         bound = base + DEFAULT_MAX_KL
         top = max(max(vals), bound)
         ax.set_xlim(0, top * 1.25)
