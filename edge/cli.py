@@ -29,6 +29,7 @@ def _gen(args: argparse.Namespace, spin: bool = True):
                                            "their last verification)", len(bundle.hashed), len(bundle.manifest.files))
     gen = Generator.from_bundle(bundle, engine=args.engine, threads=args.threads, spin=spin)
     gen.tokenizer.allow_special_in_content = getattr(args, "allow_special_in_content", False)
+    gen.speculative = getattr(args, "speculative", False)
     return gen
 
 
@@ -212,7 +213,14 @@ def _add_gen_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=Bounded(int, 0), help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print tokens, TTFT and tok/s after each answer")
+    _add_speculative_flag(p)
     _add_load_flags(p)
+
+
+def _add_speculative_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", action="store_true",
+                   help="prompt-lookup speculative decoding for greedy answers while one user is decoding (helps when "
+                        "answers repeat their input; see docs/speed.md for what it gains and costs)")
 
 
 def _add_load_flags(p: argparse.ArgumentParser) -> None:
@@ -245,6 +253,7 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=7860)
     s.add_argument("--max-users", type=Bounded(int, 1), default=8, help="answers generated at once (batch rows, default 8)")
+    _add_speculative_flag(s)
     s.add_argument("--max-queue", type=Bounded(int, 0), help="requests allowed to wait beyond that (default 4 x max-users); "
                                                   "more get HTTP 429 with Retry-After")
     s.add_argument("--auth", help="user:password for the page; API clients send 'Bearer <password>'")

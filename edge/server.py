@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import os
 import secrets
@@ -24,8 +23,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from starlette.background import BackgroundTask
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from edge import api_answers, api_schema
-from edge import tools as toolfmt
+from edge import api_answers, api_schema, sse
 from edge.scheduler import QueueFullError, Request, Scheduler
 from edge.errors import ContextOverflowError, EdgeChatError
 from edge.grammar import GrammarError
@@ -70,6 +68,10 @@ class Service:
         self.scheduler = Scheduler(gen, max_batch=max_users, max_queue=4 * max_users if max_queue is None else max_queue,
                                    metrics=self.metrics,
                                    **({} if prompt_cache_mb is None else {"prompt_cache_mb": prompt_cache_mb}))
+        if getattr(gen, "speculative", False):  # only while one greedy answer is decoding (edge.speculative)
+            from edge.speculative import RowSpeculator
+
+            self.scheduler.speculator = RowSpeculator()
         m = gen.bundle.manifest if gen.bundle is not None else None
         self.model_id = m.model_name.split("/")[-1] if m else "edgechat"
         engine = getattr(gen.decoder, "engine", None)
@@ -158,11 +160,6 @@ async def _client_gone(request: HTTPRequest) -> None:
     while True:
         if (await request.receive())["type"] == "http.disconnect":
             return
-
-
-def _timeout_message(service: "Service") -> str:
-    return (f"the answer took longer than this server's --request-timeout of {service.request_timeout_s:g} s: "
-            "ask for fewer max_tokens or retry later")
 
 
 # -- the app -------------------------------------------------------------------------------------------
@@ -338,7 +335,7 @@ def _failed(service: Service, lasts: list) -> None:
         if last.finish_reason == "error":
             raise APIError(500, f"generation failed: {last.stats.get('error')}", type_="server_error")
     if any(last.finish_reason == "timeout" for last in lasts):
-        raise APIError(504, _timeout_message(service), type_="timeout_error", code="request_timeout")
+        raise APIError(504, sse.timeout_message(service), type_="timeout_error", code="request_timeout")
 
 
 async def _chat(service: Service, request: HTTPRequest):
@@ -352,7 +349,7 @@ async def _chat(service: Service, request: HTTPRequest):
     try:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_chat_sse(service, cid, created, api_answers.merged_events(reqs, q, n), n,
+            return StreamingResponse(sse.chat_sse(service, cid, created, api_answers.merged_events(reqs, q, n), n,
                                                rows, table, include_usage, len(rows.prompts[0])),
                                      media_type="text/event-stream", background=BackgroundTask(_cancel_all, reqs),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -367,7 +364,7 @@ async def _chat(service: Service, request: HTTPRequest):
     _failed(service, lasts)
     choices = [api_answers.chat_choice(i, texts[i], lasts[i], lps[i], rows, table) for i in range(n)]
     return {"id": cid, "object": "chat.completion", "created": created, "model": service.model_id,
-            "choices": choices, "usage": _usage(lasts, len(rows.prompts[0])),
+            "choices": choices, "usage": sse.usage(lasts, len(rows.prompts[0])),
             "system_fingerprint": f"edgechat-{service.precision}"}
 
 
@@ -387,7 +384,7 @@ async def _completions(service: Service, request: HTTPRequest):
                     lambda ids=ids: api_answers.score_prompt(gen, ids, rows.score_top)))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_completion_sse(service, cid, created, api_answers.merged_events(reqs, q, len(reqs)),
+            return StreamingResponse(sse.completion_sse(service, cid, created, api_answers.merged_events(reqs, q, len(reqs)),
                                                      rows, table, scored, body.logprobs, include_usage),
                                      media_type="text/event-stream", background=BackgroundTask(_cancel_all, reqs),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -412,11 +409,11 @@ async def _completions(service: Service, request: HTTPRequest):
             if body.logprobs is not None:
                 mine = (scored[p] if rows.echo and scored else []) + (lps[row] if row is not None else [])
                 lp = api_answers.completion_logprobs(table, mine)
-            finish = _finish(lasts[row].finish_reason) if row is not None else "length"
+            finish = sse.finish(lasts[row].finish_reason) if row is not None else "length"
             choices.append({"index": k, "text": pre + text, "logprobs": lp, "finish_reason": finish})
     prompt_tokens = sum(len(p) for p in rows.prompts)
     return {"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
-            "choices": choices, "usage": _usage(lasts, prompt_tokens),
+            "choices": choices, "usage": sse.usage(lasts, prompt_tokens),
             "system_fingerprint": f"edgechat-{service.precision}"}
 
 
@@ -492,119 +489,3 @@ def _authorized(header: str, auth: tuple[str, str]) -> bool:
 def _model_card(service: Service) -> dict:
     return {"id": service.model_id, "object": "model", "created": int(service.started), "owned_by": "edgechat",
             "precision": service.precision, "backend": service.backend, "context_length": service.gen.max_context}
-
-
-def _finish(reason: str | None) -> str:
-    return {"cancelled": "stop", None: "stop"}.get(reason, reason)
-
-
-def _usage(lasts: list, prompt_tokens: int) -> dict:
-    """Usage of a whole request: its prompt once, every row's answer."""
-    c = sum(last.stats.get("completion_tokens", 0) for last in lasts)
-    cached = max((last.stats.get("cached_prompt_tokens", 0) for last in lasts), default=0)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": c, "total_tokens": prompt_tokens + c,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _error_event(service: Service, ev: StreamEvent) -> str:
-    """A failed or timed-out row of a stream (whose status line said 200 already): an error event, counted."""
-    timeout = ev.finish_reason == "timeout"
-    service.metrics.http_error(504 if timeout else 500)
-    err = {"error": {"message": _timeout_message(service) if timeout else f"generation failed: {ev.stats.get('error')}",
-                     "type": "timeout_error" if timeout else "server_error", "param": None,
-                     "code": "request_timeout" if timeout else None}}
-    return f"data: {json.dumps(err)}\n\n"
-
-
-async def _chat_sse(service: Service, cid: str, created: int, events: AsyncIterator[tuple[int, StreamEvent]], n: int,
-                    rows, table, include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
-    """Chat chunks for n rows. With tools, a row's text is held while it may still be a call; a call goes out
-    as one tool_calls delta (id, name, arguments) when its answer ends, with finish_reason "tool_calls"."""
-    def chunk(i: int, delta: dict, finish: str | None = None, usage: dict | None = None, choices: bool = True,
-              lps: list | None = None) -> str:
-        logprobs = {"content": api_answers.chat_logprobs(table, lps or [])} if table is not None and choices else None
-        body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created,
-                                "model": service.model_id, "system_fingerprint": f"edgechat-{service.precision}",
-                                "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
-                                if choices else []}
-        if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    calls = bool(rows.tools) and rows.tool_choice != "none"
-    held = [""] * n  # text that may still become a tool call
-    held_lps: list[list] = [[] for _ in range(n)]
-    plain = [not calls] * n
-    lasts: list[Any] = []
-    try:
-        for i in range(n):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        async for i, ev in events:
-            lps = getattr(ev, "logprobs", None) or []
-            if ev.text or lps:
-                if plain[i]:
-                    yield chunk(i, {"content": ev.text}, lps=lps)
-                else:
-                    held[i] += ev.text
-                    held_lps[i] += lps
-                    if not toolfmt.may_be_call(held[i]):  # plain text after all: let it flow
-                        plain[i] = True
-                        yield chunk(i, {"content": held[i]}, lps=held_lps[i])
-            if ev.finish_reason:
-                if ev.finish_reason in ("error", "timeout"):
-                    yield _error_event(service, ev)
-                    return
-                finish = _finish(ev.finish_reason)
-                if not plain[i]:
-                    parsed = toolfmt.parse_calls(held[i])
-                    if parsed.tool_calls:
-                        delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(parsed.tool_calls)]}
-                        if parsed.content:
-                            delta["content"] = parsed.content
-                        yield chunk(i, delta, lps=held_lps[i])
-                        finish = "tool_calls" if finish == "stop" else finish
-                    elif held[i]:
-                        yield chunk(i, {"content": held[i]}, lps=held_lps[i])
-                yield chunk(i, {}, finish)
-                lasts.append(ev)
-        if include_usage:
-            yield chunk(0, {}, usage=_usage(lasts, prompt_tokens), choices=False)
-        yield "data: [DONE]\n\n"
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
-
-
-async def _completion_sse(service: Service, cid: str, created: int, events: AsyncIterator[tuple[int, StreamEvent]],
-                          rows, table, scored: list, logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
-    """Text-completion chunks: the echoed prompt first (with its logprobs), then each row's text as it comes."""
-    def chunk(k: int, text: str, finish: str | None = None, lps: list | None = None, usage: dict | None = None) -> str:
-        body: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
-                                "system_fingerprint": f"edgechat-{service.precision}",
-                                "choices": [] if usage is not None else [{
-                                    "index": k, "text": text, "finish_reason": finish,
-                                    "logprobs": None if logprobs is None else
-                                    api_answers.completion_logprobs(table, lps or [])}]}
-        if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    lasts: list[Any] = []
-    try:
-        if rows.echo:
-            for k, p in enumerate(rows.prompt_of):
-                yield chunk(k, rows.prompt_texts[p], lps=scored[p] if scored else [])
-        async for k, ev in events:
-            lps = getattr(ev, "logprobs", None) or []
-            if ev.text or lps:
-                yield chunk(k, ev.text, lps=lps)
-            if ev.finish_reason:
-                if ev.finish_reason in ("error", "timeout"):
-                    yield _error_event(service, ev)
-                    return
-                yield chunk(k, "", _finish(ev.finish_reason))
-                lasts.append(ev)
-        if include_usage:
-            yield chunk(0, "", usage=_usage(lasts, sum(len(p) for p in rows.prompts)))
-        yield "data: [DONE]\n\n"
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]

@@ -117,7 +117,7 @@ def _generator(spec: dict):
     from edge.generate import Generator
 
     b = Bundle.open(spec["bundle"])
-    return b, Generator.from_bundle(b, engine=spec["engine"], threads=spec["threads"])
+    return b, Generator.from_bundle(b, engine=spec["engine"], threads=spec["threads"], spin=not spec.get("no_spin"))
 
 
 def _engine_facts(b, engine: str) -> dict:
@@ -157,7 +157,25 @@ def row_edgechat_lookup(spec: dict) -> dict:
         tokens += list(it)
         t2 = time.perf_counter()
     return {"ttft_ms": (t1 - t0) * 1000, "decode_tok_s": (len(tokens) - 1) / (t2 - t1), "tokens": tokens,
-            "speculative": stats.as_dict()} | _engine_facts(b, spec["engine"])
+            "speculative": stats.as_dict(), "verify_cost": verify_cost(g.decoder, spec["prompt_ids"])} | \
+        _engine_facts(b, spec["engine"])
+
+
+def verify_cost(d, ids: list[int], sizes=(1, 2, 3, 5, 9), reps: int = 8) -> dict:
+    """What bounds speculation: the time of one target call of n tokens (pending + n - 1 drafts) over one of
+    1 token, interleaved, median of `reps`. Speculation gains only when the tokens a call yields exceed it."""
+    cache = d.new_cache(capacity=len(ids) + 16)
+    d.prefill(ids, cache)
+    base = cache.length
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(reps):
+        for n in sizes:
+            t = time.perf_counter()
+            d.forward(np.arange(100, 100 + n)[None], cache, last_only=n == 1)
+            times[n].append(time.perf_counter() - t)
+            cache.length = base
+    one = statistics.median(times[1])
+    return {str(n): statistics.median(v) / one for n, v in times.items()} | {"one_token_ms": one * 1000}
 
 
 def row_transformers(spec: dict) -> dict:
@@ -216,7 +234,7 @@ def run_llama_bench(spec: dict) -> dict:
     """llama.cpp's own harness: pp<prompt> at depth 0 (TTFT) and tg<new> at depth <prompt> (decode)."""
     n = len(spec["prompt_ids"])
     cmd = [str(LLAMA_BIN / "llama-bench"), "-m", spec["gguf"], "-t", str(spec["threads"]), "-p", str(n), "-n",
-           str(spec["new"]), "-d", f"0,{n}", "-r", "1", "-o", "json"]
+           str(spec["new"]), "-d", f"0,{n}", "-r", "1", "-o", "json"] + (["--poll", "0"] if spec.get("no_spin") else [])
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         return {"error": (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1][:300]}
@@ -402,6 +420,8 @@ def main() -> int:
     ap.add_argument("--no-genai", action="store_true")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--concurrency", type=int, help="also serve the INT8 and INT4 engines to this many clients")
+    ap.add_argument("--no-spin", action="store_true", help="idle worker threads sleep instead of spinning (ours: ORT "
+                    "allow_spinning 0; llama.cpp: --poll 0); fairer on a machine other work is loading")
     ap.add_argument("--out", default="bench-results/decode.json")
     ap.add_argument("--_row", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -422,7 +442,7 @@ def main() -> int:
     names = [e.name for e in m.engines if e.fingerprint.format == "onnx"]
     engines = a.engines or [e for e in ("int8-dynamic", "int4-weight") if e in names] or names
     prompt_ids = ChatTokenizer(b.path(m.tokenizer.file), m.tokenizer).encode_chat(PROMPT)
-    base = {"threads": a.threads, "new": a.new_tokens, "prompt_ids": prompt_ids}
+    base = {"threads": a.threads, "new": a.new_tokens, "prompt_ids": prompt_ids, "no_spin": a.no_spin}
     bw = read_bandwidth_gbs(a.threads)
     cpu = cpu_name()
     load0 = os.getloadavg()
@@ -469,6 +489,10 @@ def main() -> int:
         print(f"\nprompt lookup on int8-dynamic: output identical to plain greedy in every round: {identical}; "
               f"acceptance {acc.get('acceptance', 0):.2f} ({acc.get('accepted', 0)} of {acc.get('drafted', 0)} drafted), "
               f"{acc.get('target_calls', 0)} target calls for {a.new_tokens} tokens")
+        cost = rows["edgechat int8-dynamic + lookup"].get("verify_cost", {})
+        if cost:
+            print("  cost of one target call of n tokens, in single-token calls: " +
+                  ", ".join(f"n={n}: {v:.2f}" for n, v in cost.items() if n != "one_token_ms"))
     ratios = {}
     for ours, theirs in RATIOS:
         pairs = [(x, y) for x, y in zip(rounds.get(ours, []), rounds.get(theirs, [])) if "error" not in x and "error" not in y]
@@ -499,7 +523,8 @@ def main() -> int:
                                "machine": {"cpu": cpu, "cpus": os.cpu_count(), "read_bandwidth_gbs": bw,
                                            "platform": platform.platform(), "load_avg_at_start": load0,
                                            "load_avg_at_end": os.getloadavg()},
-                               "threads": a.threads, "new_tokens": a.new_tokens, "prompt_tokens": len(prompt_ids),
+                               "threads": a.threads, "no_spin": a.no_spin, "new_tokens": a.new_tokens,
+                               "prompt_tokens": len(prompt_ids),
                                "rounds": a.rounds, "rows": rows, "per_round": rounds, "loads": loads,
                                "ratios": ratios, "lookup_output_identical": identical, "skipped": skipped,
                                "served": served}, indent=2))

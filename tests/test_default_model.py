@@ -155,3 +155,34 @@ def test_batched_decode_equals_single_user_decode(smol_bundle, engine):
     prompts = [list(np.random.RandomState(s).randint(100, 5000, n)) for s, n in ((0, 5), (1, 9), (2, 7))]
     dec = Generator.from_bundle(smol_bundle, engine=engine, threads=2).decoder
     assert_batched_steps_equal_alone(dec, prompts, [7, 8, 9], capacity=32, atol=1e-4)
+
+
+_SPEC_INT8_NOT_EXACT = pytest.mark.xfail(
+    strict=True,
+    reason="int8 activations (MatMulNBits accuracy_level 4, the int8/int4 recipes' setting) amplify the tiny "
+           "difference between GroupQueryAttention's multi-token and single-token paths: a 2-token verify call's "
+           "logits differ from single steps by 0.53 (1.2 over 8 tokens; 5e-5 with fp32 compute, accuracy_level "
+           "0/1; batch rows stay bit-equal), so a near tie flips and the speculative answer leaves the plain one "
+           "(int8: after 28 tokens on this prompt; SmolLM2, AVX2 EPYC, 2026-12-05). Issue 22")
+
+
+@pytest.mark.parametrize("engine", ["fp32", pytest.param("int8-dynamic", marks=_SPEC_INT8_NOT_EXACT)])
+def test_speculative_greedy_equals_plain_greedy(smol_bundle, engine):
+    """Speculative decoding (edge.speculative) on the real model: token for token the plain greedy answer,
+    for k = 1..8 with drafts that are partly wrong, and for prompt lookup."""
+    from edge.generate import Generator
+    from edge.sampling import SamplingConfig
+    from edge.speculative import SpecStats, speculative_tokens
+
+    from test_speculative import FixedK, oracle
+
+    gen = Generator.from_bundle(smol_bundle, engine=engine, threads=2)
+    cfg = SamplingConfig(max_new_tokens=64, ignore_eos=True)
+    ids = gen.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the history of the city of Kyoto, its "
+                                      "temples and gardens, and why so many people like to visit it in the autumn months."}])
+    want = gen.tokens(ids, cfg)
+    for k in (None, *range(1, 9)):
+        stats = SpecStats()
+        kw = {"policy": FixedK(k), "drafter": oracle(want, len(ids), wrong_every=3)} if k else {}
+        got = list(speculative_tokens(gen.decoder, ids, cfg, gen.tokenizer.eos_ids, gen.max_context, stats=stats, **kw))
+        assert got == want, f"k={k or 'lookup'}: first difference at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"

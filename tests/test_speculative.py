@@ -219,3 +219,31 @@ def test_scheduler_speculation_stays_off_when_sampling(fused_generator):
         assert gen.speculator.stats.calls == 0
     finally:
         gen.speculative = False
+
+
+def test_cli_speculative_flag_same_answer(tiny_bundle):
+    from conftest import run_cli
+
+    args = ["edge.cli", "run", str(tiny_bundle.root), "Hello! How are you doing today? Hello! How are you",
+            "--engine", "int8-dynamic", "--max-new-tokens", "40", "--threads", "1"]
+    plain, fast = run_cli(*args), run_cli(*args, "--speculative")
+    assert plain.returncode == 0 and fast.returncode == 0, fast.stderr
+    assert fast.stdout == plain.stdout
+
+
+def test_served_single_user_speculates_and_answers_the_same(fused_generator):
+    """A started scheduler (the server's) with the speculator: one user's greedy answer is the plain one."""
+    from edge.scheduler import Scheduler
+    from edge.speculative import RowSpeculator
+
+    gen = fused_generator
+    ids = gen.tokenizer.encode_chat(PROMPTS[1])
+    cfg = SamplingConfig(max_new_tokens=50, ignore_eos=True)
+    want = plain(gen, ids, cfg)
+    sched = Scheduler(gen, max_batch=4).start()
+    sched.speculator = spec = RowSpeculator()
+    try:
+        assert sched.submit(ids, cfg).answer(timeout=60)[1].token_ids == want
+        assert spec.stats.calls > 0
+    finally:
+        sched.stop()
