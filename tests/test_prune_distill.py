@@ -712,3 +712,14 @@ def test_the_loss_is_taken_where_the_mask_is():
         ce = torch.nn.functional.cross_entropy(s[mask], y[mask])
         torch.testing.assert_close(with_ce, base + 0.5 * ce)
     assert float(masked_loss(s, t, none, none, y, 1.0, 0.5)) == 0
+
+
+@pytest.mark.parametrize("recipe", sorted(Path(__file__).parent.parent.glob("recipes/*.toml")), ids=lambda p: p.name)
+def test_shipped_recipes_load(recipe):
+    """Every recipe parses (no unknown option); the pruned one fixes its steps on the three-source mixture."""
+    from export.recipe import BuildOptions
+
+    o = BuildOptions.from_toml(recipe, output="x.bundle")
+    if o.distill is not None:
+        assert set(o.distill.mixture) == {"teacher", "chat", "prose"} and o.distill.teacher_answers > 0
+        assert o.prune.vocab_prose and o.prune.prose_samples > 0 and o.distill.threads
