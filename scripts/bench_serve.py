@@ -66,7 +66,7 @@ def one_request(url: str, question: str, max_tokens: int, sampling: dict | None 
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}} | (sampling or {})
     t0 = time.perf_counter()
     first = None
-    tokens = cached = 0
+    tokens = cached = chunks = 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -76,10 +76,37 @@ def one_request(url: str, question: str, max_tokens: int, sampling: dict | None 
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
                 cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content") and first is None:
-                first = time.perf_counter()
+            elif chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                chunks += 1
+                first = first or time.perf_counter()
     t1 = time.perf_counter()
-    return {"ttft_s": (first or t1) - t0, "total_s": t1 - t0, "tokens": tokens, "cached": cached}
+    return {"ttft_s": (first or t1) - t0, "total_s": t1 - t0, "tokens": tokens or chunks, "cached": cached}
+
+
+def start_llama_server(gguf: str, slots: int, threads: int | None, ctx_per_slot: int = 512,
+                       poll: int | None = None) -> tuple[subprocess.Popen, str]:
+    """llama.cpp's own server (scripts/peers-setup.sh builds it): `slots` parallel sequences with continuous
+    batching, the same threads as ours, on a free loopback port; `poll` 0: its workers sleep instead of spinning."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_decode import LLAMA_BIN
+
+    port = free_port()
+    cmd = [str(LLAMA_BIN / "llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+           "-c", str(slots * ctx_per_slot), "-cb", "-t", str(threads or os.cpu_count()), "-tb", str(threads or os.cpu_count())]
+    cmd += ["--poll", str(poll)] if poll is not None else []
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            sys.exit(f"llama-server exited (code {proc.returncode}): {' '.join(cmd)}")
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=1).status == 200:
+                return proc, url
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    sys.exit("llama-server did not start in 120 s")
 
 
 def run_level(url: str, users: int, requests: int, max_tokens: int, sampling: dict | None = None) -> dict:
@@ -125,8 +152,15 @@ def main() -> int:
     ap.add_argument("--prompt-cache-mb", default=None,
                     help="server prompt cache size(s), comma-separated: one server each, compared in one table "
                          "(e.g. 64,0; default: the server's default)")
+    ap.add_argument("--llama-server", metavar="GGUF", help="also serve this GGUF with llama.cpp's llama-server "
+                    "(-np = the most users, continuous batching, same threads), interleaved with ours level by level")
+    ap.add_argument("--rounds", type=int, default=1, help="with --llama-server: ours, theirs, ours, theirs ... per level")
+    ap.add_argument("--llama-poll", type=int, help="llama-server --poll (0: workers sleep instead of spinning, as our "
+                    "server's do; fairer on a loaded machine; default: llama.cpp's own)")
     ap.add_argument("--json", default="bench-results/serve.json")
     args = ap.parse_args()
+    if args.llama_server:
+        return versus_llama_server(args)
     levels = [int(x) for x in args.users.split(",")]
     sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else None
     caches = [float(x) for x in args.prompt_cache_mb.split(",")] if args.prompt_cache_mb else [None]
@@ -160,6 +194,51 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"server": health, "max_tokens": args.max_tokens, "sampling": sampling or "greedy", "rows": rows,
                                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def versus_llama_server(args) -> int:
+    """Ours and llama-server up at once (each idle while the other is measured), each level run by both in
+    turn, `--rounds` times; medians and per-round ratios."""
+    levels = [int(x) for x in args.users.split(",")]
+    ours, url = start_server(args.bundle, args.engine, max(levels), args.threads)
+    theirs, lurl = start_llama_server(args.llama_server, max(levels), args.threads, poll=args.llama_poll)
+    rows: dict = {}
+    try:
+        for u in (url, lurl):
+            one_request(u, "Hello!", 8)  # warm-up
+        for n in levels:
+            for r in range(args.rounds):
+                for name, u in (("edgechat", url), ("llama-server", lurl)):
+                    load = os.getloadavg()[0]
+                    print(f"... {n} users, round {r + 1}, {name} (load {load:.1f})", file=sys.stderr, flush=True)
+                    rows.setdefault(n, {}).setdefault(name, []).append(
+                        run_level(u, n, args.requests, args.max_tokens) | {"load_avg_1m": load})
+    finally:
+        for p in (ours, theirs):
+            p.terminate()
+            p.wait(30)
+    print(f"\nours ({args.engine or 'default engine'}) vs llama-server ({Path(args.llama_server).name}), "
+          f"{args.max_tokens} tokens/answer, {args.requests} answers/user, greedy, EOS ignored, {args.rounds} rounds, "
+          f"{os.cpu_count()} CPUs, load average now {os.getloadavg()[0]:.1f}")
+    print(f"{'users':>5} {'ours tok/s':>11} {'llama tok/s':>12} {'ratio':>6} {'ours TTFT p50':>14} {'llama TTFT p50':>15}")
+    summary = {}
+    for n, by in rows.items():
+        med = {k: statistics.median(x["total_tok_s"] for x in v) for k, v in by.items()}
+        ttft = {k: statistics.median(x["ttft_p50_ms"] for x in v) for k, v in by.items()}
+        ratios = [a["total_tok_s"] / b["total_tok_s"] for a, b in zip(by["edgechat"], by["llama-server"])]
+        summary[n] = {"tok_s": med, "ttft_p50_ms": ttft, "ratio": statistics.median(ratios), "ratios": ratios}
+        print(f"{n:>5} {med['edgechat']:>11.1f} {med['llama-server']:>12.1f} {summary[n]['ratio']:>5.2f}x "
+              f"{ttft['edgechat']:>12.0f}ms {ttft['llama-server']:>13.0f}ms")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "engine": args.engine,
+                               "llama_poll": args.llama_poll,
+                               "gguf": args.llama_server, "threads": args.threads, "max_tokens": args.max_tokens,
+                               "requests": args.requests, "rounds": args.rounds, "rows": rows, "summary": summary,
+                               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                           "load_avg_at_end": os.getloadavg()}}, indent=2))
     print(f"wrote {out}")
     return 0
 
