@@ -282,31 +282,14 @@ def hf_folder(bundle) -> Path | None:
 
 def gguf_variants(src: Path) -> dict[str, Path]:
     """Q8_0, Q4_0 and Q4_K_M of the weights in `src`, made by llama-quantize from an F32 copy (cached)."""
-    import gguf
-    from gguf.quants import dequantize
+    from export.eval_gguf import f32_copy
 
     out = CACHE / "gguf" / src.stem
     want = {q: out / f"{q.lower()}.gguf" for q in ("Q8_0", "Q4_0", "Q4_K_M")}
     if all(p.is_file() for p in want.values()):
         return want
     out.mkdir(parents=True, exist_ok=True)
-    f32 = out / "f32.gguf"
-    if not f32.is_file():
-        r = gguf.GGUFReader(src)
-        w = gguf.GGUFWriter(str(f32) + ".partial", r.get_field(gguf.Keys.General.ARCHITECTURE).contents())
-        for f in r.fields.values():
-            if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
-                continue
-            vt = f.types[0]
-            val = 0 if f.name == gguf.Keys.General.FILE_TYPE else f.contents()  # 0 = ALL_F32
-            w.add_key_value(f.name, val, vt, sub_type=f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
-        for t in r.tensors:
-            w.add_tensor(t.name, dequantize(t.data, t.tensor_type).astype(np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        Path(str(f32) + ".partial").rename(f32)
+    f32 = f32_copy(src, out / "f32.gguf")
     print(f"  making llama.cpp {', '.join(want)} of {src.name} with llama-quantize (once, cached in {out})", flush=True)
     for q, path in want.items():
         if not path.is_file():
