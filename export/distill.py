@@ -71,6 +71,7 @@ class DistillOptions:
     mixture: dict = field(default_factory=lambda: dict(DEFAULT_MIXTURE))
     teacher_answers: int = 2000  # chats the teacher answers for the "teacher" share (export/teacher_answers.py)
     teacher_prompts: str = "teacher"  # what the teacher answers: "teacher" (questions it writes) or "data" (chats)
+    answer_tokens: int = 160  # longest teacher answer kept (one cut there is dropped: often a loop)
     teacher_topk: int = 0  # > 0: KD on the teacher's top-k tokens + a rest bucket, cached per block (repeats skip the teacher)
     seq_kd: float = 0.5  # weight of the cross-entropy on the teacher's sampled answer tokens (sequence-level KD)
     seed: int = 0

@@ -206,7 +206,7 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
                 from export import teacher_answers
 
                 aopts = teacher_answers.AnswerOptions(count=dopts.teacher_answers, seed=dopts.seed, data=dopts.data,
-                                                      prompts=dopts.teacher_prompts)
+                                                      prompts=dopts.teacher_prompts, max_tokens=dopts.answer_tokens)
                 a_dir, arec = stage("teacher-answers", dataclasses.asdict(aopts) | {"load": records[0].finished},
                                         lambda d: teacher_answers.run(teacher_dir, d, aopts, opts.threads))
                 records.append(arec)
