@@ -197,6 +197,16 @@ class ServerProcess:
         return self.proc.returncode, out
 
 
+def served(root, *flags: str):
+    """A module fixture's body: `edge-chat serve ROOT FLAGS` for the module's tests, then a clean stop (exit 0,
+    no traceback)."""
+    s = ServerProcess(root, *flags)
+    yield s
+    code, out = s.stop()
+    assert code == 0, out
+    assert "EdgeChat: stopped" in out and "Traceback" not in out, out
+
+
 @pytest.fixture(scope="session")
 def long_bundle(tmp_path_factory):
     """fp32 only, 4k context: answers long enough to press Stop in the middle of one."""

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import ServerProcess, run_cli
+from conftest import ServerProcess, run_cli, served
 from edge.decoder import boundary_at_or_below
 
 openai = pytest.importorskip("openai")
@@ -19,11 +19,7 @@ openai = pytest.importorskip("openai")
 
 @pytest.fixture(scope="module")
 def server(tiny_bundle):
-    s = ServerProcess(tiny_bundle.root, "--engine", "fp32", "--max-users", "8", "--no-ui")
-    yield s
-    code, out = s.stop()
-    assert code == 0, out
-    assert "EdgeChat: stopped" in out and "Traceback" not in out, out
+    yield from served(tiny_bundle.root, "--engine", "fp32", "--max-users", "8", "--no-ui")
 
 
 def _client(server, **kw):

@@ -16,18 +16,14 @@ import time
 import httpx
 import pytest
 
-from conftest import ROOT, ServerProcess, free_port, run_cli
+from conftest import ROOT, ServerProcess, free_port, run_cli, served
 
 
 @pytest.fixture(scope="module")
 def server(tiny_bundle):
     """The fused int8 engine (prompt cache on, 64 MB) with the Gradio page mounted at / (so unknown API paths
     must not fall through to it)."""
-    s = ServerProcess(tiny_bundle.root, "--engine", "int8-dynamic", "--max-users", "4")
-    yield s
-    code, out = s.stop()
-    assert code == 0, out
-    assert "Traceback" not in out, out
+    yield from served(tiny_bundle.root, "--engine", "int8-dynamic", "--max-users", "4")
 
 
 def _metrics(server) -> str:

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import ServerProcess
+from conftest import ServerProcess, served
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -44,11 +44,7 @@ ASK = [{"role": "user", "content": "Tell me about a person, as JSON."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_bundle):
-    s = ServerProcess(tiny_bundle.root, "--engine", "fp32", "--max-users", "8", "--no-ui")
-    yield s
-    code, out = s.stop()
-    assert code == 0, out
-    assert "Traceback" not in out, out
+    yield from served(tiny_bundle.root, "--engine", "fp32", "--max-users", "8", "--no-ui")
 
 
 def _client(server):
