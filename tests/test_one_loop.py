@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -58,8 +59,16 @@ def test_cli_page_and_api_answer_through_the_same_loop(tiny_bundle, taken, capsy
             _, events = await service.generate(ids, cfg)
             return "".join([ev.text async for ev in events])
 
+        def settled() -> None:
+            """The answer's last event reaches its consumer from inside _accept, before the spy above records
+            the token: wait until the row has left the batch (after _accept returned)."""
+            deadline = time.monotonic() + 30
+            while service.scheduler.active and time.monotonic() < deadline:
+                time.sleep(0.005)
+
         with TestClient(create_app(service, ui=False)) as client:
             page_text = asyncio.run(page())
+            settled()
             page_tokens = [t for _, t in taken]
             assert {who for who, _ in taken} == {"edgechat-scheduler"}
             taken.clear()
@@ -67,6 +76,7 @@ def test_cli_page_and_api_answer_through_the_same_loop(tiny_bundle, taken, capsy
                 "messages": [{"role": "user", "content": PROMPT}], "max_tokens": n, "temperature": 0})
             assert r.status_code == 200, r.text
             api_text = r.json()["choices"][0]["message"]["content"]
+            settled()
         api_tokens = [t for _, t in taken]
         assert {who for who, _ in taken} == {"edgechat-scheduler"}
     finally:
