@@ -53,7 +53,7 @@ class TextStream:
         events = []
         if self.stopped:
             reason = "stop"
-        if not self.stopped:
+        else:
             self.held += self.detok.flush()
             out, _, hit = _split_stop(self.held, self.cfg.stop, final=True)
             if hit:

@@ -47,6 +47,29 @@ def gen(request, tiny_generator, fused_generator):
 # ----------------------------------------------------------------------------- the single-user path
 
 
+def _stream_in_two_threads(gen, prompts: list[list[int]], cfg, want: list[list[int]], join_s: float):
+    """Thread i asks `gen` for prompts[i]'s tokens three times (stopping at the first answer that is not
+    want[i]); returns each thread's last answer and any exception raised."""
+    got: list = [None, None]
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for _ in range(3):
+                got[i] = gen.tokens(prompts[i], cfg)
+                if got[i] != want[i]:
+                    return
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+    return got, errors
+
+
 @pytest.mark.parametrize("how", ["close", "break", "cancel"])
 def test_stopping_early_leaves_the_scheduler_and_generator_clean(gen, how):
     ids, cfg = _ids(gen), _greedy(16, ignore_eos=True)
@@ -120,23 +143,8 @@ def test_two_threads_stream_on_one_generator_at_once(gen):
     prompts = [_ids(gen), _ids(gen, "What is the capital of Japan?")]
     cfg = _greedy(24, ignore_eos=True)
     want = [gen.tokens(p, cfg) for p in prompts]
-    got: dict[int, list[int]] = {}
-    errors = []
-
-    def worker(i: int) -> None:
-        try:
-            for _ in range(3):
-                got[i] = gen.tokens(prompts[i], cfg)
-                assert got[i] == want[i]
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors and [got[0], got[1]] == want
+    got, errors = _stream_in_two_threads(gen, prompts, cfg, want, join_s=120)
+    assert not errors and got == want
 
 
 # ----------------------------------------------------------------------------- long prompts on a plain graph
@@ -268,23 +276,7 @@ def test_two_threads_stream_on_one_tensorrt_generator_at_once(trt_bundle):
     prompts = [_ids(gen), _ids(gen, "What is the capital of Japan? " * 3)]
     cfg = _greedy(16, ignore_eos=True)
     want = [gen.tokens(p, cfg) for p in prompts]
-    got: list = [None, None]
-    errors = []
-
-    def worker(i: int) -> None:
-        try:
-            for _ in range(3):
-                got[i] = gen.tokens(prompts[i], cfg)
-                if got[i] != want[i]:
-                    return
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    got, errors = _stream_in_two_threads(gen, prompts, cfg, want, join_s=300)
     assert not errors and got == want
 
 
