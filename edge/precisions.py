@@ -10,7 +10,8 @@ in one place.
 - `trt_sources`: the bundle graphs a TensorRT engine of this precision is built from, preferred first
   (empty: TensorRT does not build it).
 - `weight_bytes`: bytes per weight, block scales included; `head_bytes`: the LM head's when it is
-  stored at another precision. `quality`: 0 is the reference; higher loses more (measured order).
+  stored at another precision; `embed_bytes`: an untied input embedding's (a per-row INT8 table in every
+  quantized engine). `quality`: 0 is the reference; higher loses more (measured order).
 """
 
 from __future__ import annotations
@@ -29,12 +30,19 @@ class Precision:
     ort_trt: int | None = None
     trt_sources: tuple[str, ...] = ()
     head_bytes: float | None = None
+    embed_bytes: float | None = None
     exported: bool = False  # edge-export builds an ONNX engine of it (--precision)
     quantized: bool = False  # made by the quantize stage from the fp32 (or fused) graph
 
     @property
     def tensorrt(self) -> bool:
         return bool(self.trt_sources)
+
+
+def nbits_bytes(bits: int, block: int, symmetric: bool) -> float:
+    """Bytes per weight of a MatMulNBits weight: the packed levels, one fp32 scale per block and, when
+    asymmetric, a zero point of `bits` per block (the layout export/quantize.py writes)."""
+    return bits / 8 + 4 / block + (0 if symmetric else bits / 8 / block)
 
 
 # the names, for code that means one precision in particular (a test keeps other literals out of the code)
@@ -46,10 +54,12 @@ TABLE: tuple[Precision, ...] = (
     Precision(FP16, "plain", 2.0, 1, cpu=4, cuda=0, ort_trt=1, trt_sources=(FP16, FP32)),
     Precision(BF16, "plain", 2.0, 2, trt_sources=(BF16, FP32)),
     Precision(FP8, "plain", 1.0, 3),  # planner only: no engine of it is built yet
-    Precision(INT8_QDQ, "plain", 1.0, 4, cpu=3, ort_trt=0, trt_sources=(INT8_QDQ,), exported=True, quantized=True),
-    Precision(INT8_DYNAMIC, "fused", 1.0 + 4 / 32, 5, cpu=0, cuda=3, exported=True, quantized=True),
-    Precision(INT4_WEIGHT, "fused", 0.5 + 4.5 / 32, 6, cpu=1, cuda=2, head_bytes=1.0 + 4 / 32, exported=True,
+    Precision(INT8_QDQ, "plain", 1.0, 4, cpu=3, ort_trt=0, trt_sources=(INT8_QDQ,), embed_bytes=1.0, exported=True,
               quantized=True),
+    Precision(INT8_DYNAMIC, "fused", nbits_bytes(8, 32, True), 5, cpu=0, cuda=3, embed_bytes=1.0, exported=True,
+              quantized=True),
+    Precision(INT4_WEIGHT, "fused", nbits_bytes(4, 32, False), 6, cpu=1, cuda=2, head_bytes=nbits_bytes(8, 32, True),
+              embed_bytes=1.0, exported=True, quantized=True),
 )
 PRECISIONS: dict[str, Precision] = {p.name: p for p in TABLE}
 NAMES: tuple[str, ...] = tuple(PRECISIONS)

@@ -38,7 +38,13 @@ def _plan(args: argparse.Namespace) -> int:
     if args.bundle and context > dims.max_context:
         raise EdgeChatError(f"--context {context} is more than {args.bundle} holds ({dims.max_context} tokens): "
                             "plan within it, or rebuild the bundle with edge-export build --max-context N")
-    opts = PlanOptions(context=context, batch=args.batch, prompt_tokens=args.prompt_tokens or min(256, context))
+    layout = None
+    if args.int4_block or args.int4_head_bits:
+        from export.planner import Int4Layout
+
+        layout = Int4Layout(args.int4_block or 32, args.int4_head_bits or 8)
+    opts = PlanOptions(context=context, batch=args.batch, prompt_tokens=args.prompt_tokens or min(256, context),
+                       int4_layout=layout)
     plans = plan_all(dims, profile, opts, precisions)
     rec = recommend(dims, profile, opts, max_kl=args.max_kl, quality=quality,
                     precisions=[p.precision for p in plans],
@@ -72,7 +78,15 @@ def _plan(args: argparse.Namespace) -> int:
                      "?" if kl is None else f"{kl:.3g}"])
     print(table(rows, cols))
     best = rec.plan
+    for p in plans:
+        if p.int4_layout:
+            print(f"\n{p.precision}: {p.int4_layout.describe()}"
+                  + (" (the best layout that fits)" if p.fits and not layout else " (the smallest; none fits)" if not layout else "")
+                  + (f"; build it with  edge-export build --precision {p.precision} {p.int4_layout.flags}"
+                     if p.int4_layout.flags else ""))
     print(f"\nrecommended: {best.precision + ' at context ' + str(rec.context) if best else 'none'} — {rec.reason}")
+    if best and best.int4_layout and best.int4_layout.flags:
+        print(f"             build it with  edge-export build --precision {best.precision} {best.int4_layout.flags}")
     if rec.runner_up:
         print(f"runner-up:   {rec.runner_up.precision} — {rec.runner_up_reason}")
     ram = machine_ram_bytes()
@@ -147,7 +161,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     from edge.args import Bounded, Parser
-    from export.planner import DEFAULT_KL, DEFAULT_MAX_KL
+    from export.planner import DEFAULT_KL, DEFAULT_MAX_KL, INT4_BLOCKS
 
     ap = Parser(
         prog="edge-export",
@@ -175,6 +189,9 @@ def make_parser() -> argparse.ArgumentParser:
                         + ", ".join(f"{p} {kl}" for p, (kl, src) in DEFAULT_KL.items() if "SmolLM2" in src) + ")")
     p.add_argument("--allow-fp32", action="store_true",
                    help="let the recommendation pick fp32 on a GPU (by default fp16 is the floor there)")
+    p.add_argument("--int4-block", type=int, choices=INT4_BLOCKS, metavar="N",
+                   help="int4-weight: plan this block size only (default: the best of 32, 64, 128 that fits)")
+    p.add_argument("--int4-head-bits", type=int, choices=(4, 8), help="int4-weight: plan the LM head at these bits only")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_plan)
 
@@ -194,6 +211,11 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--int4-budget-mb", type=Bounded(float, 0, above=True), metavar="MB",
                    help="int4-weight: the engine's size at most; the MatMuls whose 4 bits cost the most KL (measured) "
                         "get 8 bits within it (recipe key int4_budget_mb; default: int4_extra_ratio of the all-4-bit size)")
+    b.add_argument("--int4-block", type=int, choices=INT4_BLOCKS, metavar="N",
+                   help="int4-weight: 4-bit block size, one of " + ", ".join(map(str, INT4_BLOCKS)) + " (default 32; larger "
+                        "blocks store fewer scales: `edge-export plan` says which fits; recipe key int4_block_size)")
+    b.add_argument("--int4-head-bits", type=int, choices=(4, 8),
+                   help="int4-weight: the LM head's bits (default 8; recipe key int4_lm_head_bits)")
     b.add_argument("--fresh", action="store_true", help="ignore finished stages in OUT.work/ and start over")
     b.add_argument("--reuse-stale", action="store_true",
                    help="reuse finished stages even if the edgechat code that ran them has changed since "

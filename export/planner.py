@@ -7,6 +7,7 @@ is 14 GB in FP16").
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from edge import precisions
@@ -18,15 +19,59 @@ from edge.profiles import DeviceProfile
 from edge.tensorrt.settings import TENSORRT_BUILD_RAM_FACTOR
 
 GB = 1e9
-# bytes per weight. MatMulNBits (int8-dynamic, int4-weight) stores one fp32 scale per block of 32 and, at
-# 4 bits, a 4-bit zero point per block; int4-weight keeps the LM head (vocab x hidden) at 8 bits, see
-# head_bytes. Checked against SmolLM2-135M's bundle: int8-dynamic 151 MB planned / 154 MB on disk,
-# int4-weight 100 / 102 MB (the rest is norms, rotary tables and the graph).
+# bytes per weight. MatMulNBits (int8-dynamic, int4-weight) stores one fp32 scale per block and, at 4 bits,
+# a 4-bit zero point per block; int4-weight keeps the LM head (vocab x hidden) at 8 bits, see head_bytes; an
+# untied input embedding is a per-row INT8 table (embed_bytes). Checked against SmolLM2-135M's bundle:
+# int8-dynamic 151 MB planned / 154 MB on disk, int4-weight 100 / 102 MB (the rest is norms, rotary tables
+# and the graph); tests/test_planner.py checks a tiny untied model's engines against the plan.
 WEIGHT_BYTES = {p.name: p.weight_bytes for p in precisions.TABLE}  # the table in edge/precisions.py
-HEAD_BYTES = {p.name: p.head_bytes for p in precisions.TABLE if p.head_bytes}  # LM head stored apart from the rest
 PRECISIONS = precisions.NAMES
 QUALITY_ORDER = precisions.BY_QUALITY  # highest quality first: the recommendation walks this list
 PREFILL_CHUNK = DecoderIO().prefill_chunk  # the runtime's prompt chunk (the engines' I/O contract)
+
+
+@dataclass(frozen=True)
+class Int4Layout:
+    """How an int4-weight engine stores the model: 4-bit blocks of `block` weights (an fp32 scale and a 4-bit
+    zero point each) and the LM head at `head_bits` (8: blocks of 32, symmetric). The quantize stage's
+    int4_block_size and int4_lm_head_bits (`edge-export build --int4-block N --int4-head-bits B`)."""
+
+    block: int = 32
+    head_bits: int = 8
+
+    def __post_init__(self) -> None:
+        check_int4_layout(self.block, self.head_bits)
+
+    @property
+    def body_bytes(self) -> float:
+        return precisions.nbits_bytes(4, self.block, False)
+
+    @property
+    def head_bytes(self) -> float:
+        return precisions.nbits_bytes(8, 32, True) if self.head_bits == 8 else self.body_bytes
+
+    @property
+    def flags(self) -> str:
+        """The build flags that make this layout ('' for the default)."""
+        return " ".join(f for f in (f"--int4-block {self.block}" if self.block != 32 else "",
+                                    f"--int4-head-bits {self.head_bits}" if self.head_bits != 8 else "") if f)
+
+    def describe(self) -> str:
+        return f"4-bit blocks of {self.block}, {self.head_bits}-bit LM head"
+
+
+def check_int4_layout(block: int, head_bits: int) -> None:
+    if block not in INT4_BLOCKS:
+        raise RecipeError(f"int4 block size must be one of {', '.join(map(str, INT4_BLOCKS))}, got {block}")
+    if head_bits not in (4, 8):
+        raise RecipeError(f"int4 LM head bits must be 4 or 8, got {head_bits}")
+
+
+INT4_BLOCKS = (16, 32, 64, 128, 256)  # MatMulNBits block sizes (powers of two from 16)
+# Best expected quality first; the planner takes the first that fits. Measured on SmolLM2-135M (all-4-bit,
+# KL to fp32 on 402 tokens, docs/quality.md): blocks of 64 0.4511 against 0.4513 at 32. Blocks of 128 (the
+# group size AWQ/GPTQ checkpoints use) and a 4-bit head are not measured here: the plan says which it took.
+INT4_LAYOUTS = (Int4Layout(32, 8), Int4Layout(64, 8), Int4Layout(128, 8), Int4Layout(128, 4))
 
 
 @dataclass(frozen=True)
@@ -35,6 +80,7 @@ class PlanOptions:
     batch: int = 1
     prompt_tokens: int = 256
     answer_tokens: int = 100
+    int4_layout: Int4Layout | None = None  # None: the best of INT4_LAYOUTS that fits
 
     def __post_init__(self) -> None:
         for k in ("context", "batch", "prompt_tokens", "answer_tokens"):
@@ -60,6 +106,7 @@ class Plan:
     decode_tok_s: float  # roofline upper bound
     prefill_s: float
     answer_s: float  # prompt + answer_tokens
+    int4_layout: Int4Layout | None = None  # int4-weight: the layout planned
 
     @property
     def fits(self) -> bool:
@@ -74,22 +121,38 @@ def kv_bytes_per_token(dims: ModelDims, kv_dtype_bytes: int) -> int:
     return 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * kv_dtype_bytes
 
 
-def weight_bytes(dims: ModelDims, precision: str) -> float:
-    """Bytes of weights at `precision` (an LM head kept at more bits counted at its own rate)."""
-    if precision not in HEAD_BYTES:
-        return dims.num_parameters * WEIGHT_BYTES[precision]
-    head = dims.vocab_size * dims.hidden_size
-    return (dims.num_parameters - head) * WEIGHT_BYTES[precision] + head * HEAD_BYTES[precision]
+def weight_bytes(dims: ModelDims, precision: str, layout: Int4Layout | None = None) -> float:
+    """Bytes of weights at `precision`: the LM head and an untied input embedding at their own rates (the
+    shared table of tied weights is stored once, as the head); int4-weight in `layout` (default: blocks of 32)."""
+    row = precisions.get(precision)
+    table = dims.vocab_size * dims.hidden_size
+    embed = 0 if dims.tie_word_embeddings else table
+    body = dims.num_parameters - table - embed
+    if precision == INT4_WEIGHT:
+        layout = layout or Int4Layout()
+        body_b, head_b = layout.body_bytes, layout.head_bytes
+    else:
+        body_b, head_b = row.weight_bytes, row.head_bytes or row.weight_bytes
+    return body * body_b + table * head_b + embed * (row.embed_bytes or row.weight_bytes)
 
 
 def plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOptions = PlanOptions()) -> Plan:
+    """The memory and roofline plan of one precision; int4-weight in `opts.int4_layout`, else the best
+    layout of INT4_LAYOUTS that fits (the smallest when none does)."""
     if precision not in WEIGHT_BYTES:
         raise RecipeError(f"unknown precision '{precision}': choose one of {', '.join(PRECISIONS)}")
+    if precision != INT4_WEIGHT:
+        return _plan(dims, profile, precision, opts, None)
+    tried = [_plan(dims, profile, precision, opts, lay) for lay in ([opts.int4_layout] if opts.int4_layout else INT4_LAYOUTS)]
+    return next((p for p in tried if p.fits), tried[-1])
+
+
+def _plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOptions, layout: Int4Layout | None) -> Plan:
     gpu = profile.is_gpu
     act_bytes = 2 if gpu and precision != FP32 else 4
     kv_dtype = act_bytes  # fp16 KV on GPUs, fp32 on CPU
     params = dims.num_parameters
-    weights = weight_bytes(dims, precision)
+    weights = weight_bytes(dims, precision, layout)
     kv = kv_bytes_per_token(dims, kv_dtype) * opts.context * opts.batch
     chunk = min(opts.context, PREFILL_CHUNK)
     hidden_acts = opts.batch * chunk * (4 * dims.hidden_size + 2 * dims.intermediate_size + dims.vocab_size)
@@ -110,7 +173,7 @@ def plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOpti
         overhead_gb=overhead / GB, total_gb=total / GB, usable_gb=usable / GB, fits_memory=total <= usable,
         build_ram_gb=None if build is None else build / GB, host_ram_gb=host / GB,
         fits_build=build is None or build <= host, decode_tok_s=decode, prefill_s=prefill,
-        answer_s=prefill + opts.answer_tokens / decode,
+        answer_s=prefill + opts.answer_tokens / decode, int4_layout=layout,
     )
 
 
@@ -234,8 +297,7 @@ def recommend(dims: ModelDims, profile: DeviceProfile, opts: PlanOptions, max_kl
 
     ctx = opts.context
     while True:
-        o = PlanOptions(context=ctx, batch=opts.batch, prompt_tokens=min(opts.prompt_tokens, ctx),
-                        answer_tokens=opts.answer_tokens)
+        o = dataclasses.replace(opts, context=ctx, prompt_tokens=min(opts.prompt_tokens, ctx))
         fitting = [pl for pl in (plan(dims, profile, p, o) for p in order) if pl.fits]
         within = sorted((pl for pl in fitting if ok(pl.precision)),
                         key=lambda pl: (-pl.decode_tok_s, kl(pl.precision), order.index(pl.precision)))

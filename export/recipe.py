@@ -56,6 +56,8 @@ class BuildOptions:
     int4_budget_mb: float | None = None
     int4_extra_ratio: float = 0.0
     int4_rounding: str = "minmax"
+    int4_block_size: int = 32  # int4-weight: 4-bit block size (edge-export plan says which fits a device)
+    int4_lm_head_bits: int = 8
     eval_samples: int = 64
     skip_eval: bool = False
     fresh: bool = False
@@ -77,6 +79,9 @@ class BuildOptions:
             raise RecipeError(f"max_context must be >= 64, got {self.max_context}")
         if not 0 <= self.smoothquant_alpha <= 1:
             raise RecipeError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
+        from export.planner import check_int4_layout
+
+        check_int4_layout(self.int4_block_size, self.int4_lm_head_bits)
         if self.distill is not None and self.prune is None:
             raise RecipeError("distill needs a prune stage before it (a [prune] section or --prune RATIO): "
                               "distilling a model into itself teaches it nothing")
@@ -129,6 +134,7 @@ class BuildOptions:
                     fresh=a.fresh or None, reuse_stale=getattr(a, "reuse_stale", False) or None, online=a.online or None,
                     fused=False if getattr(a, "no_fused", False) else None,
                     int4_budget_mb=getattr(a, "int4_budget_mb", None),
+                    int4_block_size=getattr(a, "int4_block", None), int4_lm_head_bits=getattr(a, "int4_head_bits", None),
                     ram_check=False if getattr(a, "skip_ram_check", False) else None)
         base = cls.from_toml(a.recipe, **over) if a.recipe else \
             cls(**{k: (Path(v) if k == "output" else v) for k, v in over.items() if v is not None})
@@ -250,7 +256,9 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
         qopts = quantize.QuantizeOptions(mode=precision, calibration=opts.calibration,
                                          samples=opts.calibration_samples, smoothquant_alpha=opts.smoothquant_alpha,
                                          **({"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio,
-                                             "int4_rounding": opts.int4_rounding} if precision == INT4_WEIGHT else {}))
+                                             "int4_rounding": opts.int4_rounding, "int4_block_size": opts.int4_block_size,
+                                             "int4_lm_head_bits": opts.int4_lm_head_bits}
+                                            if precision == INT4_WEIGHT else {}))
         variant = "fused" if has_fused and precision in FROM_FUSED else "plain"
         src_dir = fused_dir if variant == "fused" else fp32_dir
         qdir, rec = stage(f"quantize-{precision}",

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 import pytest
 
 from conftest import make_tiny_model
@@ -96,3 +97,57 @@ def test_kquant_levels_pack_the_way_matmulnbits_reads_them(k, n, block):
     y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"A": a})[0]
     np.testing.assert_allclose(y, a @ dequantize(q, s, z, k), rtol=1e-4, atol=1e-4)
     assert np.linalg.norm(dequantize(q, s, z, k) - w) < 0.15 * np.linalg.norm(w)
+
+
+@pytest.fixture(scope="module")
+def untied_int4(tmp_path_factory):
+    """A tiny model with an untied LM head (as Llama 3's), int4-weight in 4-bit blocks of 64."""
+    from export.recipe import BuildOptions, build
+
+    src = make_tiny_model(tmp_path_factory.mktemp("untied") / "tiny-untied", tie=False, hidden=256, intermediate=512, seed=5)
+    out = tmp_path_factory.mktemp("layout") / "untied.bundle"
+    return build(BuildOptions(output=out, model=str(src), precisions=("int4-weight",), max_context=256, skip_eval=True,
+                              calibration_samples=4, int4_block_size=64), log=lambda s: None)
+
+
+def test_int4_layouts_store_what_the_planner_plans(untied_int4, tmp_path):
+    """The quantizer writes the layout asked for (body blocks, head bits) and the planner's bytes for each
+    layout match the engines it writes: the differences between layouts exactly (what the planner uses to
+    pick one that fits), the totals within the graph's own records (rotary tables, norms)."""
+    from edge.generate import Generator
+    from edge.sampling import SamplingConfig
+    from export.load import model_dims
+    from export.planner import Int4Layout, weight_bytes
+    from export.quantize import QuantizeOptions, run
+
+    m = next(s for s in untied_int4.manifest.stages if s.name == "quantize-int4-weight").metrics
+    assert m["int4_block_size"] == 64 and m["lm_head_bits"] == 8
+    g = onnx.load(str(untied_int4.path(untied_int4.manifest.engine("int4-weight").file)), load_external_data=False)
+    attrs = {n.name: {a.name: a.i for a in n.attribute} for n in g.graph.node if n.op_type == "MatMulNBits"}
+    head = [k for k in attrs if "lm_head" in k]
+    assert len(head) == 1 and attrs[head[0]]["bits"] == 8 and attrs[head[0]]["block_size"] == 32
+    assert {(a["bits"], a["block_size"]) for k, a in attrs.items() if k not in head} == {(4, 64)}
+
+    work = untied_int4.root.with_name(untied_int4.root.name + ".work")
+    dims = model_dims(work / "load")
+    assert not dims.tie_word_embeddings
+    sizes, planned = {}, {}
+    for lay in (Int4Layout(32, 8), Int4Layout(64, 8), Int4Layout(128, 8), Int4Layout(128, 4)):
+        dst = tmp_path / f"b{lay.block}h{lay.head_bits}"
+        dst.mkdir()
+        run(work / "export" / "fused", work / "load", dst, QuantizeOptions(
+            mode="int4-weight", int4_block_size=lay.block, int4_lm_head_bits=lay.head_bits, samples=4))
+        planned[lay] = weight_bytes(dims, "int4-weight", lay)
+        # the weights themselves: every initializer but the rotary tables (the graph's node records are not weights)
+        q = onnx.load(str(dst / "model.onnx"))
+        sizes[lay] = sum(onnx.numpy_helper.to_array(i).nbytes for i in q.graph.initializer
+                         if i.name not in ("cos_cache", "sin_cache"))
+        assert planned[lay] <= sizes[lay] <= planned[lay] * 1.03, (lay, sizes[lay], planned[lay])
+    base = Int4Layout(32, 8)
+    for lay in sizes:
+        if lay != base:
+            assert sizes[base] - sizes[lay] == pytest.approx(planned[base] - planned[lay], rel=0.03), lay
+    assert sizes[Int4Layout(128, 4)] < sizes[Int4Layout(128, 8)] < sizes[Int4Layout(64, 8)] < sizes[base]
+    gen = Generator.from_bundle(untied_int4, engine="int4-weight")  # blocks of 64 load and decode
+    ids = gen.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    assert len(gen.tokens(ids, SamplingConfig(max_new_tokens=4, ignore_eos=True))) == 4

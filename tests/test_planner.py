@@ -73,11 +73,41 @@ def test_7b_int8_4k_fits_t4_not_orin_nano():
     o = PlanOptions(context=4096)
     assert plan(d, load_profile("t4"), "int8-qdq", o).fits
     nano = plan(d, load_profile("orin-nano-8gb"), "int8-qdq", o)
-    assert not nano.fits_memory and nano.total_gb > 5.2
+    assert not nano.fits_memory and nano.total_gb > 6.6
+    # Llama-2-7B's KV cache (32 KV heads) is 1 GB per 2048 tokens in fp16: at 4096 nothing fits the Nano's
+    # 6.6 GB, so the plan offers the longest context that does, at int4
     rec = recommend(d, load_profile("orin-nano-8gb"), o)
-    # our int4 format (fp32 block scales, 4-bit zero points, 8-bit LM head: 4.4 GB of weights for 7B) plus
-    # the 0.9 GB runtime leaves no room in 5.2 GB at any context: the plan says so and what to do
+    assert rec.plan.precision == "int4-weight" and rec.context == 2048 and "(not 4096)" in rec.reason
+    # with the desktop running (5.2 GB) not even that: the plan says so and what to do
+    rec = recommend(d, load_profile("orin-nano-8gb@desktop"), PlanOptions(context=4096, answer_tokens=100))
+    assert rec.plan.precision == "int4-weight" and rec.context < 2048
+    rec = recommend(KNOWN_SIZES["13b"], load_profile("orin-nano-8gb"), o)
     assert rec.plan is None and "even int4-weight needs" in rec.reason and "--prune" in rec.reason
+
+
+def test_llama3_8b_fits_orin_nano_at_int4_with_2048_tokens():
+    """Issue 23: Llama-3-8B on an Orin Nano 8GB (headless: 6.6 of the 7.62 GB Linux sees) at int4 with a
+    2048-token context, in 4-bit blocks of 64 (fewer fp32 scales than 32); the untied input embedding is a
+    per-row INT8 table, the head 8-bit. By hand, then the plan and the build flags it prints."""
+    from export.planner import Int4Layout, weight_bytes
+
+    d, nano = KNOWN_SIZES["llama-3-8b"], load_profile("orin-nano-8gb")
+    table = 128256 * 4096
+    body = d.num_parameters - 2 * table
+    assert weight_bytes(d, "int4-weight", Int4Layout(64, 8)) == pytest.approx(
+        body * (0.5 + 4 / 64 + 0.5 / 64) + table * (1 + 4 / 32) + table * 1.0)
+    p = plan(d, nano, "int4-weight", PlanOptions(context=2048))
+    assert p.fits and p.int4_layout == Int4Layout(64, 8) and p.total_gb <= 6.6
+    assert not plan(d, nano, "int4-weight", PlanOptions(context=2048, int4_layout=Int4Layout(32, 8))).fits  # the default layout does not
+    assert plan(d, nano, "int4-weight", PlanOptions(context=8192)).int4_layout == Int4Layout(128, 4)  # none fits: the smallest
+    rec = recommend(d, nano, PlanOptions(context=2048))
+    assert rec.plan.precision == "int4-weight" and rec.context == 2048
+    assert not plan(d, load_profile("orin-nano-8gb@desktop"), "int4-weight", PlanOptions(context=2048)).fits
+    out = subprocess.run([sys.executable, "-m", "export.cli", "plan", "--model", "llama-3-8b", "--target", "orin-nano-8gb"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "recommended: int4-weight at context 2048" in out.stdout
+    assert "edge-export build --precision int4-weight --int4-block 64" in out.stdout
 
 
 def test_recommend_fastest_within_the_kl_bound():

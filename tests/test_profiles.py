@@ -33,7 +33,8 @@ def test_device_facts():
     assert t4.compute_capability == "7.5" and not t4.supports("bf16") and not t4.supports("fp8")
     assert l4.compute_capability == "8.9" and l4.supports("fp8")
     assert nano.compute_capability == "8.7" and nano.build_on_device and nano.unified_memory
-    assert nano.usable_memory_gb == pytest.approx(5.2)
+    assert nano.usable_memory_gb == pytest.approx(6.6)  # headless; the desktop mode leaves 5.2
+    assert load_profile("orin-nano-8gb@desktop").usable_memory_gb == pytest.approx(5.2)
     assert nano.tensorrt_versions == ["10.3"] and nano.cuda_version == "12.6"
     sup = load_profile("orin-nano-8gb@super")
     assert sup.memory_bandwidth_gbs == 102.0 and nano.memory_bandwidth_gbs == 68.0

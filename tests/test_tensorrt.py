@@ -36,7 +36,7 @@ IO = DecoderIO()
 EXPECTED = {
     "t4": ("fp16", "10.8", 3635, ("FP16",), False, 8, 4096),
     "l4": ("int8-qdq", "11.0", 4096, (), True, 16, 8192),
-    "orin-nano-8gb": ("fp16", "10.3", 1100, ("FP16",), False, 4, 4096),
+    "orin-nano-8gb": ("fp16", "10.3", 1459, ("FP16",), False, 4, 4096),
     "orin-nx-16gb": ("fp16", "10.3", 3097, ("FP16",), False, 8, 4096),
     "agx-orin-32gb": ("int8-qdq", "10.3", 4096, (), True, 16, 8192),
     "agx-orin-64gb": ("fp16", "10.3", 4096, ("FP16",), False, 16, 8192),
@@ -96,7 +96,7 @@ def test_flags_by_tensorrt_version():
 def test_build_ram_refusal_names_the_fix():
     nano, t4 = load_profile("orin-nano-8gb"), load_profile("t4")
     assert check_build_ram(500_000_000, 5.0, nano, 4096) == pytest.approx(1.75)
-    with pytest.raises(InsufficientMemoryError, match=r"about 8.8 GB .* 5.2 GB is available: add swap"):
+    with pytest.raises(InsufficientMemoryError, match=r"about 8.8 GB .* 6.6 GB is available: add swap"):
         check_build_ram(2_500_000_000, None, nano, 4096)  # None: the profile's host RAM
     with pytest.raises(InsufficientMemoryError, match="build on a machine with more RAM.*lower --max-context"):
         check_build_ram(16_000_000_000, 32.0, t4, 4096)
@@ -314,7 +314,7 @@ def test_build_engine_cli_up_to_tensorrt(tiny_bundle, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "trt-fp16-sm87 for Jetson Orin Nano 8GB from engines/fp32/model.onnx, TensorRT 10.3" in r.stdout
     plan = json.loads(r.stdout[r.stdout.index("{"):])
-    assert plan["settings"]["workspace_bytes"] == 1100 * MiB and plan["settings"]["flags"] == ["FP16"]
+    assert plan["settings"]["workspace_bytes"] == 1459 * MiB and plan["settings"]["flags"] == ["FP16"]
     r = run_cli("edge.cli", "build-engine", str(b), "--profile", "orin-nano-8gb", "--precision", "int8-qdq")
     if importlib_has("tensorrt"):
         pytest.skip("TensorRT is installed: the GPU test below covers the real build")
