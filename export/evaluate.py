@@ -116,6 +116,36 @@ def speed(dec: Decoder, prompt_ids: list[int], new_tokens: int, runs: int) -> di
     return {"ttft_ms": statistics.median(ttfts) * 1000, "decode_tok_s": statistics.median(rates)}
 
 
+def golden_regressions(golden: list[dict], tok, next_logits) -> list[dict]:
+    """Every golden prompt an engine fails that the fp32 graph passes, and why: where its greedy answer first
+    leaves fp32's, and how sure fp32 itself was there (`next_logits(ids)`: fp32's logits after `ids`). A
+    near tie at that token is the usual reason: a quantization error far below the model's own noise flips it."""
+    ref = {g["prompt"]: g for g in golden if g["engine"] == FP32}
+    out = []
+    for g in golden:
+        r = ref.get(g["prompt"])
+        if g["engine"] == FP32 or r is None or not r["passed"] or g["passed"] is not False:
+            continue
+        a, b = r["token_ids"], g["token_ids"]
+        i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+        row = {"engine": g["engine"], "prompt": g["prompt"], "position": i}
+        if i < len(a) and i < len(b):
+            lg = next_logits(tok.encode_chat([{"role": "user", "content": g["prompt"]}]) + a[:i]).astype(np.float64)
+            p = np.exp(lg - lg.max())
+            p /= p.sum()
+            row |= {"fp32_token": tok.decode([a[i]]), "engine_token": tok.decode([b[i]]),
+                    "fp32_p": float(p[a[i]]), "engine_token_fp32_p": float(p[b[i]]),
+                    "engine_token_fp32_rank": int((p > p[b[i]]).sum()) + 1}
+            row["why"] = (f"its answer leaves fp32's at token {i + 1}, where fp32 itself gives {row['fp32_token']!r} "
+                          f"p={row['fp32_p']:.2f} and {row['engine_token']!r} p={row['engine_token_fp32_p']:.2f}"
+                          + (": a near tie that the quantization flips" if row["engine_token_fp32_p"] > 0.5 * row["fp32_p"]
+                             else ": a real change of the model's choice, not a near tie"))
+        else:
+            row["why"] = f"its answer is a prefix of fp32's and stops at token {i + 1} (EOS)"
+        out.append(row)
+    return out
+
+
 def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict | None = None) -> dict:
     """Measure every engine; KL and agreement are against the teacher when there is one (a pruned
     build), else against the shipped fp32 graph. `stages`: prune/distill records for the report."""
@@ -184,13 +214,14 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
         gen = Generator(tok, d)
         passed = 0
         for g in GOLDEN:
-            text, _ = gen.complete(tok.encode_chat([{"role": "user", "content": g["prompt"]}]), greedy)
+            text, last = gen.complete(tok.encode_chat([{"role": "user", "content": g["prompt"]}]), greedy)
             ok = any(k.lower() in text.lower() for k in g["expect"]) if g["expect"] else None  # None: nothing to check
             passed += bool(ok)
             results["golden"].append({"engine": e.name, "prompt": g["prompt"], "answer": text.strip(),
-                                      "expect": g["expect"], "passed": ok})
+                                      "expect": g["expect"], "passed": ok, "token_ids": list(last.token_ids)})
         q["golden_passed"] = f"{passed}/{sum(1 for g in GOLDEN if g['expect'])}"
         results["engines"][e.name] = q
+    results["golden_regressions"] = golden_regressions(results["golden"], tok, lambda ids: logits(FP32, ids + [0])[-1])
     base = results["engines"][FP32]
     for q in results["engines"].values():
         q["perplexity_delta_pct"] = 100 * (q["perplexity"] / base["perplexity"] - 1)

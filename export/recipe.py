@@ -297,6 +297,8 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
     log(f"[package] bundle {bundle.manifest.bundle_id} verified and written to {bundle.root} "
         f"(peak memory {fmt_bytes(mem.peak_bytes)})")
     log(summary(records, bundle))
+    for r in next((x.metrics.get("golden_regressions", []) for x in records if x.name == "evaluate"), []):
+        log(f"golden: {r['engine']} fails \"{r['prompt']}\" (fp32 passes): {r['why']}")
     return bundle
 
 

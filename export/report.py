@@ -32,6 +32,14 @@ def _columns(results: dict) -> list:
     return [c for c in COLUMNS if any(_get(q, c[0]) is not None for q in results["engines"].values())]
 
 
+def _by_prompt(golden: list[dict]) -> list[tuple[str, list[dict]]]:
+    """Golden answers grouped by prompt, the fp32 graph's first: each engine's answer beside the reference."""
+    groups: dict[str, list[dict]] = {}
+    for g in golden:
+        groups.setdefault(g["prompt"], []).append(g)
+    return [(p, sorted(rows, key=lambda g: g["engine"] != FP32)) for p, rows in groups.items()]
+
+
 def _rows(results: dict) -> list[list[str]]:
     rows = []
     for name, q in results["engines"].items():
@@ -233,9 +241,17 @@ def write_report(results: dict, dst: Path) -> None:
     md += ["| " + " | ".join(r) + " |" for r in rows]
     md += ([""] + stages) if stages else []
     md += [""] + [f"![{i}]({i})" for i in images] + ["", "## Golden prompts (greedy)", ""]
-    for g in results["golden"]:
-        mark = "" if g["passed"] is None else (" ✅" if g["passed"] else " ❌")
-        md.append(f"- **{g['engine']}** — {g['prompt']}{mark}  \n  {g['answer']}")
+    regressions = results.get("golden_regressions", [])
+    if regressions:
+        md += ["Golden prompts the fp32 graph passes and an engine fails:", ""]
+        md += [f"- **{r['engine']}** fails \"{r['prompt']}\": {r['why']}" for r in regressions] + [""]
+    elif results["golden"]:
+        md += ["Every engine passes every golden prompt the fp32 graph passes.", ""]
+    for prompt, rows in _by_prompt(results["golden"]):
+        md.append(f"- {prompt}")
+        for g in rows:
+            mark = "" if g["passed"] is None else (" ✅" if g["passed"] else " ❌")
+            md.append(f"  - **{g['engine']}**{mark} {g['answer']}")
     abl = [n for n in results["engines"] if n.endswith("-no-smoothquant")]
     for n in abl:
         on, off = results["engines"][n.removesuffix("-no-smoothquant")], results["engines"][n]
@@ -246,9 +262,10 @@ def write_report(results: dict, dst: Path) -> None:
     e = html.escape
     table = "<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>" + "".join(
         "<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows) + "</table>"
-    golden = "<ul>" + "".join(
-        f"<li><b>{e(g['engine'])}</b> — {e(g['prompt'])}{'' if g['passed'] is None else (' ✅' if g['passed'] else ' ❌')}"
-        f"<br><i>{e(g['answer'])}</i></li>" for g in results["golden"]) + "</ul>"
+    golden = "".join(f"<p><b>{e(r['engine'])}</b> fails “{e(r['prompt'])}”: {e(r['why'])}</p>" for r in regressions) + \
+        "<ul>" + "".join(f"<li>{e(prompt)}<ul>" + "".join(
+            f"<li><b>{e(g['engine'])}</b>{'' if g['passed'] is None else (' ✅' if g['passed'] else ' ❌')} <i>{e(g['answer'])}</i></li>"
+            for g in rows) + "</ul></li>" for prompt, rows in _by_prompt(results["golden"])) + "</ul>"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>EdgeChat export report</title>
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:48%}}</style></head><body>

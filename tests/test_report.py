@@ -65,3 +65,53 @@ def test_labels_do_not_overlap_and_stay_inside(points):
         assert frame.x0 <= a.x0 and a.x1 <= frame.x1 and frame.y0 <= a.y0 and a.y1 <= frame.y1, points[i][2]
         for j, b in enumerate(boxes[:i]):
             assert not a.overlaps(b), f"{points[i][2]} overlaps {points[j][2]}"
+
+
+class _Tok:
+    def encode_chat(self, messages):
+        return [100, len(messages[0]["content"])]
+
+    def decode(self, ids):
+        return {5: " The", 6: " Paris", 9: " L", 7: "."}.get(ids[0], f"<{ids[0]}>")
+
+
+def test_golden_regressions_say_which_engine_fails_what_fp32_passes_and_why(tmp_path):
+    """The report names each golden prompt an engine fails where fp32 passes, the token where the answers part
+    and fp32's own probabilities there (a near tie, or not); the answers are grouped by prompt, fp32 first."""
+    import numpy as np
+
+    from export.evaluate import golden_regressions
+
+    def row(engine, prompt, passed, ids, answer):
+        return {"engine": engine, "prompt": prompt, "passed": passed, "token_ids": ids, "answer": answer, "expect": ["x"]}
+
+    golden = [row("int8-dynamic", "capital of France?", False, [5, 9, 7], "The L."),
+              row("fp32", "capital of France?", True, [5, 6, 7], "The Paris."),
+              row("int4-weight", "capital of France?", True, [5, 6, 7], "The Paris."),
+              row("fp32", "hard one", False, [5, 7], "The."), row("int8-dynamic", "hard one", False, [5, 9], "The L"),
+              row("int4-weight", "capital of Japan?", False, [5, 9], "The L"), row("fp32", "capital of Japan?", True, [5, 6], "The Paris")]
+    seen = []
+
+    def next_logits(ids):
+        seen.append(ids)
+        p = np.full(16, 1e-3)
+        p[6], p[9] = (0.40, 0.35) if ids[1] == len("capital of France?") else (0.9, 0.02)
+        return np.log(p)
+
+    regs = golden_regressions(golden, _Tok(), next_logits)
+    assert [(r["engine"], r["prompt"]) for r in regs] == [("int8-dynamic", "capital of France?"), ("int4-weight", "capital of Japan?")]
+    fr, jp = regs
+    assert fr["position"] == 1 and fr["fp32_token"] == " Paris" and fr["engine_token"] == " L" and fr["engine_token_fp32_rank"] == 2
+    assert fr["fp32_p"] == pytest.approx(0.40 / (0.75 + 14e-3)) and "near tie" in fr["why"] and "token 2" in fr["why"]
+    assert "not a near tie" in jp["why"]
+    assert seen[0] == [100, len("capital of France?"), 5]  # fp32's logits after the prompt and the shared prefix
+
+    res = _results(README) | {"golden": golden, "golden_regressions": regs}
+    write_report(res, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert '**int8-dynamic** fails "capital of France?": its answer leaves fp32\'s at token 2' in md
+    france = md[md.index("- capital of France?"):]
+    assert france.index("**fp32**") < france.index("**int8-dynamic**") < france.index("**int4-weight**")
+    assert "fails “capital of France?”" in (tmp_path / "report.html").read_text()
+    write_report(_results(README) | {"golden": [g for g in golden if g["passed"] is not False], "golden_regressions": []}, tmp_path)
+    assert "Every engine passes every golden prompt the fp32 graph passes." in (tmp_path / "report.md").read_text()
