@@ -35,7 +35,10 @@ class OrtDecoder(Decoder):
     """One ONNX decoder graph in an InferenceSession (from a bundle, or a bare file during export)."""
 
     def __init__(self, path: str | os.PathLike, dims: ModelDims, io: DecoderIO, threads: int | None = None,
-                 providers: list[str] | None = None, name: str | None = None, spin: bool = True) -> None:
+                 providers: list[str] | None = None, name: str | None = None, spin: bool = True,
+                 session_config: dict[str, str] | None = None, arena: bool = True) -> None:
+        """`session_config`: extra ONNX Runtime session config entries (scripts/sweep_ort.py measures them);
+        `arena`: ONNX Runtime's CPU memory arena."""
         ort = _ort()
         super().__init__(dims, io, name or os.path.basename(str(path)))
         want_gpu = bool(providers and any("CUDA" in p or "Tensorrt" in p for p in providers))
@@ -45,6 +48,9 @@ class OrtDecoder(Decoder):
         so.inter_op_num_threads = 1
         if not spin:  # a server has other threads (HTTP, clients): idle ORT workers must not busy-wait on the cores
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        for key, value in (session_config or {}).items():
+            so.add_session_config_entry(key, value)
+        so.enable_cpu_mem_arena = arena
         so.log_severity_level = 3
         asked = providers or ["CPUExecutionProvider"]
         missing = [p for p in asked if p not in ort.get_available_providers()]
@@ -54,6 +60,9 @@ class OrtDecoder(Decoder):
         try:
             self.session = ort.InferenceSession(str(path), so, providers=[p for p in asked if p not in missing] or ["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail...)
+            if session_config:
+                raise BundleError(f"ONNX Runtime refuses the session settings {session_config} for {self.name}: "
+                                  f"{str(e).splitlines()[0]}") from None
             raise BundleError(f"ONNX Runtime cannot load {self.name}: {str(e).splitlines()[0]} — "
                               "the file is damaged or was written by a newer exporter; rebuild the bundle") from None
         self.providers = self.session.get_providers()

@@ -338,3 +338,24 @@ def test_threads_default_to_physical_cores_not_smt_threads(tmp_path):
         (topo / "physical_package_id").write_text("0\n")
     assert physical_cores(str(tmp_path)) == 2
     assert physical_cores(str(tmp_path / "none")) >= 1  # no topology: falls back to what the OS reports
+
+
+def test_session_settings_reach_onnx_runtime_and_keep_the_logits(tiny_bundle, tiny_generator):
+    """scripts/sweep_ort.py times ONNX Runtime settings through OrtDecoder: they must reach the session, and a
+    setting that only changes threads or memory must not change what the model computes."""
+    from edge.ort_decoder import OrtDecoder
+
+    d = tiny_generator.decoder
+    e = tiny_bundle.manifest.engine(d.engine.name) if getattr(d, "engine", None) else None
+    path = tiny_bundle.path(e.file) if e else None
+    if path is None:
+        pytest.skip("the tiny generator's decoder is not an ONNX Runtime engine of the bundle")
+    with pytest.raises(BundleError, match="refuses the session settings .*affinit"):  # not "the file is damaged"
+        OrtDecoder(path, d.dims, d.io, threads=2, session_config={"session.intra_op_thread_affinities": ""})
+    o = OrtDecoder(path, d.dims, d.io, threads=1, arena=False, session_config={"session.intra_op.allow_spinning": "0"})
+    so = o.session.get_session_options()
+    assert not so.enable_cpu_mem_arena and so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    ids = tiny_generator.tokenizer.encode_chat(CHATS[0])
+    want = d.forward(np.array([ids]), d.new_cache(capacity=len(ids)), last_only=False)
+    got = o.forward(np.array([ids]), o.new_cache(capacity=len(ids)), last_only=False)
+    np.testing.assert_allclose(got, want, atol=1e-5)
