@@ -61,8 +61,13 @@ class OrtDecoder(Decoder):
             self.session = ort.InferenceSession(str(path), so, providers=[p for p in asked if p not in missing] or ["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail...)
             if session_config:
-                raise BundleError(f"ONNX Runtime refuses the session settings {session_config} for {self.name}: "
-                                  f"{str(e).splitlines()[0]}") from None
+                try:  # the settings, or the file? the same file without them tells
+                    ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+                except Exception:
+                    pass
+                else:
+                    raise BundleError(f"ONNX Runtime refuses the session settings {session_config} for {self.name}: "
+                                      f"{str(e).splitlines()[0]}") from None
             raise BundleError(f"ONNX Runtime cannot load {self.name}: {str(e).splitlines()[0]} — "
                               "the file is damaged or was written by a newer exporter; rebuild the bundle") from None
         self.providers = self.session.get_providers()

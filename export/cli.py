@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
-from edge.precisions import FP16, FP32, INT8_QDQ
+from edge.precisions import FP16, FP32, INT4_WEIGHT, INT8_QDQ
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -43,6 +44,9 @@ def _plan(args: argparse.Namespace) -> int:
         from export.planner import Int4Layout
 
         layout = Int4Layout(args.int4_block or 32, args.int4_head_bits or 8)
+        if INT4_WEIGHT not in (precisions or [p for p in QUALITY_ORDER if profile.supports(p)]):
+            raise EdgeChatError(f"--int4-block/--int4-head-bits shape int4-weight, which this plan leaves out "
+                                f"({profile.display_name} or --precision/--bundle): drop them or add --precision int4-weight")
     opts = PlanOptions(context=context, batch=args.batch, prompt_tokens=args.prompt_tokens or min(256, context),
                        int4_layout=layout)
     plans = plan_all(dims, profile, opts, precisions)
@@ -52,7 +56,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "model": name, "parameters": dims.num_parameters, "target": profile.id,
-            "options": vars(opts) | {"max_kl": args.max_kl, "allow_fp32": args.allow_fp32},
+            "options": asdict(opts) | {"max_kl": args.max_kl, "allow_fp32": args.allow_fp32},
             "plans": [p.to_dict() | {"expected_kl": quality[p.precision].kl,
                                      "expected_kl_source": quality[p.precision].source} for p in plans],
             "recommendation": rec.to_dict(quality),

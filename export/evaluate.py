@@ -129,19 +129,23 @@ def golden_regressions(golden: list[dict], tok, next_logits) -> list[dict]:
         a, b = r["token_ids"], g["token_ids"]
         i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
         row = {"engine": g["engine"], "prompt": g["prompt"], "position": i}
-        if i < len(a) and i < len(b):
+        if i < len(a):  # fp32 goes on at token i: how sure was it of its own next token, and of the engine's
             lg = next_logits(tok.encode_chat([{"role": "user", "content": g["prompt"]}]) + a[:i]).astype(np.float64)
             p = np.exp(lg - lg.max())
             p /= p.sum()
-            row |= {"fp32_token": tok.decode([a[i]]), "engine_token": tok.decode([b[i]]),
-                    "fp32_p": float(p[a[i]]), "engine_token_fp32_p": float(p[b[i]]),
+            row |= {"fp32_token": tok.decode([a[i]]), "fp32_p": float(p[a[i]])}
+        if i < len(a) and i < len(b):
+            row |= {"engine_token": tok.decode([b[i]]), "engine_token_fp32_p": float(p[b[i]]),
                     "engine_token_fp32_rank": int((p > p[b[i]]).sum()) + 1}
             row["why"] = (f"its answer leaves fp32's at token {i + 1}, where fp32 itself gives {row['fp32_token']!r} "
                           f"p={row['fp32_p']:.2f} and {row['engine_token']!r} p={row['engine_token_fp32_p']:.2f}"
                           + (": a near tie that the quantization flips" if row["engine_token_fp32_p"] > 0.5 * row["fp32_p"]
                              else ": a real change of the model's choice, not a near tie"))
+        elif i < len(a):
+            row["why"] = (f"its answer is the start of fp32's and ends at token {i + 1} ({g.get('finish_reason') or 'EOS or a stop string'}), "
+                          f"where fp32 goes on with {row['fp32_token']!r} p={row['fp32_p']:.2f}")
         else:
-            row["why"] = f"its answer is a prefix of fp32's and stops at token {i + 1} (EOS)"
+            row["why"] = f"its tokens match fp32's up to fp32's end (token {i}) and go on; the keyword check fails on the text"
         out.append(row)
     return out
 
@@ -218,7 +222,8 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
             ok = any(k.lower() in text.lower() for k in g["expect"]) if g["expect"] else None  # None: nothing to check
             passed += bool(ok)
             results["golden"].append({"engine": e.name, "prompt": g["prompt"], "answer": text.strip(),
-                                      "expect": g["expect"], "passed": ok, "token_ids": list(last.token_ids)})
+                                      "expect": g["expect"], "passed": ok, "token_ids": list(last.token_ids),
+                                      "finish_reason": last.finish_reason})
         q["golden_passed"] = f"{passed}/{sum(1 for g in GOLDEN if g['expect'])}"
         results["engines"][e.name] = q
     results["golden_regressions"] = golden_regressions(results["golden"], tok, lambda ids: logits(FP32, ids + [0])[-1])

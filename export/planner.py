@@ -122,17 +122,21 @@ def kv_bytes_per_token(dims: ModelDims, kv_dtype_bytes: int) -> int:
 
 
 def weight_bytes(dims: ModelDims, precision: str, layout: Int4Layout | None = None) -> float:
-    """Bytes of weights at `precision`: the LM head and an untied input embedding at their own rates (the
-    shared table of tied weights is stored once, as the head); int4-weight in `layout` (default: blocks of 32)."""
+    """Bytes of weights at `precision`: the LM head and an input embedding at their own rates; int4-weight in
+    `layout` (default: blocks of 32). A tied table is stored once where the runtime can gather the embedding
+    from the head (unquantized, or an 8-bit MatMulNBits head); a quantized engine whose head is anything
+    else keeps a separate per-row INT8 embedding table beside it (export/quantize.py quantize_embedding)."""
     row = precisions.get(precision)
     table = dims.vocab_size * dims.hidden_size
-    embed = 0 if dims.tie_word_embeddings else table
-    body = dims.num_parameters - table - embed
     if precision == INT4_WEIGHT:
         layout = layout or Int4Layout()
-        body_b, head_b = layout.body_bytes, layout.head_bytes
+        body_b, head_b, eight_bit_head = layout.body_bytes, layout.head_bytes, layout.head_bits == 8
     else:
         body_b, head_b = row.weight_bytes, row.head_bytes or row.weight_bytes
+        eight_bit_head = row.head_bytes is None
+    shared = dims.tie_word_embeddings and (row.embed_bytes is None or eight_bit_head)
+    body = dims.num_parameters - table - (0 if dims.tie_word_embeddings else table)
+    embed = 0 if shared else table
     return body * body_b + table * head_b + embed * (row.embed_bytes or row.weight_bytes)
 
 
@@ -144,7 +148,7 @@ def plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOpti
     if precision != INT4_WEIGHT:
         return _plan(dims, profile, precision, opts, None)
     tried = [_plan(dims, profile, precision, opts, lay) for lay in ([opts.int4_layout] if opts.int4_layout else INT4_LAYOUTS)]
-    return next((p for p in tried if p.fits), tried[-1])
+    return next((p for p in tried if p.fits), min(tried, key=lambda p: p.total_gb))
 
 
 def _plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOptions, layout: Int4Layout | None) -> Plan:
@@ -246,6 +250,13 @@ def bundle_quality(manifest) -> tuple[dict[str, Expected], set[str]]:
     return quality, have | (set(TENSORRT_FROM_FP32) if FP32 in have else set())
 
 
+def _layout_note(p: Plan) -> str:
+    """Expected KL figures are measured on the default int4 layout: say so when the plan takes another."""
+    if p.int4_layout is None or p.int4_layout == Int4Layout():
+        return ""
+    return f" (its expected KL was measured in {Int4Layout().describe()}, not in {p.int4_layout.describe()})"
+
+
 @dataclass(frozen=True)
 class Recommendation:
     plan: Plan | None
@@ -258,8 +269,10 @@ class Recommendation:
         def kl(p: Plan | None) -> dict:
             return {} if p is None else {"expected_kl": quality[p.precision].kl,
                                          "expected_kl_source": quality[p.precision].source}
+        lay = self.plan.int4_layout if self.plan else None
         return {"precision": self.plan.precision if self.plan else None, "context": self.context,
                 "reason": self.reason, **kl(self.plan),
+                "int4_layout": asdict(lay) if lay else None, "build_flags": lay.flags if lay else "",
                 "runner_up": None if self.runner_up is None else
                 {"precision": self.runner_up.precision, "decode_tok_s": self.runner_up.decode_tok_s,
                  "reason": self.runner_up_reason, **kl(self.runner_up)}}
@@ -304,11 +317,12 @@ def recommend(dims: ModelDims, profile: DeviceProfile, opts: PlanOptions, max_kl
         where = f"fits {ctx} tokens x batch {o.batch}" + (f" (not {opts.context})" if ctx != opts.context else "")
         if within:
             best = within[0]
+            note = _layout_note(best)
             faster = [pl for pl in fitting if pl.decode_tok_s > best.decode_tok_s and not ok(pl.precision)]
             floor_note = " (the floor on GPUs)" if best.precision == floor and profile.is_gpu else ""
             reason = (f"the fastest that {where} with expected KL <= {max_kl:g}{floor_note}: "
                       f"≤{best.decode_tok_s:,.0f} tok/s, {why_kl(best.precision)}"
-                      + (f"; {faster[0].precision} is faster but {why_kl(faster[0].precision)}" if faster else ""))
+                      + (f"; {faster[0].precision} is faster but {why_kl(faster[0].precision)}" if faster else "") + note)
             runner = within[1] if len(within) > 1 else (faster[0] if faster else None)
             return Recommendation(best, ctx, reason, runner, "" if runner is None else (
                 f"≤{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner.precision)}"
@@ -320,7 +334,7 @@ def recommend(dims: ModelDims, profile: DeviceProfile, opts: PlanOptions, max_kl
             runner = max(rest, key=lambda pl: pl.decode_tok_s) if rest else None
             return Recommendation(best, ctx, (
                 f"nothing with expected KL <= {max_kl:g} {where}; this is the best quality that does "
-                f"({why_kl(best.precision)})"), runner,
+                f"({why_kl(best.precision)})" + _layout_note(best)), runner,
                 "" if runner is None else f"≤{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner.precision)}")
         if ctx <= 256:
             break
@@ -328,5 +342,12 @@ def recommend(dims: ModelDims, profile: DeviceProfile, opts: PlanOptions, max_kl
     smallest = plan(dims, profile, order[-1], opts)
     why = "engine build needs more host RAM than the device has" if smallest.fits_memory else (
         f"even {order[-1]} needs {smallest.total_gb:.1f} GB of {smallest.usable_gb:.1f} GB usable")
+    if opts.int4_layout and INT4_WEIGHT in order:
+        free = recommend(dims, profile, dataclasses.replace(opts, int4_layout=None), max_kl, quality, precisions, allow_fp32)
+        if free.plan is not None:
+            lay = free.plan.int4_layout
+            why += (f" in the pinned int4 layout ({opts.int4_layout.describe()}); without the pin {free.plan.precision} "
+                    f"fits at context {free.context}" + (f" in {lay.describe()} ({lay.flags or 'the default'})" if lay else ""))
+            return Recommendation(None, opts.context, f"does not fit: {why}")
     return Recommendation(None, opts.context, f"does not fit: {why}; prune the model (edge-export build --prune) "
                                               "or pick a larger device")

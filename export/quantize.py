@@ -6,7 +6,7 @@
   tensor) placed only on the weight MatMuls, calibrated on chat prefill steps.
   Masks, softmax and RoPE are never quantized (a whole-graph quantize_static
   gives infinite scales on the attention-mask nodes).
-- int4-weight: MatMulNBits 4-bit, block 32, asymmetric (per-block zero points), the LM head at
+- int4-weight: MatMulNBits 4-bit, blocks of int4_block_size (32 by default), asymmetric (per-block zero points), the LM head at
   8 bits, and mixed precision by measured sensitivity (export/sensitivity.py): the weight MatMuls
   whose 4-bit form moves KL to fp32 most, per extra byte, are kept at 8 bits within a byte budget
   (`int4_budget_mb`, else `int4_extra_ratio` of the all-4-bit size), as llama.cpp's k-quants spend
@@ -514,17 +514,19 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
         if path == out:
             metrics["embedding_bytes_saved"] = saved
     chosen = list(metrics.get("int4_8bit_matmuls", []))
+    promoted = set(chosen)  # the budget's 8-bit MatMuls; `special` also holds the head, which never goes back
     while "int4_budget_bytes" in metrics and graph_bytes(out) > metrics["int4_budget_bytes"]:
         # the plan misses the graph's own growth (node and initializer records): the least KL per byte goes
         # back to 4 bits until the file fits
         if not chosen:
-            raise RecipeError(f"the all-4-bit engine is {graph_bytes(out) / 1e6:.2f} MB, more than int4_budget_mb "
-                              f"{metrics['int4_budget_bytes'] / 1e6:.2f}: raise it, or leave it unset")
+            raise RecipeError(f"the all-4-bit engine is {graph_bytes(out) / 1e6:.2f} MB, more than the int4 budget of "
+                              f"{metrics['int4_budget_bytes'] / 1e6:.2f} MB: raise int4_budget_mb (or int4_extra_ratio), "
+                              "or leave both unset")
         chosen.pop()
         g = GraphWeights(fp32_dir / "model.onnx")
         untie_lm_head(g)
         _nbits(g, bits=4, symmetric=opts.int4_symmetric, rounding=opts.int4_rounding, block_size=opts.int4_block_size,
-               special={n: b for n, b in special.items() if n not in metrics["int4_8bit_matmuls"] or n in chosen})
+               special={n: b for n, b in special.items() if n not in promoted or n in chosen})
         quantize_embedding(g)
         g.save(out)
         metrics["int4_8bit_matmuls"] = list(chosen)

@@ -154,6 +154,12 @@ class BuildOptions:
                                           (("steps", a.distill_steps), ("max_minutes", a.distill_minutes)) if v})
         if getattr(a, "no_distill", False):
             distill = None
+        int4_flags = [f for f, v in (("--int4-block", getattr(a, "int4_block", None)),
+                                     ("--int4-head-bits", getattr(a, "int4_head_bits", None)),
+                                     ("--int4-budget-mb", getattr(a, "int4_budget_mb", None))) if v is not None]
+        if int4_flags and INT4_WEIGHT not in base.precisions:
+            raise RecipeError(f"{int4_flags[0]} shapes the int4-weight engine, which this build does not make "
+                              f"(it builds {', '.join(base.precisions)}): add --precision int4-weight")
         return dataclasses.replace(base, prune=prune, distill=distill)
 
 

@@ -245,7 +245,7 @@ def write_report(results: dict, dst: Path) -> None:
     if regressions:
         md += ["Golden prompts the fp32 graph passes and an engine fails:", ""]
         md += [f"- **{r['engine']}** fails \"{r['prompt']}\": {r['why']}" for r in regressions] + [""]
-    elif results["golden"]:
+    elif results["golden"] and "golden_regressions" in results:
         md += ["Every engine passes every golden prompt the fp32 graph passes.", ""]
     for prompt, rows in _by_prompt(results["golden"]):
         md.append(f"- {prompt}")

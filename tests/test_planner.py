@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import subprocess
 import sys
@@ -25,7 +26,9 @@ def test_the_numbers_people_quote():
     t4 = load_profile("t4")
     assert plan(d, t4, "fp32").weights_gb == pytest.approx(28.0)
     assert plan(d, t4, "fp16").weights_gb == pytest.approx(14.0)
-    assert plan(d, t4, "int8-qdq").weights_gb == pytest.approx(7.0)
+    # int8-qdq leaves the head in float (FP16 in TensorRT) and keeps the embedding as an INT8 table
+    table = 32000 * 4096
+    assert plan(d, t4, "int8-qdq").weights_gb * GB == pytest.approx(7e9 - table + 2 * table)
 
 
 def test_matmulnbits_sizes_by_hand():
@@ -115,8 +118,9 @@ def test_recommend_fastest_within_the_kl_bound():
     d, t4 = KNOWN_SIZES["smollm2-135m"], load_profile("t4")
     rec = recommend(d, t4, PlanOptions())
     assert rec.plan.precision == "int8-dynamic" and rec.context == 2048  # KL 0.0061 <= 0.05; int8-qdq 0.097 is not
-    assert "int8-qdq is faster" in rec.reason and rec.runner_up.precision == "fp16"
-    assert recommend(d, t4, PlanOptions(), max_kl=0.1).plan.precision == "int8-qdq"
+    # int4-weight is faster (fewer bytes) but outside the bound; int8-qdq reads its FP16 head (191 MB against 151)
+    assert "int4-weight is faster" in rec.reason and rec.runner_up.precision == "fp16"
+    assert recommend(d, t4, PlanOptions(), max_kl=0.1, precisions=["fp16", "int8-qdq"]).plan.precision == "int8-qdq"
     assert recommend(d, t4, PlanOptions(), max_kl=0.5).plan.precision == "int4-weight"
     floor = recommend(d, t4, PlanOptions(), max_kl=0.0)  # nothing quantized is within: fp16, never fp32
     assert floor.plan.precision == "fp16" and "floor" in floor.reason and floor.runner_up.precision != "fp32"
@@ -275,3 +279,35 @@ def test_unreadable_gguf(tmp_path):
     bad.write_bytes(b"NOPE" + b"\0" * 20)
     r = _cli("plan", "--model", str(bad), "--target", "t4")
     assert r.returncode == 2 and "not a GGUF file" in r.stderr
+
+
+def test_int4_layout_edges_found_in_review():
+    """A tied model with a 4-bit head keeps a separate INT8 embedding (the runtime gathers rows only from an 8-bit
+    head), so that layout is not the smallest there; a pinned layout that does not fit says which one would."""
+    from export.planner import INT4_LAYOUTS, Int4Layout, weight_bytes
+
+    d = KNOWN_SIZES["smollm2-135m"]  # tied
+    table = 49152 * 576
+    body = d.num_parameters - table
+    assert weight_bytes(d, "int4-weight", Int4Layout(128, 4)) == pytest.approx(body * (0.5 + 4.5 / 128) + table * (0.5 + 4.5 / 128) + table)
+    assert weight_bytes(d, "int4-weight", Int4Layout(128, 8)) == pytest.approx(body * (0.5 + 4.5 / 128) + table * 1.125)
+    tiny_dev = dataclasses.replace(load_profile("orin-nano-8gb"), facts=load_profile("orin-nano-8gb").facts | {"usable_memory_gb": 0.5})
+    none_fit = plan(d, tiny_dev, "int4-weight")
+    assert not none_fit.fits and none_fit.total_gb == min(plan(d, tiny_dev, "int4-weight", PlanOptions(int4_layout=lay)).total_gb
+                                                          for lay in INT4_LAYOUTS)
+    rec = recommend(KNOWN_SIZES["llama-3-8b"], load_profile("orin-nano-8gb"), PlanOptions(int4_layout=Int4Layout(32, 8)))
+    assert rec.plan is None and "without the pin int4-weight fits at context 2048" in rec.reason and "--int4-block 64" in rec.reason
+
+
+def test_int4_flags_need_the_int4_engine_and_json_carries_the_layout():
+    env_run = lambda *a: subprocess.run([sys.executable, "-m", "export.cli", *a], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = env_run("plan", "--model", "llama-3-8b", "--target", "orin-nano-8gb", "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)["recommendation"]
+    assert rec["int4_layout"] == {"block": 64, "head_bits": 8} and rec["build_flags"] == "--int4-block 64"
+    r = env_run("plan", "--model", "llama-3-8b", "--target", "orin-nano-8gb", "--json", "--int4-block", "128")
+    assert r.returncode == 0 and json.loads(r.stdout)["options"]["int4_layout"] == {"block": 128, "head_bits": 8}, r.stderr
+    r = env_run("build", "-o", "never.bundle", "--int4-block", "64")  # builds int8-dynamic only: the flag would do nothing
+    assert r.returncode == 2 and "add --precision int4-weight" in r.stderr
+    r = env_run("plan", "--target", "orin-nano-8gb", "--precision", "fp16", "--int4-head-bits", "4")
+    assert r.returncode == 2 and "int4-weight" in r.stderr

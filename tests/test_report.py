@@ -115,3 +115,16 @@ def test_golden_regressions_say_which_engine_fails_what_fp32_passes_and_why(tmp_
     assert "fails “capital of France?”" in (tmp_path / "report.html").read_text()
     write_report(_results(README) | {"golden": [g for g in golden if g["passed"] is not False], "golden_regressions": []}, tmp_path)
     assert "Every engine passes every golden prompt the fp32 graph passes." in (tmp_path / "report.md").read_text()
+
+
+def test_golden_regression_when_the_engine_stops_early():
+    import numpy as np
+
+    from export.evaluate import golden_regressions
+
+    golden = [{"engine": "fp32", "prompt": "p", "passed": True, "token_ids": [5, 6, 7]},
+              {"engine": "int8-dynamic", "prompt": "p", "passed": False, "token_ids": [5], "finish_reason": "stop"}]
+    p = np.full(16, 1e-3)
+    p[6] = 0.9
+    (r,) = golden_regressions(golden, _Tok(), lambda ids: np.log(p))
+    assert r["position"] == 1 and "start of fp32's and ends at token 2 (stop)" in r["why"] and "' Paris' p=0.9" in r["why"]
