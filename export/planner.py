@@ -137,7 +137,23 @@ def weight_bytes(dims: ModelDims, precision: str, layout: Int4Layout | None = No
     shared = dims.tie_word_embeddings and (row.embed_bytes is None or eight_bit_head)
     body = dims.num_parameters - table - (0 if dims.tie_word_embeddings else table)
     embed = 0 if shared else table
+    if precision == INT4_WEIGHT:
+        body *= _block_padding(dims, layout.block)
+        if layout.head_bits == 4:  # the head's input is the hidden width too
+            head_b *= -(-dims.hidden_size // layout.block) * layout.block / dims.hidden_size
     return body * body_b + table * head_b + embed * (row.embed_bytes or row.weight_bytes)
+
+
+def _block_padding(dims: ModelDims, block: int) -> float:
+    """How much a 4-bit MatMul grows when its input width K is padded to whole blocks (SmolLM2's 576 at
+    blocks of 128: 640), averaged over a decoder block's weights by their share."""
+    q = dims.num_heads * dims.head_dim
+    kv = dims.num_kv_heads * dims.head_dim
+    widths = ((dims.hidden_size, dims.hidden_size * (q + 2 * kv + 2 * dims.intermediate_size)),  # q, k, v, gate, up
+              (q, q * dims.hidden_size),  # o
+              (dims.intermediate_size, dims.intermediate_size * dims.hidden_size))  # down
+    total = sum(n for _, n in widths)
+    return sum(n * (-(-k // block) * block) / k for k, n in widths) / total if total else 1.0
 
 
 def plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOptions = PlanOptions()) -> Plan:
