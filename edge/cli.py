@@ -61,6 +61,36 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+class _PipeLines:
+    """input() for a stdin that is not a terminal (a pipe, a script). A blocking read() only returns to Python
+    when the Ctrl-C signal lands on the main thread; the kernel may hand it to another thread (ONNX Runtime's,
+    tokenizers'), and the prompt would then wait for the next line before it noticed. Waiting in short
+    select() slices lets the main thread run the SIGINT handler whichever thread took the signal."""
+
+    def __init__(self) -> None:
+        self.fd = sys.stdin.fileno()
+        self.buf = b""
+
+    def read(self, prompt: str) -> str:
+        import os
+        import select
+
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        while b"\n" not in self.buf:
+            if not select.select([self.fd], [], [], 0.1)[0]:
+                continue  # back in Python: a pending SIGINT raises KeyboardInterrupt here
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                if not self.buf:
+                    raise EOFError
+                line, self.buf = self.buf, b""
+                return line.decode("utf-8", "replace")
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.decode("utf-8", "replace")
+
+
 def _repl(args: argparse.Namespace) -> int:
     from edge.chat import Chat
 
@@ -71,9 +101,10 @@ def _repl(args: argparse.Namespace) -> int:
     print(f"{m.model_name} [{gen.decoder.engine.name}, {gen.decoder.providers[0]}] — /reset clears history, "
           "/quit or Ctrl-D exits; Ctrl-C stops an answer (twice at the prompt: exits)", flush=True)
     interrupted = False  # Ctrl-C at the prompt once: a second one exits
+    read_line = input if sys.stdin.isatty() else _PipeLines().read
     while True:
         try:
-            line = input("you> ").strip()
+            line = read_line("you> ").strip()
         except EOFError:
             print()
             return 0

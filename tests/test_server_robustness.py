@@ -279,6 +279,7 @@ def read_until(proc, suffix: str) -> str:
     return seen
 
 
+@pytest.mark.timeout(300)  # its reads block: a lost Ctrl-C must fail the test, not stall the run
 def test_repl_ctrl_c_stops_the_answer_and_keeps_the_conversation(long_bundle):
     """Ctrl-C during an answer returns to the prompt (the history is kept: /reset is not needed to go on);
     Ctrl-C twice at the prompt exits 0."""
