@@ -44,12 +44,12 @@ def _plan(args: argparse.Namespace) -> int:
         from export.planner import Int4Layout
 
         layout = Int4Layout(args.int4_block or 32, args.int4_head_bits or 8)
-        if INT4_WEIGHT not in (precisions or [p for p in QUALITY_ORDER if profile.supports(p)]):
-            raise EdgeChatError(f"--int4-block/--int4-head-bits shape int4-weight, which this plan leaves out "
-                                f"({profile.display_name} or --precision/--bundle): drop them or add --precision int4-weight")
     opts = PlanOptions(context=context, batch=args.batch, prompt_tokens=args.prompt_tokens or min(256, context),
                        int4_layout=layout)
     plans = plan_all(dims, profile, opts, precisions)
+    if layout and INT4_WEIGHT not in [p.precision for p in plans]:  # plan_all chose the precisions: ask it
+        raise EdgeChatError(f"--int4-block/--int4-head-bits shape int4-weight, which this plan leaves out "
+                            f"({profile.display_name} or --precision/--bundle): drop them or add --precision int4-weight")
     rec = recommend(dims, profile, opts, max_kl=args.max_kl, quality=quality,
                     precisions=[p.precision for p in plans],
                     allow_fp32=args.allow_fp32 or FP32 in (args.precision or []))

@@ -30,6 +30,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_decode import PROMPT, files_bytes  # noqa: E402  the bench's chat prompt: the same text in both scripts
 
 SESSIONS: dict[str, dict] = {
     "default": {},
@@ -37,8 +39,6 @@ SESSIONS: dict[str, dict] = {
     "no-arena": {"arena": False},
     "pinned": {"config": {"session.intra_op_thread_affinities": "2"}},  # 1-based logical CPUs of the extra thread
 }
-PROMPT = [{"role": "user", "content": "Tell me about the history of the city of Kyoto, its temples and gardens, "
-                                      "and why so many people like to visit it in the autumn months."}]
 
 
 def row(spec: dict) -> dict:
@@ -65,8 +65,8 @@ def row(spec: dict) -> dict:
         for _ in range(new - 1):
             tokens.append(int(np.argmax(d.forward(np.array([[tokens[-1]]]), cache)[0])))
         t2 = time.perf_counter()
-    size = sum(f.stat().st_size for f in Path(path).parent.glob(Path(path).name + "*"))
-    return {"ttft_ms": 1000 * (t1 - t0), "decode_tok_s": (new - 1) / (t2 - t1), "tokens": tokens, "file_bytes": size}
+    return {"ttft_ms": 1000 * (t1 - t0), "decode_tok_s": (new - 1) / (t2 - t1), "tokens": tokens,
+            "file_bytes": files_bytes(Path(path))}
 
 
 def main() -> int:
