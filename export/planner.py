@@ -62,9 +62,10 @@ class Int4Layout:
 
 def check_int4_layout(block: int, head_bits: int) -> None:
     if block not in INT4_BLOCKS:
-        raise RecipeError(f"int4 block size must be one of {', '.join(map(str, INT4_BLOCKS))}, got {block}")
+        raise RecipeError(f"int4 block size (--int4-block, recipe key int4_block_size) must be one of "
+                          f"{', '.join(map(str, INT4_BLOCKS))}, got {block!r}")
     if head_bits not in (4, 8):
-        raise RecipeError(f"int4 LM head bits must be 4 or 8, got {head_bits}")
+        raise RecipeError(f"int4 LM head bits (--int4-head-bits, recipe key int4_lm_head_bits) must be 4 or 8, got {head_bits!r}")
 
 
 INT4_BLOCKS = (16, 32, 64, 128, 256)  # MatMulNBits block sizes (powers of two from 16)
