@@ -220,6 +220,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "blocks store fewer scales: `edge-export plan` says which fits; recipe key int4_block_size)")
     b.add_argument("--int4-head-bits", type=int, choices=(4, 8),
                    help="int4-weight: the LM head's bits (default 8; recipe key int4_lm_head_bits)")
+    b.add_argument("--int4-rounding", choices=("gptq", "minmax", "kquant"),
+                   help="int4-weight: how 4-bit weights are rounded (default gptq: each weight knowing the calibration "
+                        "inputs, ~1 min more on a 135M model; minmax: round to nearest; recipe key int4_rounding)")
     b.add_argument("--fresh", action="store_true", help="ignore finished stages in OUT.work/ and start over")
     b.add_argument("--reuse-stale", action="store_true",
                    help="reuse finished stages even if the edgechat code that ran them has changed since "

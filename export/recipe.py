@@ -52,10 +52,10 @@ class BuildOptions:
     calibration_samples: int = 64
     smoothquant_alpha: float = 0.5
     # int4-weight: the engine's size in MB at most (the most sensitive MatMuls go to 8 bits within it), else
-    # int4_extra_ratio of the all-4-bit size; int4_rounding: "minmax" or "kquant" (export/quantize.py)
+    # int4_extra_ratio of the all-4-bit size; int4_rounding: "gptq", "minmax" or "kquant" (export/quantize.py)
     int4_budget_mb: float | None = None
     int4_extra_ratio: float = 0.0
-    int4_rounding: str = "minmax"
+    int4_rounding: str = "gptq"
     int4_block_size: int = 32  # int4-weight: 4-bit block size (edge-export plan says which fits a device)
     int4_lm_head_bits: int = 8
     eval_samples: int = 64
@@ -82,6 +82,10 @@ class BuildOptions:
         from export.planner import check_int4_layout
 
         check_int4_layout(self.int4_block_size, self.int4_lm_head_bits)
+        from export.quantize import ROUNDINGS
+
+        if self.int4_rounding not in ROUNDINGS:
+            raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
         if self.distill is not None and self.prune is None:
             raise RecipeError("distill needs a prune stage before it (a [prune] section or --prune RATIO): "
                               "distilling a model into itself teaches it nothing")
@@ -135,6 +139,7 @@ class BuildOptions:
                     fused=False if getattr(a, "no_fused", False) else None,
                     int4_budget_mb=getattr(a, "int4_budget_mb", None),
                     int4_block_size=getattr(a, "int4_block", None), int4_lm_head_bits=getattr(a, "int4_head_bits", None),
+                    int4_rounding=getattr(a, "int4_rounding", None),
                     ram_check=False if getattr(a, "skip_ram_check", False) else None)
         base = cls.from_toml(a.recipe, **over) if a.recipe else \
             cls(**{k: (Path(v) if k == "output" else v) for k, v in over.items() if v is not None})

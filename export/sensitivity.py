@@ -75,19 +75,20 @@ class Probe:
         return sum(_kl(r, lo[0]) for r, lo in zip(self.ref, self.logits(swap))) / self.tokens
 
 
-def measure(probe: Probe, quant: Callable[[np.ndarray], np.ndarray], fused: bool,
+def measure(probe: Probe, quant: Callable[[str, np.ndarray], np.ndarray], fused: bool,
             skip: Callable[[str], bool] = lambda name: False, progress: bool = True) -> dict[str, float]:
-    """Target MatMul name -> KL to fp32 when only it is quantized by `quant` (fused groups together)."""
+    """Target MatMul name -> KL to fp32 when only it is quantized by `quant(plain MatMul name, weight)`
+    (fused groups together)."""
     from tqdm import tqdm
 
-    groups: dict[str, list[str]] = {}
+    groups: dict[str, list[tuple[str, str]]] = {}
     for node, w in probe.nodes.items():
         t = target_name(node, fused)
         if not skip(t):
-            groups.setdefault(t, []).append(w)
+            groups.setdefault(t, []).append((node, w))
     out = {}
     for t, ws in tqdm(groups.items(), desc="sensitivity (KL per 4-bit MatMul)", unit="matmul", disable=not progress):
-        out[t] = probe.kl({w: quant(probe.weights[w]) for w in ws})
+        out[t] = probe.kl({w: quant(node, probe.weights[w]) for node, w in ws})
     return out
 
 

@@ -39,8 +39,9 @@ def mixed_bundle(tmp_path_factory):
 
     src = _outlier_model(tmp_path_factory.mktemp("outlier") / "tiny-outlier")
     out = tmp_path_factory.mktemp("mixed") / "mixed.bundle"
+    # round to nearest: the outlier is built to defeat min-max blocks (GPTQ spreads its blocks' error instead)
     return build(BuildOptions(output=out, model=str(src), precisions=("int4-weight",), max_context=256, skip_eval=True,
-                              calibration_samples=4, int4_extra_ratio=0.1), log=lambda s: None)
+                              calibration_samples=4, int4_extra_ratio=0.1, int4_rounding="minmax"), log=lambda s: None)
 
 
 def test_sensitivity_ranks_the_outlier_weight_first_and_keeps_it_at_8_bits(mixed_bundle):
@@ -122,6 +123,7 @@ def test_int4_layouts_store_what_the_planner_plans(untied_int4, tmp_path):
 
     m = next(s for s in untied_int4.manifest.stages if s.name == "quantize-int4-weight").metrics
     assert m["int4_block_size"] == 64 and m["lm_head_bits"] == 8
+    assert m["int4_rounding"] == "gptq" and m["gptq_tokens"] > 0 and m["gptq_passes"] == 1  # the default, recorded
     g = onnx.load(str(untied_int4.path(untied_int4.manifest.engine("int4-weight").file)), load_external_data=False)
     attrs = {n.name: {a.name: a.i for a in n.attribute} for n in g.graph.node if n.op_type == "MatMulNBits"}
     head = [k for k in attrs if "lm_head" in k]
@@ -151,3 +153,93 @@ def test_int4_layouts_store_what_the_planner_plans(untied_int4, tmp_path):
     gen = Generator.from_bundle(untied_int4, engine="int4-weight")  # blocks of 64 load and decode
     ids = gen.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
     assert len(gen.tokens(ids, SamplingConfig(max_new_tokens=4, ignore_eos=True))) == 4
+
+
+def _correlated_inputs(rng, rows: int, k: int) -> np.ndarray:
+    """Inputs like a transformer's: mostly in a low-dimensional subspace (the channels move together), a few
+    channels much larger than the rest. Independent channels would leave GPTQ nothing to exploit."""
+    mix = np.random.default_rng(k).standard_normal((k // 4, k))  # the same subspace for every draw
+    x = rng.standard_normal((rows, k // 4)) @ mix + 0.1 * rng.standard_normal((rows, k))
+    x[:, np.random.default_rng(k + 1).choice(k, 4, replace=False)] *= 8
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("k,n,block", [(128, 48, 32), (96, 40, 64), (80, 16, 32)])
+def test_gptq_rounds_so_the_output_moves_less_than_round_to_nearest(k, n, block):
+    """GPTQ minimises the MatMul's output error on its calibration inputs; on other inputs from the same
+    distribution it must beat round-to-nearest too (else it only fitted the calibration rows). Its levels
+    run in MatMulNBits exactly as dequantized (K not a multiple of the block included: padded rows)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from export.gptq import gptq_block_quant
+
+    rng = np.random.default_rng(k + n)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x_cal, x_new = _correlated_inputs(rng, 2048, k), _correlated_inputs(rng, 512, k)
+    h = x_cal.astype(np.float64).T @ x_cal / len(x_cal)
+    q, s, z = gptq_block_quant(w, h, 4, block)
+    assert q.shape == (n, -(-k // block), block) and q.max() <= 15 and s.dtype == np.float32
+    rtn = dequantize(*block_quant(w, 4, block, "minmax"), k=k)
+    gq = dequantize(q, s, z, k)
+    for x in (x_cal, x_new):
+        err_rtn, err_gptq = np.linalg.norm(x @ (rtn - w)), np.linalg.norm(x @ (gq - w))
+        assert err_gptq < 0.5 * err_rtn, (err_gptq, err_rtn)  # measured 0.14-0.19
+    b, zp = pack(q, z, 4)
+    node = helper.make_node("MatMulNBits", ["A", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4,
+                            block_size=block)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [3, k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [3, n])],
+                              [numpy_helper.from_array(b, "B"), numpy_helper.from_array(s.reshape(-1), "S"),
+                               numpy_helper.from_array(zp.reshape(-1), "Z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    a = x_new[:3]
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"A": a})[0]
+    np.testing.assert_allclose(y, a @ gq, rtol=1e-4, atol=1e-3)
+
+
+def test_gptq_statistics_are_the_same_in_one_pass_or_many(mixed_bundle, tmp_path):
+    """Hessians collected in memory-bounded passes equal the one-pass matrices, and each is X^T X of what the
+    MatMul really reads: symmetric, positive on the diagonal, and for the first q/k/v the RMS-normed embedding."""
+    from export.gptq import Hessians
+    from export.load import model_dims
+    from export.quantize import QuantizeOptions, sensitivity_feeds
+
+    work = mixed_bundle.root.with_name(mixed_bundle.root.name + ".work")
+    feeds = sensitivity_feeds(work / "load", QuantizeOptions(mode="int4-weight", sensitivity_samples=4,
+                                                              sensitivity_tokens=32), model_dims(work / "load"))
+    one = Hessians(work / "export" / "model.onnx", tmp_path, feeds)
+    many = Hessians(work / "export" / "model.onnx", tmp_path, feeds, max_bytes=1)  # one input per pass
+    try:
+        names = list(one.input_of)
+        assert len(names) > 8
+        got_one = {n: one(n).copy() for n in names}
+        got_many = {n: many(n).copy() for n in names}
+        assert one.passes == 1 and many.passes == len(one.order)
+        for n in names:
+            np.testing.assert_allclose(got_many[n], got_one[n], rtol=1e-6, atol=1e-9)
+            np.testing.assert_allclose(got_one[n], got_one[n].T, rtol=1e-6, atol=1e-9)
+            assert (np.diag(got_one[n]) > 0).all(), n
+        q = next(n for n in names if "layers.0/self_attn/q_proj" in n)
+        k = next(n for n in names if "layers.0/self_attn/k_proj" in n)
+        np.testing.assert_array_equal(got_one[q], got_one[k])  # the same input, the same statistics
+        # RMSNorm output has mean square = the norm weight's square (ones at init): the trace is ~hidden
+        assert np.trace(got_one[q]) == pytest.approx(got_one[q].shape[0], rel=0.05)
+    finally:
+        one.close()
+        many.close()
+    assert not (tmp_path / "hessian.onnx").exists()
+
+
+def test_gptq_is_the_default_and_needs_asymmetric_blocks(tmp_path):
+    from export.quantize import QuantizeOptions
+    from export.recipe import BuildOptions
+
+    with pytest.raises(RecipeError, match="int4_rounding must be one of gptq, minmax, kquant"):
+        BuildOptions(output=tmp_path / "x.bundle", int4_rounding="awq")
+
+    assert QuantizeOptions(mode="int4-weight").int4_rounding == "gptq"
+    with pytest.raises(RecipeError, match="int4_rounding = 'minmax' for symmetric"):
+        QuantizeOptions(mode="int4-weight", int4_symmetric=True)
+    with pytest.raises(RecipeError, match="gptq_samples"):
+        QuantizeOptions(mode="int4-weight", gptq_samples=0)
