@@ -36,21 +36,31 @@ class Hessians:
         gw = GraphWeights(plain)
         untie_lm_head(gw)
         self.path = work / "hessian.onnx"
-        gw.save(self.path)
-        model = onnx.load(str(self.path), load_external_data=False)
-        self.input_of = {n.name: n.input[0] for n in weight_matmuls(model)}
-        width = {n.name: gw.shape(n.input[1])[0] for n in weight_matmuls(model)}
-        self.order = list(dict.fromkeys(self.input_of.values()))
-        self.width = {self.input_of[n]: k for n, k in width.items()}
-        known = {o.name for o in model.graph.output}
-        for x in self.order:
-            if x not in known:
-                model.graph.output.append(onnx.helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None))
-        onnx.save_model(model, str(self.path))
+        try:  # a failure here leaves no graph behind (the caller never gets an object to close)
+            gw.save(self.path)
+            model = onnx.load(str(self.path), load_external_data=False)
+            self.input_of = {n.name: n.input[0] for n in weight_matmuls(model)}
+            width = {n.name: gw.shape(n.input[1])[0] for n in weight_matmuls(model)}
+            self.order = list(dict.fromkeys(self.input_of.values()))
+            self.width = {self.input_of[n]: k for n, k in width.items()}
+            known = {o.name for o in model.graph.output}
+            for x in self.order:
+                if x not in known:
+                    model.graph.output.append(onnx.helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None))
+            onnx.save_model(model, str(self.path))
+        except BaseException:
+            self.close()
+            raise
         self.feeds, self.threads, self.max_bytes = feeds, threads, max_bytes
         self.rows = sum(int(np.prod(f["input_ids"].shape)) for f in feeds)
         self.loaded: dict[str, np.ndarray] = {}
         self.passes = 0
+
+    def __enter__(self) -> "Hessians":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __call__(self, node: str) -> np.ndarray:
         x = self.input_of[node]
@@ -77,13 +87,21 @@ class Hessians:
         for f in self.feeds:
             for x, a in zip(names, sess.run(names, f)):
                 a = a.reshape(-1, a.shape[-1]).astype(np.float32, copy=False)
-                xtx = (a.T @ a).astype(np.float64)  # one text's rows in fp32 (2x faster), the sum over texts in fp64
+                xtx = a.T @ a  # one text's rows in fp32 (2x faster), the sum over texts in fp64
                 if x in acc:
-                    acc[x] += xtx
+                    np.add(acc[x], xtx, out=acc[x])  # no K x K float64 temporary
                 else:
-                    acc[x] = xtx
+                    acc[x] = xtx.astype(np.float64)
+                del xtx
         del sess
-        self.loaded = {x: h / self.rows for x, h in acc.items()}
+        for x, h in acc.items():
+            h /= self.rows  # in place: the pass holds max_bytes of matrices, not twice that
+            if not np.isfinite(h).all():
+                users = [n for n, i in self.input_of.items() if i == x]
+                raise ValueError(f"GPTQ: the fp32 graph's input to {', '.join(users)} ({x}) is not finite on the "
+                                 "calibration text (NaN or inf): its 4-bit rounding cannot use it; "
+                                 "use int4_rounding = 'minmax'")
+        self.loaded = acc
         self.passes += 1
 
     def close(self) -> None:
@@ -106,7 +124,9 @@ def _range(w, bits: int, search: int = 0):
     for i in range(search + 1):
         p = 1 - 0.2 * i / max(search, 1)
         lo, hi = lo0 * p, hi0 * p
-        s = (hi - lo) / maxq
+        # a range of subnormals (largest |w| ~1e-44) underflows to a scale of 0, and 0/0 = NaN would spread
+        # through every later row of the column: such weights round to 0 instead
+        s = torch.clamp((hi - lo) / maxq, min=1e-30)
         z = torch.clamp(torch.round(-lo / s), 0, maxq)
         if not search:
             return s, z
@@ -118,6 +138,26 @@ def _range(w, bits: int, search: int = 0):
             best = torch.where(better, err, best)
             scale, zp = torch.where(better, s, scale), torch.where(better, z, zp)
     return scale, zp
+
+
+def _upper_inverse_cholesky(H, damp: float):
+    """Upper Cholesky factor of H^-1 (float32). H (float64, damped) is X^T X plus damping, positive definite
+    in exact arithmetic; where rounding (or a matrix that is no X^T X) makes the factorisation fail, the
+    damping is raised tenfold, twice, before giving up with a message that says what failed."""
+    import torch
+
+    mean = float(torch.diagonal(H).mean())
+    extra = 0.0
+    for step in range(3):
+        try:
+            L = torch.linalg.cholesky(H if not extra else H + extra * mean * torch.eye(len(H), dtype=H.dtype))
+            Hi = torch.cholesky_inverse(L)
+            del L
+            return torch.linalg.cholesky(Hi, upper=True).to(torch.float32)
+        except torch.linalg.LinAlgError:
+            extra = damp * (10 ** (step + 1) - 1)
+    raise ValueError(f"GPTQ: the inputs' X^T X is not positive definite even with damping {damp * 100:g} x its mean "
+                     "diagonal (is it X^T X of real inputs?); use int4_rounding = 'minmax'")
 
 
 def gptq_block_quant(w: np.ndarray, h: np.ndarray, bits: int, block: int, damp: float = 0.003,
@@ -133,24 +173,34 @@ def gptq_block_quant(w: np.ndarray, h: np.ndarray, bits: int, block: int, damp: 
     training prose no calibration set reaches), lost to 0.01 with 32."""
     import torch
 
+    if w.ndim != 2:
+        raise ValueError(f"GPTQ: the weight must be [K, N], got shape {w.shape}")
     k, n = w.shape
     if h.shape != (k, k):
         raise ValueError(f"GPTQ: the Hessian is {h.shape} for a weight of {k} input rows")
+    if not 1 <= bits <= 8 or block < 1:
+        raise ValueError(f"GPTQ: bits must be 1..8 (uint8 levels) and block >= 1, got {bits} and {block}")
+    if not np.isfinite(w).all():
+        raise ValueError(f"GPTQ: the weight [{k}, {n}] has NaN or inf entries")
+    if not np.isfinite(h).all():
+        raise ValueError("GPTQ: the inputs' X^T X has NaN or inf entries (the fp32 graph overflowed on the calibration text)")
     maxq = 2**bits - 1
     kb = -(-k // block)
     lazy = block * max(1, lazy // block)  # a block never straddles two lazy batches
     W = torch.from_numpy(np.ascontiguousarray(w, np.float32)).clone()
     H = torch.from_numpy(np.array(h, np.float64))
+    # rows whose input was 0 on every calibration token: H's row and column are 0, so with a unit diagonal they
+    # are decoupled from the rest (no error reaches them, theirs reaches nobody) and are rounded to nearest.
+    # (Reference GPTQ zeroes them instead, deleting weights that only the calibration text never used.)
     dead = torch.diagonal(H) == 0
     H[dead, dead] = 1.0
-    W[dead, :] = 0.0
     H += damp * torch.diagonal(H).mean() * torch.eye(k, dtype=torch.float64)
     perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else torch.arange(k)
     if act_order:  # rows with the largest inputs first; blocks' ranges fixed up front (they are not contiguous now)
         fixed = [_range(W[b:b + block], bits, search) for b in range(0, k, block)]
         W, H = W[perm], H[perm][:, perm]
-    L = torch.linalg.cholesky(H)
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True).to(torch.float32)
+    Hinv = _upper_inverse_cholesky(H, damp)
+    del H
     Q = torch.zeros(k, n, dtype=torch.uint8)
     scales = torch.zeros(kb, n)
     zps = torch.zeros(kb, n)
