@@ -85,14 +85,14 @@ class QuantizeOptions:
     int4_extra_ratio: float = 0.0  # ...else this share of the all-4-bit size spent on 8-bit MatMuls
     # int4-weight: block size of the MatMuls the budget keeps at 8 bits; 0: the largest of 128, 64, 32 that
     # divides the MatMul's input width (no padding; fewer scales, so the budget keeps more MatMuls at 8 bits)
-    int4_promoted_block: int = 32
+    int4_promoted_block: int = 0
     sensitivity_samples: int = 4  # texts (half calibration chats, half training prose) the sensitivity is measured on
     sensitivity_tokens: int = 128  # tokens per text
 
     def __post_init__(self) -> None:
         if self.int4_rounding not in ROUNDINGS:
             raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
-        if self.int4_rounding == "gptq" and self.int4_symmetric:
+        if self.mode == INT4_WEIGHT and self.int4_rounding == "gptq" and self.int4_symmetric:
             raise RecipeError("int4_rounding 'gptq' writes asymmetric blocks (a zero point each): set int4_rounding = "
                               "'minmax' for symmetric int4")
         if self.gptq_samples < 1 or self.gptq_tokens < 8:
@@ -430,17 +430,22 @@ def _qdq(pre: Path, dst: Path, reader, nodes: list[str]) -> None:
     )
 
 
-def sensitivity_feeds(hf_dir: Path, opts: QuantizeOptions, dims) -> list[dict]:
-    """Plain-graph prefill inputs: calibration chats and training prose (never the held-out texts)."""
+def sensitivity_feeds(hf_dir: Path, opts: QuantizeOptions, dims, skip: int = 0) -> list[dict]:
+    """Plain-graph prefill inputs: calibration chats and training prose (never the held-out texts), after the
+    first `skip` of each (the ones GPTQ fitted its rounding to, so the sensitivity is not measured on them;
+    a calibration file too short for that is used from its start)."""
     from export.load import chat_tokenizer
     from export.prose import prose_texts
 
     half = max(1, opts.sensitivity_samples // 2)
-    copts = QuantizeOptions(mode=opts.mode, calibration=opts.calibration, samples=half,
+    copts = QuantizeOptions(mode=opts.mode, calibration=opts.calibration, samples=skip + half,
                             max_calibration_tokens=opts.sensitivity_tokens)
     feeds = calibration_feeds(hf_dir, copts, dims.num_layers, dims.num_kv_heads, dims.head_dim)
+    feeds = feeds[skip:] if len(feeds) > skip else feeds[:half]
     tok = chat_tokenizer(hf_dir)
-    for text in prose_texts("train")[: opts.sensitivity_samples - len(feeds)]:
+    prose = prose_texts("train")
+    prose = prose[skip:] if len(prose) > skip + opts.sensitivity_samples else prose
+    for text in prose[: opts.sensitivity_samples - len(feeds)]:
         ids = tok.encode(text)[: opts.sensitivity_tokens]
         n = len(ids)
         feeds.append(feeds[0] | {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, n), np.int64),
@@ -517,9 +522,12 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
     if budget < base:
         raise RecipeError(f"int4_budget_mb {budget / 1e6:.1f} is less than the all-4-bit engine ({base / 1e6:.1f} MB): "
                           "raise it, or leave it unset")
-    feeds = sensitivity_feeds(hf_dir, opts, dims)
+    gptq = opts.int4_rounding == "gptq"
+    feeds = sensitivity_feeds(hf_dir, opts, dims, skip=opts.gptq_samples // 2 if gptq else 0)
     # measured once per exported graph, rounding and text: a new budget re-uses it (the .work folder's root)
-    rounding = [opts.int4_rounding] + ([opts.gptq_samples, opts.gptq_tokens, opts.calibration] if opts.int4_rounding == "gptq" else [])
+    # GPTQ's own code is part of the key: the cache lives in OUT.work/'s root and outlives the stage
+    code = hashlib.sha256(Path(__file__).with_name("gptq.py").read_bytes()).hexdigest()[:16] if gptq else None
+    rounding = [opts.int4_rounding] + ([opts.gptq_samples, opts.gptq_tokens, opts.calibration, code] if gptq else [])
     key = hashlib.sha256(json.dumps([str(plain.resolve()), plain.stat().st_mtime_ns, graph_bytes(plain), rounding, opts.int4_block_size,
                                      sorted(cost), [f["input_ids"].tolist() for f in feeds]]).encode()).hexdigest()[:16]
     cache = dst.parent / f"int4-sensitivity-{key}.json"

@@ -56,6 +56,7 @@ class BuildOptions:
     int4_budget_mb: float | None = None
     int4_extra_ratio: float = 0.0
     int4_rounding: str = "gptq"
+    gptq_samples: int = 96  # int4-weight, gptq: calibration texts (half chats, half training prose) of 256 tokens
     int4_block_size: int = 32  # int4-weight: 4-bit block size (edge-export plan says which fits a device)
     int4_lm_head_bits: int = 8
     eval_samples: int = 64
@@ -86,6 +87,8 @@ class BuildOptions:
 
         if self.int4_rounding not in ROUNDINGS:
             raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
+        if not isinstance(self.gptq_samples, int) or self.gptq_samples < 1:
+            raise RecipeError(f"gptq_samples must be a whole number >= 1 (calibration texts for GPTQ), got {self.gptq_samples!r}")
         if self.distill is not None and self.prune is None:
             raise RecipeError("distill needs a prune stage before it (a [prune] section or --prune RATIO): "
                               "distilling a model into itself teaches it nothing")
@@ -268,7 +271,7 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
                                          samples=opts.calibration_samples, smoothquant_alpha=opts.smoothquant_alpha,
                                          **({"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio,
                                              "int4_rounding": opts.int4_rounding, "int4_block_size": opts.int4_block_size,
-                                             "int4_lm_head_bits": opts.int4_lm_head_bits}
+                                             "int4_lm_head_bits": opts.int4_lm_head_bits, "gptq_samples": opts.gptq_samples}
                                             if precision == INT4_WEIGHT else {}))
         variant = "fused" if has_fused and precision in FROM_FUSED else "plain"
         src_dir = fused_dir if variant == "fused" else fp32_dir

@@ -27,7 +27,7 @@ def smol_bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("smol") / "smollm2.bundle"
     recipe = (Path(__file__).resolve().parent.parent / "recipes" / "smollm2-int8.toml").read_text()
     fast = out.parent / "recipe.toml"  # the quickstart recipe with fewer calibration and evaluation chats
-    fast.write_text(recipe.replace("calibration_samples = 64", "calibration_samples = 48")
+    fast.write_text(recipe.replace("calibration_samples = 64", "calibration_samples = 48\ngptq_samples = 24")
                     .replace("eval_samples = 64", "eval_samples = 48"))
     r = run_cli("export.cli", "build", "--recipe", str(fast), "-o", str(out), timeout=3000)  # as a user runs it
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -51,8 +51,11 @@ def test_sensitivity_ranks_the_outlier_weight_first_and_keeps_it_at_8_bits(mixed
     assert m["int4_sensitivity"][SENSITIVE] > 1.2 * m["int4_sensitivity"][ranking[1]]
     assert SENSITIVE in m["int4_8bit_matmuls"], {k: v for k, v in m.items() if k != "int4_sensitivity"}
     g = onnx.load(str(mixed_bundle.path(mixed_bundle.manifest.engine("int4-weight").file)), load_external_data=False)
-    bits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in g.graph.node if n.op_type == "MatMulNBits"}
+    attrs = {n.name: {a.name: a.i for a in n.attribute} for n in g.graph.node if n.op_type == "MatMulNBits"}
+    bits = {k: a["bits"] for k, a in attrs.items()}
     assert bits[SENSITIVE + "_Q8"] == 8
+    # a promoted MatMul's 8-bit block is the largest of 128/64/32 its input width divides (down_proj: 128 here)
+    assert attrs[SENSITIVE + "_Q8"]["block_size"] == 128 == attrs[SENSITIVE + "_Q8"]["K"]
     assert sum(b == 4 for b in bits.values()) >= 4  # most stay at 4 bits (8 weight MatMuls besides the head)
 
 
@@ -70,6 +73,14 @@ def test_a_budget_below_the_all_4_bit_engine_is_refused(mixed_bundle, tmp_path):
     work = mixed_bundle.root.with_name(mixed_bundle.root.name + ".work")
     with pytest.raises(RecipeError, match="less than the all-4-bit engine"):
         run(work / "export" / "fused", work / "load", tmp_path, QuantizeOptions(mode="int4-weight", int4_budget_mb=0.01))
+
+
+def test_promoted_block_pads_nothing():
+    from export.quantize import QuantizeOptions, promoted_block
+
+    auto = QuantizeOptions(mode="int4-weight")
+    assert [promoted_block(k, auto) for k in (576, 1536, 4096, 14336, 80, 960)] == [64, 128, 128, 128, 32, 64]
+    assert promoted_block(1536, QuantizeOptions(mode="int4-weight", int4_promoted_block=32)) == 32
 
 
 def test_allocate_takes_most_kl_per_byte_within_the_budget():
@@ -237,9 +248,26 @@ def test_gptq_is_the_default_and_needs_asymmetric_blocks(tmp_path):
 
     with pytest.raises(RecipeError, match="int4_rounding must be one of gptq, minmax, kquant"):
         BuildOptions(output=tmp_path / "x.bundle", int4_rounding="awq")
+    for bad in (0, -3, 2.5, "many"):
+        with pytest.raises(RecipeError, match="gptq_samples must be a whole number"):
+            BuildOptions(output=tmp_path / "x.bundle", gptq_samples=bad)
 
     assert QuantizeOptions(mode="int4-weight").int4_rounding == "gptq"
     with pytest.raises(RecipeError, match="int4_rounding = 'minmax' for symmetric"):
         QuantizeOptions(mode="int4-weight", int4_symmetric=True)
     with pytest.raises(RecipeError, match="gptq_samples"):
         QuantizeOptions(mode="int4-weight", gptq_samples=0)
+
+
+def test_the_sensitivity_is_not_measured_on_the_texts_gptq_fitted(mixed_bundle):
+    from export.load import model_dims
+    from export.quantize import QuantizeOptions, sensitivity_feeds
+
+    work = mixed_bundle.root.with_name(mixed_bundle.root.name + ".work")
+    dims = model_dims(work / "load")
+    gptq = sensitivity_feeds(work / "load", QuantizeOptions(mode="int4-weight", sensitivity_samples=8, sensitivity_tokens=32), dims)
+    sens = sensitivity_feeds(work / "load", QuantizeOptions(mode="int4-weight", sensitivity_samples=4, sensitivity_tokens=32),
+                             dims, skip=4)
+    seen = {tuple(f["input_ids"][0]) for f in gptq}
+    assert len(sens) == 4 and not seen & {tuple(f["input_ids"][0]) for f in sens}
+    assert QuantizeOptions(mode="int8-dynamic", int4_symmetric=True).int4_symmetric  # the gptq check is int4's only
