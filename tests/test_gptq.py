@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import run_matmulnbits
 from export.gptq import Hessians, _range, gptq_block_quant
-from export.int4 import block_quant, dequantize, pack
+from export.int4 import block_quant, dequantize
 
 
 def _reference(w: np.ndarray, h: np.ndarray, bits: int, block: int, act_order: bool, damp: float = 0.003,
@@ -66,23 +67,12 @@ def test_gptq_matches_the_textbook_algorithm(k, n, block, act_order):
 
 
 def test_padded_rows_are_zero_in_matmulnbits():
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
     k, n, block = 40, 6, 64
     rng = np.random.default_rng(3)
     x, h = _inputs(rng, k)
     w = (rng.standard_normal((k, n)) + 2.0).astype(np.float32)  # all positive: zero sits at the range's edge
     q, s, z = gptq_block_quant(w, h, 4, block)
-    b, zp = pack(q, z, 4)
-    node = helper.make_node("MatMulNBits", ["A", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4,
-                            block_size=block)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [4, k])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [4, n])],
-                              [numpy_helper.from_array(b, "B"), numpy_helper.from_array(s.reshape(-1), "S"),
-                               numpy_helper.from_array(zp.reshape(-1), "Z")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"A": x[:4]})[0]
+    y = run_matmulnbits(x[:4], q, s, z, k, block)
     np.testing.assert_allclose(y, x[:4] @ dequantize(q, s, z, k), rtol=1e-4, atol=1e-3)
 
 

@@ -7,9 +7,9 @@ import onnx
 import onnx.numpy_helper
 import pytest
 
-from conftest import make_tiny_model
+from conftest import make_tiny_model, run_matmulnbits
 from edge.errors import RecipeError
-from export.int4 import block_quant, dequantize, pack
+from export.int4 import block_quant, dequantize
 from export.sensitivity import allocate
 
 SENSITIVE = "/model/layers.1/mlp/down_proj/MatMul"  # the fused graph's name for the weight made sensitive below
@@ -91,22 +91,11 @@ def test_allocate_takes_most_kl_per_byte_within_the_budget():
 
 @pytest.mark.parametrize("k,n,block", [(64, 8, 32), (96, 5, 64), (40, 3, 32)])
 def test_kquant_levels_pack_the_way_matmulnbits_reads_them(k, n, block):
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
     rng = np.random.default_rng(k)
     w = rng.standard_normal((k, n)).astype(np.float32)
     q, s, z = block_quant(w, 4, block, "kquant")
-    b, zp = pack(q, z, 4)
-    node = helper.make_node("MatMulNBits", ["A", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4,
-                            block_size=block)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [2, k])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [2, n])],
-                              [numpy_helper.from_array(b, "B"), numpy_helper.from_array(s.reshape(-1), "S"),
-                               numpy_helper.from_array(zp.reshape(-1), "Z")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     a = rng.standard_normal((2, k)).astype(np.float32)
-    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"A": a})[0]
+    y = run_matmulnbits(a, q, s, z, k, block)
     np.testing.assert_allclose(y, a @ dequantize(q, s, z, k), rtol=1e-4, atol=1e-4)
     assert np.linalg.norm(dequantize(q, s, z, k) - w) < 0.15 * np.linalg.norm(w)
 
@@ -180,9 +169,6 @@ def test_gptq_rounds_so_the_output_moves_less_than_round_to_nearest(k, n, block)
     """GPTQ minimises the MatMul's output error on its calibration inputs; on other inputs from the same
     distribution it must beat round-to-nearest too (else it only fitted the calibration rows). Its levels
     run in MatMulNBits exactly as dequantized (K not a multiple of the block included: padded rows)."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
     from export.gptq import gptq_block_quant
 
     rng = np.random.default_rng(k + n)
@@ -196,16 +182,8 @@ def test_gptq_rounds_so_the_output_moves_less_than_round_to_nearest(k, n, block)
     for x in (x_cal, x_new):
         err_rtn, err_gptq = np.linalg.norm(x @ (rtn - w)), np.linalg.norm(x @ (gq - w))
         assert err_gptq < 0.5 * err_rtn, (err_gptq, err_rtn)  # measured 0.14-0.19
-    b, zp = pack(q, z, 4)
-    node = helper.make_node("MatMulNBits", ["A", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4,
-                            block_size=block)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [3, k])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [3, n])],
-                              [numpy_helper.from_array(b, "B"), numpy_helper.from_array(s.reshape(-1), "S"),
-                               numpy_helper.from_array(zp.reshape(-1), "Z")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     a = x_new[:3]
-    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"A": a})[0]
+    y = run_matmulnbits(a, q, s, z, k, block)
     np.testing.assert_allclose(y, a @ gq, rtol=1e-4, atol=1e-3)
 
 
