@@ -6,11 +6,13 @@ answer with the prompt cache on, a corrupt bundle is refused, a port in use is o
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -285,9 +287,14 @@ def test_repl_ctrl_c_stops_the_answer_and_keeps_the_conversation(long_bundle):
     Ctrl-C twice at the prompt exits 0."""
     import signal
 
+    # if a read stalls (a lost Ctrl-C, seen a few times on CI and never locally), the REPL is made to dump its
+    # threads' stacks (faulthandler on SIGABRT) and end, so the failure says where it was instead of timing out
     proc = subprocess.Popen([sys.executable, "-m", "edge.cli", "repl", str(long_bundle.root), "--threads", "1",
                              "--max-new-tokens", "3000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, bufsize=0)
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, bufsize=0,
+                            env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+    watchdog = threading.Timer(150, proc.send_signal, (signal.SIGABRT,))
+    watchdog.start()
     try:
         assert "Ctrl-C stops an answer" in proc.stdout.readline()
         proc.stdin.write("Hello!\n")
@@ -298,7 +305,7 @@ def test_repl_ctrl_c_stops_the_answer_and_keeps_the_conversation(long_bundle):
         seen = ""
         while "[stopped]" not in seen:
             ch = proc.stdout.read(1)
-            assert ch, proc.stderr.read()
+            assert ch, f"the REPL ended (or the watchdog dumped it) after {len(seen)} characters, last {seen[-200:]!r}:\n" + proc.stderr.read()
             seen += ch
         assert proc.stdout.read(len("\nyou> ")) == "\nyou> "  # back at the prompt
         proc.stdin.write("/history-is-kept-check\n")  # any line: a second turn of the same chat
@@ -325,6 +332,7 @@ def test_repl_ctrl_c_stops_the_answer_and_keeps_the_conversation(long_bundle):
         assert proc.wait(60) == 0
         assert "Traceback" not in proc.stderr.read()
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             proc.kill()
 
