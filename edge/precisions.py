@@ -45,6 +45,8 @@ def nbits_bytes(bits: int, block: int, symmetric: bool) -> float:
     return bits / 8 + 4 / block + (0 if symmetric else bits / 8 / block)
 
 
+INT4_HEAD_BLOCK = 64  # the int4-weight engine's 8-bit LM head block (export/quantize.py int4_lm_head_block)
+
 # the names, for code that means one precision in particular (a test keeps other literals out of the code)
 FP32, FP16, BF16, FP8 = "fp32", "fp16", "bf16", "fp8"
 INT8_QDQ, INT8_DYNAMIC, INT4_WEIGHT = "int8-qdq", "int8-dynamic", "int4-weight"
@@ -58,7 +60,7 @@ TABLE: tuple[Precision, ...] = (
               exported=True, quantized=True),  # the head left in float (TensorRT runs it in FP16)
     Precision(INT8_DYNAMIC, "fused", nbits_bytes(8, 32, True), 5, cpu=0, cuda=3, embed_bytes=1.0, exported=True,
               quantized=True),
-    Precision(INT4_WEIGHT, "fused", nbits_bytes(4, 32, False), 6, cpu=1, cuda=2, head_bytes=nbits_bytes(8, 32, True),
+    Precision(INT4_WEIGHT, "fused", nbits_bytes(4, 32, False), 6, cpu=1, cuda=2, head_bytes=nbits_bytes(8, INT4_HEAD_BLOCK, True),
               embed_bytes=1.0, exported=True, quantized=True),
 )
 PRECISIONS: dict[str, Precision] = {p.name: p for p in TABLE}

@@ -223,6 +223,9 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--int4-rounding", choices=("gptq", "minmax", "kquant"),
                    help="int4-weight: how 4-bit weights are rounded (default gptq: each weight knowing the calibration "
                         "inputs, ~1 min more on a 135M model; minmax: round to nearest; recipe key int4_rounding)")
+    b.add_argument("--int8-rounding", choices=("gptq", "minmax"),
+                   help="int8-dynamic: how 8-bit weights are rounded (default gptq, ~1.5 min more on a 135M model; "
+                        "minmax: round to nearest; recipe key int8_rounding)")
     b.add_argument("--fresh", action="store_true", help="ignore finished stages in OUT.work/ and start over")
     b.add_argument("--reuse-stale", action="store_true",
                    help="reuse finished stages even if the edgechat code that ran them has changed since "

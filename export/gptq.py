@@ -110,16 +110,22 @@ class Hessians:
             p.unlink(missing_ok=True)
 
 
-def _range(w, bits: int, search: int = 0):
+def _range(w, bits: int, search: int = 0, symmetric: bool = False):
     """Asymmetric levels of w [rows, N] per column, zero inside the range (as ONNX Runtime's min-max); with
     `search` > 0 the range is also shrunk in `search` steps down to 0.8x and the one with the least squared
-    error kept (a clipped extreme weight costs less than coarse steps for all the others)."""
+    error kept (a clipped extreme weight costs less than coarse steps for all the others). `symmetric`: the
+    zero point is MatMulNBits' implicit one (2^(bits-1)) and the range +-max|w|."""
     import torch
 
     maxq = 2**bits - 1
-    lo0 = torch.clamp(w.min(dim=0).values, max=0)
-    hi0 = torch.clamp(w.max(dim=0).values, min=0)
-    hi0 = torch.where(hi0 == lo0, lo0 + 1e-8, hi0)
+    if symmetric:  # levels 0..maxq around 2^(bits-1): (q - zp) covers -2^(bits-1)..2^(bits-1)-1
+        amax = w.abs().max(dim=0).values
+        hi0 = torch.where(amax == 0, torch.full_like(amax, 1e-8), amax) * (maxq / (maxq - 1))
+        lo0 = -hi0
+    else:
+        lo0 = torch.clamp(w.min(dim=0).values, max=0)
+        hi0 = torch.clamp(w.max(dim=0).values, min=0)
+        hi0 = torch.where(hi0 == lo0, lo0 + 1e-8, hi0)
     best = scale = zp = None
     for i in range(search + 1):
         p = 1 - 0.2 * i / max(search, 1)
@@ -127,7 +133,7 @@ def _range(w, bits: int, search: int = 0):
         # a range of subnormals (largest |w| ~1e-44) underflows to a scale of 0, and 0/0 = NaN would spread
         # through every later row of the column: such weights round to 0 instead
         s = torch.clamp((hi - lo) / maxq, min=1e-30)
-        z = torch.clamp(torch.round(-lo / s), 0, maxq)
+        z = torch.full_like(s, 2 ** (bits - 1)) if symmetric else torch.clamp(torch.round(-lo / s), 0, maxq)
         if not search:
             return s, z
         err = ((torch.clamp(torch.round(w / s) + z, 0, maxq) - z) * s - w).pow(2).sum(dim=0)
@@ -161,7 +167,8 @@ def _upper_inverse_cholesky(H, damp: float):
 
 
 def gptq_block_quant(w: np.ndarray, h: np.ndarray, bits: int, block: int, damp: float = 0.003,
-                     lazy: int = 128, act_order: bool = True, search: int = 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     lazy: int = 128, act_order: bool = True, search: int = 20,
+                     symmetric: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """w [K, N] fp32, h [K, K] -> (q [N, k_blocks, block] uint8, scales [N, k_blocks] fp32, zero points
     [N, k_blocks] uint8), the layout of export.int4.block_quant: w ≈ (q - zp) * scale per block.
 
@@ -170,7 +177,8 @@ def gptq_block_quant(w: np.ndarray, h: np.ndarray, bits: int, block: int, damp: 
     Both on by default: SmolLM2-135M, all MatMuls 4-bit in blocks of 64, KL to fp32 on held-out prose:
     plain GPTQ 0.224, + act_order 0.141, + search 0.131 (min-max 0.328; docs/quality.md). `damp` (of the
     mean diagonal, added to H): 0.003 beat 0.01 and 0.05 with 96 and 192 calibration texts (tuned on
-    training prose no calibration set reaches), lost to 0.01 with 32."""
+    training prose no calibration set reaches), lost to 0.01 with 32. `symmetric`: every zero point is
+    2^(bits-1), the one MatMulNBits assumes when a graph gives none (the caller then leaves them out)."""
     import torch
 
     if w.ndim != 2:
@@ -197,7 +205,7 @@ def gptq_block_quant(w: np.ndarray, h: np.ndarray, bits: int, block: int, damp: 
     H += damp * torch.diagonal(H).mean() * torch.eye(k, dtype=torch.float64)
     perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else torch.arange(k)
     if act_order:  # rows with the largest inputs first; blocks' ranges fixed up front (they are not contiguous now)
-        fixed = [_range(W[b:b + block], bits, search) for b in range(0, k, block)]
+        fixed = [_range(W[b:b + block], bits, search, symmetric) for b in range(0, k, block)]
         W, H = W[perm], H[perm][:, perm]
     Hinv = _upper_inverse_cholesky(H, damp)
     del H
@@ -215,7 +223,7 @@ def gptq_block_quant(w: np.ndarray, h: np.ndarray, bits: int, block: int, damp: 
             if act_order:
                 scale, zp = fixed[int(perm[r]) // block]
             elif r % block == 0:  # this block's range, from the rows as the earlier errors left them
-                scale, zp = _range(W1[i:i + block], bits, search)
+                scale, zp = _range(W1[i:i + block], bits, search, symmetric)
             if act_order or r % block == 0:
                 scales[int(perm[r]) // block], zps[int(perm[r]) // block] = scale, zp
             row = W1[i]

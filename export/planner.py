@@ -33,7 +33,7 @@ PREFILL_CHUNK = DecoderIO().prefill_chunk  # the runtime's prompt chunk (the eng
 @dataclass(frozen=True)
 class Int4Layout:
     """How an int4-weight engine stores the model: 4-bit blocks of `block` weights (an fp32 scale and a 4-bit
-    zero point each) and the LM head at `head_bits` (8: blocks of 32, symmetric). The quantize stage's
+    zero point each) and the LM head at `head_bits` (8: blocks of 64, symmetric). The quantize stage's
     int4_block_size and int4_lm_head_bits (`edge-export build --int4-block N --int4-head-bits B`)."""
 
     block: int = 32
@@ -48,7 +48,7 @@ class Int4Layout:
 
     @property
     def head_bytes(self) -> float:
-        return precisions.nbits_bytes(8, 32, True) if self.head_bits == 8 else self.body_bytes
+        return precisions.nbits_bytes(8, precisions.INT4_HEAD_BLOCK, True) if self.head_bits == 8 else self.body_bytes
 
     @property
     def flags(self) -> str:

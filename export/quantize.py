@@ -70,6 +70,10 @@ class QuantizeOptions:
     qdq_float_nodes: tuple[str, ...] = ("layers.0/mlp/down_proj/", "layers.{last}/mlp/down_proj/")
     int4_symmetric: bool = False  # int4-weight: False = per-block zero points (asymmetric), see the module docstring
     int4_lm_head_bits: int = 8  # int4-weight: the LM head (and the tied embedding that shares it) at 8 bits
+    # ...in symmetric blocks of this many weights (of 32, 16 where the hidden width is no multiple of it: the tied
+    # embedding gathers unpadded rows from the head's table). SmolLM2-135M at Q4_K_M's size, held-out KL chats /
+    # prose: blocks of 64 0.0559 / 0.0602 (33 MatMuls promoted) against 32's 0.0570 / 0.0639 (30), docs/quality.md
+    int4_lm_head_block: int = precisions.INT4_HEAD_BLOCK
     # int4-weight: 4-bit blocks of this many weights. Larger blocks store fewer fp32 scales and zero points
     # (bytes per weight 0.641 at 32, 0.570 at 64, 0.535 at 128): what `edge-export plan` picks to fit a device
     int4_block_size: int = 32
@@ -81,6 +85,11 @@ class QuantizeOptions:
     # training prose no calibration reaches: 32 texts 0.172, 96 0.156, 192 0.163 (at damp 0.01)
     gptq_samples: int = 96
     gptq_tokens: int = 256  # tokens per text
+    gptq_chat_share: float = 0.5  # ...of which this share are calibration chats, the rest training prose
+    # int8-dynamic (MatMulNBits kernel): "gptq" (symmetric GPTQ, every 8-bit MatMul and the head; SmolLM2-135M,
+    # held-out KL to fp32 chats 0.0044 / prose 0.0036 against min-max's 0.0063 / 0.0047, docs/quality.md) or
+    # "minmax" (ONNX Runtime's round to nearest)
+    int8_rounding: str = "gptq"
     int4_budget_mb: float | None = None  # int4-weight: the engine's size in MB (1e6) at most; None: int4_extra_ratio
     int4_extra_ratio: float = 0.0  # ...else this share of the all-4-bit size spent on 8-bit MatMuls
     # int4-weight: block size of the MatMuls the budget keeps at 8 bits; 0: the largest of 128, 64, 32 that
@@ -92,9 +101,13 @@ class QuantizeOptions:
     def __post_init__(self) -> None:
         if self.int4_rounding not in ROUNDINGS:
             raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
+        if self.int8_rounding not in ("gptq", "minmax"):
+            raise RecipeError(f"int8_rounding must be 'gptq' or 'minmax', got {self.int8_rounding!r}")
         if self.mode == INT4_WEIGHT and self.int4_rounding == "gptq" and self.int4_symmetric:
             raise RecipeError("int4_rounding 'gptq' writes asymmetric blocks (a zero point each): set int4_rounding = "
                               "'minmax' for symmetric int4")
+        if not 0 <= self.gptq_chat_share <= 1:
+            raise RecipeError(f"gptq_chat_share must be in [0, 1], got {self.gptq_chat_share}")
         if self.gptq_samples < 1 or self.gptq_tokens < 8:
             raise RecipeError(f"gptq_samples must be >= 1 and gptq_tokens >= 8, got {self.gptq_samples} and {self.gptq_tokens}")
         if self.int4_budget_mb is not None and self.int4_budget_mb <= 0 or self.int4_extra_ratio < 0:
@@ -198,10 +211,12 @@ def matching_matmuls(model, patterns: tuple[str, ...], num_layers: int) -> list[
     return [n.name for n in weight_matmuls(model) if any(p in n.name for p in pats)]
 
 
-def _int8_dynamic(gw: GraphWeights, src: Path, dst: Path, opts: QuantizeOptions, num_layers: int) -> list[str]:
+def _int8_dynamic(gw: GraphWeights, src: Path, dst: Path, opts: QuantizeOptions, num_layers: int,
+                  hessian: Callable[[str], np.ndarray] | None = None) -> list[str]:
     if opts.int8_kernel == "nbits":
         special = {name: (8, 16) for name in matching_matmuls(gw.model, tuple(opts.block16_nodes), num_layers)}
-        _nbits(gw, bits=8, accuracy_level=opts.accuracy_level, special=special)
+        _nbits(gw, bits=8, accuracy_level=opts.accuracy_level, special=special, rounding=opts.int8_rounding,
+               hessian=hessian)
         return sorted(special)
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -225,7 +240,8 @@ def _nbits(gw: GraphWeights, bits: int, accuracy_level: int = 4, symmetric: bool
     quantized symmetric (so a tied embedding can gather its rows from the LM head's table). `hessian`
     (this graph's MatMul name -> its input's X^T X) is what "gptq" rounding needs.
 
-    One weight at a time, read from disk, quantized by ONNX Runtime's own block quantizer (the kernel
+    One weight at a time, read from disk, rounded by GPTQ (export/gptq.py, any bits, symmetric or not), by
+    k-quant search (4-bit asymmetric) or by ONNX Runtime's own block quantizer (min-max, the one
     `MatMulNBitsQuantizer` calls), its MatMul replaced in place: memory holds one fp32 tensor at a time."""
     from onnx import helper
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
@@ -244,7 +260,7 @@ def _nbits(gw: GraphWeights, bits: int, accuracy_level: int = 4, symmetric: bool
                 block_size=block, is_symmetric=sym, accuracy_level=accuracy_level, bits=b))
         w = gw.array(node.input[1]).astype(np.float32, copy=False)
         k, n = w.shape
-        if rounding in ("kquant", "gptq") and not sym and b == 4:
+        if rounding == "gptq" or rounding == "kquant" and not sym and b == 4:
             from export.int4 import block_quant, pack
 
             if rounding == "gptq":
@@ -252,7 +268,7 @@ def _nbits(gw: GraphWeights, bits: int, accuracy_level: int = 4, symmetric: bool
 
                 if hessian is None:
                     raise ValueError("gptq rounding needs the inputs' statistics (hessian=)")
-                q, scales, zp = gptq_block_quant(w, hessian(node.name), b, block)
+                q, scales, zp = gptq_block_quant(w, hessian(node.name), b, block, symmetric=sym)
             else:
                 q, scales, zp = block_quant(w, b, block, "kquant")
             packed, zero_points = pack(q, zp, b)
@@ -430,14 +446,14 @@ def _qdq(pre: Path, dst: Path, reader, nodes: list[str]) -> None:
     )
 
 
-def sensitivity_feeds(hf_dir: Path, opts: QuantizeOptions, dims, skip: int = 0) -> list[dict]:
-    """Plain-graph prefill inputs: calibration chats and training prose (never the held-out texts), after the
-    first `skip` of each (the ones GPTQ fitted its rounding to, so the sensitivity is not measured on them;
-    a calibration file too short for that is used from its start)."""
+def sensitivity_feeds(hf_dir: Path, opts: QuantizeOptions, dims, skip: int = 0, chats: int | None = None) -> list[dict]:
+    """Plain-graph prefill inputs: `chats` calibration chats (default half) and training prose for the rest
+    (never the held-out texts), after the first `skip` of each (the ones GPTQ fitted its rounding to, so the
+    sensitivity is not measured on them; a calibration file too short for that is used from its start)."""
     from export.load import chat_tokenizer
     from export.prose import prose_texts
 
-    half = max(1, opts.sensitivity_samples // 2)
+    half = max(1, opts.sensitivity_samples // 2 if chats is None else min(chats, opts.sensitivity_samples))
     copts = QuantizeOptions(mode=opts.mode, calibration=opts.calibration, samples=skip + half,
                             max_calibration_tokens=opts.sensitivity_tokens)
     feeds = calibration_feeds(hf_dir, copts, dims.num_layers, dims.num_kv_heads, dims.head_dim)
@@ -453,11 +469,21 @@ def sensitivity_feeds(hf_dir: Path, opts: QuantizeOptions, dims, skip: int = 0) 
     return feeds
 
 
+def gptq_chats(opts: QuantizeOptions) -> int:
+    """How many of GPTQ's calibration texts are chats (the rest is training prose)."""
+    return max(1, round(opts.gptq_samples * opts.gptq_chat_share))
+
+
 def promoted_block(k: int, opts: QuantizeOptions) -> int:
     """The 8-bit block size of a MatMul with `k` input rows that the int4 budget promotes."""
     if opts.int4_promoted_block:
         return opts.int4_promoted_block
     return next((b for b in (128, 64) if k % b == 0), 32)
+
+
+def lm_head_block(k: int, opts: QuantizeOptions) -> int:
+    """The int4 engine's 8-bit LM head block size for a hidden width `k`: one that divides it (no padded rows)."""
+    return next((b for b in (opts.int4_lm_head_block, 32, 16) if k % b == 0), 32)
 
 
 def _weight_of(gw: GraphWeights, node_name: str) -> str:
@@ -480,7 +506,7 @@ def _gptq_statistics(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOpti
     plain, fused = _plain_graph(fp32_dir)
     feeds = sensitivity_feeds(hf_dir, QuantizeOptions(mode=opts.mode, calibration=opts.calibration,
                                                       sensitivity_samples=opts.gptq_samples,
-                                                      sensitivity_tokens=opts.gptq_tokens), dims)
+                                                      sensitivity_tokens=opts.gptq_tokens), dims, chats=gptq_chats(opts))
     hess = Hessians(plain, dst, feeds)
     plain_of = {target_name(p, fused): p for p in hess.input_of}
 
@@ -523,11 +549,12 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
         raise RecipeError(f"int4_budget_mb {budget / 1e6:.1f} is less than the all-4-bit engine ({base / 1e6:.1f} MB): "
                           "raise it, or leave it unset")
     gptq = opts.int4_rounding == "gptq"
-    feeds = sensitivity_feeds(hf_dir, opts, dims, skip=opts.gptq_samples // 2 if gptq else 0)
+    feeds = sensitivity_feeds(hf_dir, opts, dims, skip=max(gptq_chats(opts), opts.gptq_samples - gptq_chats(opts)) if gptq else 0)
     # measured once per exported graph, rounding and text: a new budget re-uses it (the .work folder's root)
     # GPTQ's own code is part of the key: the cache lives in OUT.work/'s root and outlives the stage
     code = hashlib.sha256(Path(__file__).with_name("gptq.py").read_bytes()).hexdigest()[:16] if gptq else None
-    rounding = [opts.int4_rounding] + ([opts.gptq_samples, opts.gptq_tokens, opts.calibration, code] if gptq else [])
+    rounding = [opts.int4_rounding] + ([opts.gptq_samples, opts.gptq_tokens, opts.calibration, code]
+                                       + ([opts.gptq_chat_share] if opts.gptq_chat_share != 0.5 else []) if gptq else [])
     key = hashlib.sha256(json.dumps([str(plain.resolve()), plain.stat().st_mtime_ns, graph_bytes(plain), rounding, opts.int4_block_size,
                                      sorted(cost), [f["input_ids"].tolist() for f in feeds]]).encode()).hexdigest()[:16]
     cache = dst.parent / f"int4-sensitivity-{key}.json"
@@ -565,7 +592,8 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
     from export.load import model_dims
 
     hess = None
-    if opts.mode == INT4_WEIGHT and opts.int4_rounding == "gptq":
+    if (opts.mode == INT4_WEIGHT and opts.int4_rounding == "gptq"
+            or opts.mode == INT8_DYNAMIC and opts.int8_kernel == "nbits" and opts.int8_rounding == "gptq"):
         hess, hessian = _gptq_statistics(fp32_dir, hf_dir, dst, opts, model_dims(hf_dir))
     try:
         metrics = _run(fp32_dir, hf_dir, dst, opts, hessian if hess else None)
@@ -587,10 +615,12 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
     metrics: dict = {"mode": opts.mode}
     special: dict[str, tuple[int, int]] = {}
     if opts.mode == INT8_DYNAMIC:
-        metrics["block16_nodes"] = _int8_dynamic(gw, dst / "prepared.onnx", out, opts, dims.num_layers)
+        metrics["block16_nodes"] = _int8_dynamic(gw, dst / "prepared.onnx", out, opts, dims.num_layers, hessian)
+        metrics["int8_rounding"] = opts.int8_rounding if opts.int8_kernel == "nbits" else None
     elif opts.mode == INT4_WEIGHT:
         head = getattr(lm_head_matmul(gw.model), "name", None)
-        special = {head: (opts.int4_lm_head_bits, 32)} if head and opts.int4_lm_head_bits != 4 else {}
+        special = {head: (opts.int4_lm_head_bits, lm_head_block(gw.shape(_weight_of(gw, head))[0], opts))} \
+            if head and opts.int4_lm_head_bits != 4 else {}
         if opts.int4_budget_mb is not None or opts.int4_extra_ratio > 0:
             metrics |= _int4_mixed(gw, fp32_dir, hf_dir, dst, opts, dims, special, hessian)
             special |= {name: (8, promoted_block(gw.shape(_weight_of(gw, name))[0], opts)) for name in metrics["int4_8bit_matmuls"]}

@@ -56,7 +56,8 @@ class BuildOptions:
     int4_budget_mb: float | None = None
     int4_extra_ratio: float = 0.0
     int4_rounding: str = "gptq"
-    gptq_samples: int = 96  # int4-weight, gptq: calibration texts (half chats, half training prose) of 256 tokens
+    gptq_samples: int = 96  # gptq rounding: calibration texts (half chats, half training prose) of 256 tokens
+    int8_rounding: str = "gptq"  # int8-dynamic: "gptq" or "minmax" (export/quantize.py)
     int4_block_size: int = 32  # int4-weight: 4-bit block size (edge-export plan says which fits a device)
     int4_lm_head_bits: int = 8
     eval_samples: int = 64
@@ -87,6 +88,8 @@ class BuildOptions:
 
         if self.int4_rounding not in ROUNDINGS:
             raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
+        if self.int8_rounding not in ("gptq", "minmax"):
+            raise RecipeError(f"int8_rounding must be 'gptq' or 'minmax', got {self.int8_rounding!r}")
         if not isinstance(self.gptq_samples, int) or self.gptq_samples < 1:
             raise RecipeError(f"gptq_samples must be a whole number >= 1 (calibration texts for GPTQ), got {self.gptq_samples!r}")
         if self.distill is not None and self.prune is None:
@@ -142,7 +145,7 @@ class BuildOptions:
                     fused=False if getattr(a, "no_fused", False) else None,
                     int4_budget_mb=getattr(a, "int4_budget_mb", None),
                     int4_block_size=getattr(a, "int4_block", None), int4_lm_head_bits=getattr(a, "int4_head_bits", None),
-                    int4_rounding=getattr(a, "int4_rounding", None),
+                    int4_rounding=getattr(a, "int4_rounding", None), int8_rounding=getattr(a, "int8_rounding", None),
                     ram_check=False if getattr(a, "skip_ram_check", False) else None)
         base = cls.from_toml(a.recipe, **over) if a.recipe else \
             cls(**{k: (Path(v) if k == "output" else v) for k, v in over.items() if v is not None})
@@ -271,8 +274,10 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
                                          samples=opts.calibration_samples, smoothquant_alpha=opts.smoothquant_alpha,
                                          **({"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio,
                                              "int4_rounding": opts.int4_rounding, "int4_block_size": opts.int4_block_size,
-                                             "int4_lm_head_bits": opts.int4_lm_head_bits, "gptq_samples": opts.gptq_samples}
-                                            if precision == INT4_WEIGHT else {}))
+                                             "int4_lm_head_bits": opts.int4_lm_head_bits}
+                                            if precision == INT4_WEIGHT else {}),
+                                         **({"int8_rounding": opts.int8_rounding} if precision == INT8_DYNAMIC else {}),
+                                         gptq_samples=opts.gptq_samples)
         variant = "fused" if has_fused and precision in FROM_FUSED else "plain"
         src_dir = fused_dir if variant == "fused" else fp32_dir
         qdir, rec = stage(f"quantize-{precision}",

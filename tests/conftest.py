@@ -226,7 +226,8 @@ def long_bundle(tmp_path_factory):
 
 def run_matmulnbits(a, q, scales, zero_points, k: int, block: int, bits: int = 4):
     """A @ W through ONNX Runtime's MatMulNBits, W given as block levels [N, k_blocks, block], scales and
-    zero points [N, k_blocks] (export.int4's layout, packed here the way the quantizer packs them)."""
+    zero points [N, k_blocks] (export.int4's layout, packed here the way the quantizer packs them); zero_points
+    None: the graph gives none, so the kernel uses its implicit 2^(bits-1)."""
     import numpy as np
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -234,14 +235,14 @@ def run_matmulnbits(a, q, scales, zero_points, k: int, block: int, bits: int = 4
     from export.int4 import pack
 
     n = q.shape[0]
-    b, zp = pack(q, zero_points, bits)
-    node = helper.make_node("MatMulNBits", ["A", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=k, N=n, bits=bits,
-                            block_size=block)
+    b, zp = pack(q, np.zeros(q.shape[:2], np.uint8) if zero_points is None else zero_points, bits)
+    node = helper.make_node("MatMulNBits", ["A", "B", "S"] + (["Z"] if zero_points is not None else []), ["Y"],
+                            domain="com.microsoft", K=k, N=n, bits=bits, block_size=block)
     rows = a.shape[0]
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [rows, k])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [rows, n])],
-                              [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales.reshape(-1), "S"),
-                               numpy_helper.from_array(zp.reshape(-1), "Z")])
+                              [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales.reshape(-1), "S")]
+                              + ([numpy_helper.from_array(zp.reshape(-1), "Z")] if zero_points is not None else []))
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(None, {"A": np.ascontiguousarray(a, np.float32)})[0]

@@ -134,6 +134,26 @@ def test_other_bit_widths(bits):
     np.testing.assert_allclose(dequantize(q, s, z, k), _reference(w, h, bits, 32, True), atol=1e-5)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_symmetric_blocks_are_what_matmulnbits_reads_without_zero_points(bits):
+    """Symmetric GPTQ (int8-dynamic's layout, and the 8-bit MatMuls of an int4 engine) stores no zero points: each
+    block's is MatMulNBits' implicit 2^(bits-1); its output still moves less than symmetric round-to-nearest."""
+    k, n, block = 96, 7, 32
+    rng = np.random.default_rng(bits + 40)
+    x, h = _inputs(rng, k)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    w[5, 2] = 9.0  # an outlier: its block's range is set by it
+    q, s, z = gptq_block_quant(w, h, bits, block, symmetric=True)
+    assert (z == 2 ** (bits - 1)).all() and q.max() <= 2**bits - 1
+    deq = dequantize(q, s, z, k)
+    np.testing.assert_allclose(run_matmulnbits(x[:4], q, s, None, k, block, bits), x[:4] @ deq, rtol=1e-4, atol=1e-3)
+    half = 2 ** (bits - 1) - 1
+    amax = np.abs(w.reshape(k // block, block, n)).max(axis=1, keepdims=True)
+    rtn = (np.clip(np.round(w.reshape(k // block, block, n) / (amax / half)), -half - 1, half) * (amax / half)).reshape(k, n)
+    assert np.abs(deq[5, 2] - 9.0) <= 9.0 / half  # the outlier stays in range (the search may shrink it a little)
+    assert np.linalg.norm(x @ (deq - w)) < 0.8 * np.linalg.norm(x @ (rtn - w))
+
+
 def test_bad_inputs_are_refused_with_a_message():
     k, n = 32, 4
     rng = np.random.default_rng(9)

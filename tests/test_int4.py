@@ -83,6 +83,14 @@ def test_promoted_block_pads_nothing():
     assert promoted_block(1536, QuantizeOptions(mode="int4-weight", int4_promoted_block=32)) == 32
 
 
+def test_the_8_bit_head_block_divides_the_hidden_width():
+    """The tied embedding gathers whole rows from the head's table: its blocks never pad a row."""
+    from export.quantize import QuantizeOptions, lm_head_block
+
+    auto = QuantizeOptions(mode="int4-weight")
+    assert [lm_head_block(k, auto) for k in (576, 896, 4096, 96, 80)] == [64, 64, 64, 32, 16]
+
+
 def test_allocate_takes_most_kl_per_byte_within_the_budget():
     sens, cost = {"a": 1.0, "b": 0.9, "c": 0.1}, {"a": 100, "b": 10, "c": 10}
     assert allocate(sens, cost, 25) == ["b", "c"]   # a is worth less per byte and does not fit anyway
@@ -127,7 +135,7 @@ def test_int4_layouts_store_what_the_planner_plans(untied_int4, tmp_path):
     g = onnx.load(str(untied_int4.path(untied_int4.manifest.engine("int4-weight").file)), load_external_data=False)
     attrs = {n.name: {a.name: a.i for a in n.attribute} for n in g.graph.node if n.op_type == "MatMulNBits"}
     head = [k for k in attrs if "lm_head" in k]
-    assert len(head) == 1 and attrs[head[0]]["bits"] == 8 and attrs[head[0]]["block_size"] == 32
+    assert len(head) == 1 and attrs[head[0]]["bits"] == 8 and attrs[head[0]]["block_size"] == 64
     assert {(a["bits"], a["block_size"]) for k, a in attrs.items() if k not in head} == {(4, 64)}
 
     work = untied_int4.root.with_name(untied_int4.root.name + ".work")
@@ -235,6 +243,15 @@ def test_gptq_is_the_default_and_needs_asymmetric_blocks(tmp_path):
         QuantizeOptions(mode="int4-weight", int4_symmetric=True)
     with pytest.raises(RecipeError, match="gptq_samples"):
         QuantizeOptions(mode="int4-weight", gptq_samples=0)
+    assert QuantizeOptions(mode="int8-dynamic").int8_rounding == "gptq" and BuildOptions(output=tmp_path / "x.bundle").int8_rounding == "gptq"
+    for bad in ("awq", None, 8):
+        with pytest.raises(RecipeError, match="int8_rounding must be 'gptq' or 'minmax'"):
+            BuildOptions(output=tmp_path / "x.bundle", int8_rounding=bad)
+        with pytest.raises(RecipeError, match="int8_rounding must be 'gptq' or 'minmax'"):
+            QuantizeOptions(mode="int8-dynamic", int8_rounding=bad)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(RecipeError, match="gptq_chat_share must be in"):
+            QuantizeOptions(mode="int4-weight", gptq_chat_share=bad)
 
 
 def test_the_sensitivity_is_not_measured_on_the_texts_gptq_fitted(mixed_bundle):
@@ -248,4 +265,10 @@ def test_the_sensitivity_is_not_measured_on_the_texts_gptq_fitted(mixed_bundle):
                              dims, skip=4)
     seen = {tuple(f["input_ids"][0]) for f in gptq}
     assert len(sens) == 4 and not seen & {tuple(f["input_ids"][0]) for f in sens}
+    # a prose-heavy GPTQ set (2 chats, 6 prose): the sensitivity skips the larger count of each kind
+    opts = QuantizeOptions(mode="int4-weight", sensitivity_samples=8, sensitivity_tokens=32, gptq_chat_share=0.25)
+    gptq = sensitivity_feeds(work / "load", opts, dims, chats=2)
+    sens = sensitivity_feeds(work / "load", QuantizeOptions(mode="int4-weight", sensitivity_samples=4, sensitivity_tokens=32),
+                             dims, skip=6)
+    assert len(gptq) == 8 and len(sens) == 4 and not {tuple(f["input_ids"][0]) for f in gptq} & {tuple(f["input_ids"][0]) for f in sens}
     assert QuantizeOptions(mode="int8-dynamic", int4_symmetric=True).int4_symmetric  # the gptq check is int4's only

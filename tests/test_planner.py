@@ -33,14 +33,14 @@ def test_the_numbers_people_quote():
 
 def test_matmulnbits_sizes_by_hand():
     """8-bit: a byte + an fp32 scale per 32 weights; 4-bit: half a byte + scale + 4-bit zero point per 32,
-    the LM head (49152 x 576, tied) at 8 bits. The real bundle: 154 MB and 102 MB on disk."""
+    the LM head (49152 x 576, tied) at 8 bits with a scale per 64. The real bundle: 154 MB and 100 MB on disk."""
     d = KNOWN_SIZES["smollm2-135m"]
     orin = load_profile("orin-nano-8gb")
     head = 49152 * 576
     assert plan(d, orin, "int8-dynamic").weights_gb * GB == pytest.approx(134_515_008 * 1.125)
     assert plan(d, orin, "int4-weight").weights_gb * GB == pytest.approx((134_515_008 - head) * (0.5 + 4.5 / 32)
-                                                                         + head * 1.125)
-    assert 0.150 < plan(d, orin, "int8-dynamic").weights_gb < 0.154 and 0.099 < plan(d, orin, "int4-weight").weights_gb < 0.102
+                                                                         + head * (1 + 4 / 64))
+    assert 0.150 < plan(d, orin, "int8-dynamic").weights_gb < 0.154 and 0.097 < plan(d, orin, "int4-weight").weights_gb < 0.100
 
 
 def test_smollm2_on_orin_nano_fp16_by_hand():
@@ -98,7 +98,7 @@ def test_llama3_8b_fits_orin_nano_at_int4_with_2048_tokens():
     table = 128256 * 4096
     body = d.num_parameters - 2 * table
     assert weight_bytes(d, "int4-weight", Int4Layout(64, 8)) == pytest.approx(
-        body * (0.5 + 4 / 64 + 0.5 / 64) + table * (1 + 4 / 32) + table * 1.0)
+        body * (0.5 + 4 / 64 + 0.5 / 64) + table * (1 + 4 / 64) + table * 1.0)
     p = plan(d, nano, "int4-weight", PlanOptions(context=2048))
     assert p.fits and p.int4_layout == Int4Layout(64, 8) and p.total_gb <= 6.6
     assert not plan(d, nano, "int4-weight", PlanOptions(context=2048, int4_layout=Int4Layout(32, 8))).fits  # the default layout does not
@@ -293,13 +293,13 @@ def test_int4_layout_edges_found_in_review():
     # blocks of 128 pad SmolLM2's 576-wide inputs to 640 (q, k, v, gate, up and o; down's 1536 is whole)
     per_layer = {"576": 576 * (576 + 2 * 192 + 2 * 1536) + 576 * 576, "1536": 1536 * 576}
     pad = (per_layer["576"] * 640 / 576 + per_layer["1536"]) / sum(per_layer.values())
-    assert weight_bytes(d, "int4-weight", Int4Layout(128, 8)) == pytest.approx(body * pad * (0.5 + 4.5 / 128) + table * 1.125)
-    assert weight_bytes(d, "int4-weight", Int4Layout(64, 8)) == pytest.approx(body * (0.5 + 4.5 / 64) + table * 1.125)
+    assert weight_bytes(d, "int4-weight", Int4Layout(128, 8)) == pytest.approx(body * pad * (0.5 + 4.5 / 128) + table * (1 + 4 / 64))
+    assert weight_bytes(d, "int4-weight", Int4Layout(64, 8)) == pytest.approx(body * (0.5 + 4.5 / 64) + table * (1 + 4 / 64))
     tiny_dev = dataclasses.replace(load_profile("orin-nano-8gb"), facts=load_profile("orin-nano-8gb").facts | {"usable_memory_gb": 0.5})
     none_fit = plan(d, tiny_dev, "int4-weight")
     assert not none_fit.fits and none_fit.total_gb == min(plan(d, tiny_dev, "int4-weight", PlanOptions(int4_layout=lay)).total_gb
                                                           for lay in INT4_LAYOUTS)
-    rec = recommend(KNOWN_SIZES["llama-3-8b"], load_profile("orin-nano-8gb"), PlanOptions(int4_layout=Int4Layout(32, 8)))
+    rec = recommend(KNOWN_SIZES["llama-3-8b"], load_profile("orin-nano-8gb"), PlanOptions(int4_layout=Int4Layout(16, 8)))
     assert rec.plan is None and "without the pin int4-weight fits at context 2048" in rec.reason and "--int4-block 64" in rec.reason
 
 
