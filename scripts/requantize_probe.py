@@ -1,0 +1,69 @@
+"""Re-run one quantize stage of a built bundle with other QuantizeOptions and score the graph it writes like
+`edge-export eval` does (KL to the bundle's fp32 graph on held-out chats and prose, the same token ids).
+For choosing a quantization option without a whole build; prints a line per set, writes JSON.
+
+    python scripts/requantize_probe.py smollm2.bundle head64 \
+        '{"mode": "int4-weight", "int4_block_size": 64, "int4_budget_mb": 105.4, "int4_lm_head_block": 64}' \
+        --out /tmp/probes
+
+The bundle's work folder (OUT.work: its load and export stages) must still exist. The int4 sensitivity cache
+is kept in --out, so probes that change only the budget or the head re-use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bundle", type=Path)
+    ap.add_argument("name", help="a name for this probe (its folder and JSON under --out)")
+    ap.add_argument("options", type=json.loads, help="export.quantize.QuantizeOptions as JSON, with its mode")
+    ap.add_argument("--out", type=Path, default=Path("probes"))
+    ap.add_argument("--chats", type=int, default=12)
+    ap.add_argument("--prose-tokens", type=int, default=2048)
+    a = ap.parse_args()
+
+    from edge.bundle import Bundle
+    from edge.tokenizer import ChatTokenizer
+    from export.bundle_eval import EvalRequest, _onnx_logits, eval_sets
+    from export.evaluate import summarize, token_metrics
+    from export.quantize import QuantizeOptions, run
+
+    b = Bundle.open(a.bundle)
+    m = b.manifest
+    work = a.bundle.with_name(a.bundle.name + ".work")
+    fused = work / "export" / "fused"
+    dst = a.out / a.name
+    dst.mkdir(parents=True, exist_ok=True)
+    t = time.time()
+    metrics = run(fused if fused.is_dir() else work / "export", work / "load", dst, QuantizeOptions(**a.options))
+    print(f"{a.name}: quantized in {time.time() - t:.0f} s, {metrics['size_bytes'] / 1e6:.2f} MB, "
+          f"{len(metrics.get('int4_8bit_matmuls', []))} MatMuls promoted to 8 bits", flush=True)
+    tok = ChatTokenizer(b.path(m.tokenizer.file), m.tokenizer)
+    sets = eval_sets(tok, EvalRequest(bundle=b.root, chats=a.chats, prose_tokens=a.prose_tokens), m.model.max_context)
+    fp32 = m.engine("fp32")
+    # the probe's graph has the I/O of the bundle's engine of that mode, else of its other quantized (fused) engines
+    io_engine = next((e for e in m.engines if e.name == a.options.get("mode")),
+                     next((e for e in m.engines if e.name != fp32.name), fp32))
+    ref = _onnx_logits(b.path(fp32.file), m.model, m.engine_io(fp32), None)
+    probe = _onnx_logits(dst / "model.onnx", m.model, m.engine_io(io_engine), None)
+    out = {"name": a.name, "options": a.options, "size_mb": metrics["size_bytes"] / 1e6}
+    for kind, seqs in sets.items():
+        s = summarize([token_metrics(probe(ids), ref(ids), np.array(ids[1:])) for ids in seqs])
+        out[kind] = s
+        print(f"{a.name} {kind}: KL {s['kl_to_fp32']:.4f}, top-1 {s['top1_agreement']:.1%}", flush=True)
+    (a.out / f"{a.name}.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
