@@ -111,6 +111,8 @@ class QuantizeOptions:
         if self.mode == INT4_WEIGHT and self.int4_rounding == "gptq" and self.int4_symmetric:
             raise RecipeError("int4_rounding 'gptq' writes asymmetric blocks (a zero point each): set int4_rounding = "
                               "'minmax' for symmetric int4")
+        if self.int4_lm_head_block not in (16, 32, 64, 128, 256):
+            raise RecipeError(f"int4_lm_head_block must be one of 16, 32, 64, 128, 256, got {self.int4_lm_head_block!r}")
         if not 0 <= self.gptq_chat_share <= 1:
             raise RecipeError(f"gptq_chat_share must be in [0, 1], got {self.gptq_chat_share}")
         if self.gptq_samples < 1 or self.gptq_tokens < 8:

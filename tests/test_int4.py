@@ -252,6 +252,9 @@ def test_gptq_is_the_default_and_needs_asymmetric_blocks(tmp_path):
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(RecipeError, match="gptq_chat_share must be in"):
             QuantizeOptions(mode="int4-weight", gptq_chat_share=bad)
+    for bad in (0, 48, -64, "64"):
+        with pytest.raises(RecipeError, match="int4_lm_head_block must be one of"):
+            QuantizeOptions(mode="int4-weight", int4_lm_head_block=bad)
 
 
 def test_the_sensitivity_is_not_measured_on_the_texts_gptq_fitted(mixed_bundle):
