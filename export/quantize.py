@@ -34,7 +34,8 @@ from export.onnx_weights import GraphWeights, graph_bytes, lm_head_matmul, untie
 
 log = logging.getLogger("edgechat")
 MODES = precisions.QUANTIZED
-ROUNDINGS = ("gptq", "minmax", "kquant")
+ROUNDINGS = ("gptq", "minmax", "kquant")  # int4-weight
+INT8_ROUNDINGS = ("gptq", "minmax")  # int8-dynamic (symmetric: no k-quant search)
 ABLATION = "no-smoothquant"  # sub-folder of the int8-qdq stage: same graph without SmoothQuant (report only)
 
 
@@ -104,15 +105,18 @@ class QuantizeOptions:
     sensitivity_tokens: int = 128  # tokens per text
 
     def __post_init__(self) -> None:
+        from export.planner import INT4_BLOCKS, check_int4_layout
+
         if self.int4_rounding not in ROUNDINGS:
             raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
-        if self.int8_rounding not in ("gptq", "minmax"):
+        if self.int8_rounding not in INT8_ROUNDINGS:
             raise RecipeError(f"int8_rounding must be 'gptq' or 'minmax', got {self.int8_rounding!r}")
         if self.mode == INT4_WEIGHT and self.int4_rounding == "gptq" and self.int4_symmetric:
             raise RecipeError("int4_rounding 'gptq' writes asymmetric blocks (a zero point each): set int4_rounding = "
                               "'minmax' for symmetric int4")
-        if self.int4_lm_head_block not in (16, 32, 64, 128, 256):
-            raise RecipeError(f"int4_lm_head_block must be one of 16, 32, 64, 128, 256, got {self.int4_lm_head_block!r}")
+        if self.int4_lm_head_block not in INT4_BLOCKS:
+            raise RecipeError(f"int4_lm_head_block must be one of {', '.join(map(str, INT4_BLOCKS))}, "
+                              f"got {self.int4_lm_head_block!r}")
         if not 0 <= self.gptq_chat_share <= 1:
             raise RecipeError(f"gptq_chat_share must be in [0, 1], got {self.gptq_chat_share}")
         if self.gptq_samples < 1 or self.gptq_tokens < 8:
@@ -120,8 +124,6 @@ class QuantizeOptions:
         if self.int4_budget_mb is not None and self.int4_budget_mb <= 0 or self.int4_extra_ratio < 0:
             raise RecipeError(f"int4_budget_mb must be positive and int4_extra_ratio >= 0, got "
                               f"{self.int4_budget_mb} and {self.int4_extra_ratio}")
-        from export.planner import check_int4_layout
-
         check_int4_layout(self.int4_block_size, self.int4_lm_head_bits)
         if self.mode not in MODES:
             raise RecipeError(f"unknown quantization mode {self.mode!r}: choose from {', '.join(MODES)}")
@@ -460,11 +462,11 @@ def sensitivity_feeds(hf_dir: Path, opts: QuantizeOptions, dims, skip: int = 0, 
     from export.load import chat_tokenizer
     from export.prose import prose_texts
 
-    half = max(1, opts.sensitivity_samples // 2 if chats is None else min(chats, opts.sensitivity_samples))
-    copts = QuantizeOptions(mode=opts.mode, calibration=opts.calibration, samples=skip + half,
+    n_chats = max(1, opts.sensitivity_samples // 2 if chats is None else min(chats, opts.sensitivity_samples))
+    copts = QuantizeOptions(mode=opts.mode, calibration=opts.calibration, samples=skip + n_chats,
                             max_calibration_tokens=opts.sensitivity_tokens)
     feeds = calibration_feeds(hf_dir, copts, dims.num_layers, dims.num_kv_heads, dims.head_dim)
-    feeds = feeds[skip:] if len(feeds) > skip else feeds[:half]
+    feeds = feeds[skip:] if len(feeds) > skip else feeds[:n_chats]
     tok = chat_tokenizer(hf_dir)
     prose = prose_texts("train")
     prose = prose[skip:] if len(prose) > skip + opts.sensitivity_samples else prose
@@ -556,12 +558,13 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
         raise RecipeError(f"int4_budget_mb {budget / 1e6:.1f} is less than the all-4-bit engine ({base / 1e6:.1f} MB): "
                           "raise it, or leave it unset")
     gptq = opts.int4_rounding == "gptq"
-    feeds = sensitivity_feeds(hf_dir, opts, dims, skip=max(gptq_chats(opts), opts.gptq_samples - gptq_chats(opts)) if gptq else 0)
+    fitted = max(gptq_chats(opts), opts.gptq_samples - gptq_chats(opts)) if gptq else 0  # GPTQ's texts of each kind
+    feeds = sensitivity_feeds(hf_dir, opts, dims, skip=fitted)
     # measured once per exported graph, rounding and text: a new budget re-uses it (the .work folder's root)
     # GPTQ's own code is part of the key: the cache lives in OUT.work/'s root and outlives the stage
     code = hashlib.sha256(Path(__file__).with_name("gptq.py").read_bytes()).hexdigest()[:16] if gptq else None
-    rounding = [opts.int4_rounding] + ([opts.gptq_samples, opts.gptq_tokens, opts.calibration, code]
-                                       + ([opts.gptq_chat_share] if opts.gptq_chat_share != 0.5 else []) if gptq else [])
+    rounding = [opts.int4_rounding] + ([opts.gptq_samples, opts.gptq_tokens, opts.gptq_chat_share, opts.calibration, code]
+                                       if gptq else [])
     key = hashlib.sha256(json.dumps([str(plain.resolve()), plain.stat().st_mtime_ns, graph_bytes(plain), rounding, opts.int4_block_size,
                                      sorted(cost), [f["input_ids"].tolist() for f in feeds]]).encode()).hexdigest()[:16]
     cache = dst.parent / f"int4-sensitivity-{key}.json"

@@ -56,7 +56,7 @@ class BuildOptions:
     int4_budget_mb: float | None = None
     int4_extra_ratio: float = 0.0
     int4_rounding: str = "gptq"
-    gptq_samples: int = 96  # gptq rounding: calibration texts (half chats, half training prose) of 256 tokens
+    gptq_samples: int = 96  # gptq rounding: calibration texts (half chats, half training prose) of 512 tokens
     int8_rounding: str = "gptq"  # int8-dynamic: "gptq" or "minmax" (export/quantize.py)
     int4_block_size: int = 32  # int4-weight: 4-bit block size (edge-export plan says which fits a device)
     int4_lm_head_bits: int = 8
@@ -84,11 +84,11 @@ class BuildOptions:
         from export.planner import check_int4_layout
 
         check_int4_layout(self.int4_block_size, self.int4_lm_head_bits)
-        from export.quantize import ROUNDINGS
+        from export.quantize import INT8_ROUNDINGS, ROUNDINGS
 
         if self.int4_rounding not in ROUNDINGS:
             raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
-        if self.int8_rounding not in ("gptq", "minmax"):
+        if self.int8_rounding not in INT8_ROUNDINGS:
             raise RecipeError(f"int8_rounding must be 'gptq' or 'minmax', got {self.int8_rounding!r}")
         if not isinstance(self.gptq_samples, int) or self.gptq_samples < 1:
             raise RecipeError(f"gptq_samples must be a whole number >= 1 (calibration texts for GPTQ), got {self.gptq_samples!r}")

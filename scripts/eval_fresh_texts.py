@@ -41,6 +41,10 @@ def main() -> None:
     ap.add_argument("--prose-tokens", type=int, default=6144)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    if min(a.skip_chats, a.skip_prose) < 0 or a.chats <= a.skip_chats or a.prose_tokens <= a.skip_prose:
+        ap.error("need 0 <= --skip-chats < --chats and 0 <= --skip-prose < --prose-tokens")
+    if not a.onnx and not a.gguf:
+        ap.error("nothing to score: give --onnx NAME=FILE or --gguf NAME=FILE")
 
     from edge.bundle import Bundle
     from edge.tokenizer import ChatTokenizer

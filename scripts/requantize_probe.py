@@ -34,19 +34,26 @@ def main() -> None:
     a = ap.parse_args()
 
     from edge.bundle import Bundle
+    from edge.errors import EdgeChatError
     from edge.tokenizer import ChatTokenizer
     from export.bundle_eval import EvalRequest, _onnx_logits, eval_sets
     from export.evaluate import summarize, token_metrics
     from export.quantize import QuantizeOptions, run
 
-    b = Bundle.open(a.bundle)
+    if not isinstance(a.options, dict) or "mode" not in a.options:
+        ap.error('options must be a JSON object with a "mode", e.g. \'{"mode": "int8-dynamic"}\'')
+    try:
+        opts = QuantizeOptions(**a.options)
+        b = Bundle.open(a.bundle)
+    except (TypeError, EdgeChatError) as e:  # an unknown option name, a bad value, no such bundle
+        ap.error(str(e))
     m = b.manifest
     work = a.bundle.with_name(a.bundle.name + ".work")
     fused = work / "export" / "fused"
     dst = a.out / a.name
     dst.mkdir(parents=True, exist_ok=True)
     t = time.time()
-    metrics = run(fused if fused.is_dir() else work / "export", work / "load", dst, QuantizeOptions(**a.options))
+    metrics = run(fused if fused.is_dir() else work / "export", work / "load", dst, opts)
     print(f"{a.name}: quantized in {time.time() - t:.0f} s, {metrics['size_bytes'] / 1e6:.2f} MB, "
           f"{len(metrics.get('int4_8bit_matmuls', []))} MatMuls promoted to 8 bits", flush=True)
     tok = ChatTokenizer(b.path(m.tokenizer.file), m.tokenizer)
