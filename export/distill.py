@@ -191,6 +191,11 @@ class TopkCache:
     def has(self, blocks: np.ndarray) -> bool:
         return bool(self.have[blocks].all())
 
+    def missing(self, blocks: np.ndarray) -> np.ndarray:
+        """The blocks (each once, in order) whose top-k the cache does not hold yet."""
+        todo = [int(b) for b in blocks if not self.have[b]]
+        return np.array(list(dict.fromkeys(todo)), dtype=np.int64)
+
     def put(self, blocks: np.ndarray, logp, idx) -> None:
         shape = (len(blocks),) + self.logp.shape[1:]
         self.logp[blocks] = logp.reshape(shape).cpu().numpy()
@@ -328,7 +333,7 @@ def _run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, 
                                {"params": no_decay, "weight_decay": 0.0}], lr=opts.lr, betas=(0.9, 0.95))
     amp_dtype, scaler = _amp(opts, device)
     cache = TopkCache(len(blocks), opts.seq_len, min(opts.teacher_topk, student.config.vocab_size)) if opts.teacher_topk else None
-    start, losses, tokens_seen, seconds, teacher_steps = 0, [], 0, 0.0, 0
+    start, losses, tokens_seen, seconds, teacher_steps, teacher_rows = 0, [], 0, 0.0, 0, 0
     ckpt = (ckpt_dir / CKPT) if ckpt_dir else None
     if ckpt and ckpt.is_file():
         state = torch.load(ckpt, map_location=device, weights_only=False)
@@ -339,6 +344,7 @@ def _run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, 
                 scaler.load_state_dict(state["scaler"])
             start, losses, tokens_seen, seconds = state["step"], state["losses"], state["tokens_seen"], state["seconds"]
             teacher_steps = state.get("teacher_steps", start)
+            teacher_rows = state.get("teacher_rows", teacher_steps * opts.batch_size)
             if cache and (ckpt_dir / TOPK_CACHE).is_file():
                 cache.load(ckpt_dir / TOPK_CACHE)
 
@@ -349,7 +355,8 @@ def _run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, 
         tmp = ckpt.with_suffix(".tmp")
         torch.save({"options": _resume_key(opts), "student": student.state_dict(), "optim": optim.state_dict(),
                     "scaler": scaler.state_dict() if scaler else None, "step": step, "losses": losses,
-                    "tokens_seen": tokens_seen, "seconds": seconds, "teacher_steps": teacher_steps}, tmp)
+                    "tokens_seen": tokens_seen, "seconds": seconds, "teacher_steps": teacher_steps,
+                    "teacher_rows": teacher_rows}, tmp)
         if cache:
             cache.save(ckpt.parent / TOPK_CACHE)
         os.replace(tmp, ckpt)
@@ -365,19 +372,22 @@ def _run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, 
         h = (torch.from_numpy(hard[idx]).to(device)[:, None] & torch.from_numpy(mask[idx]).to(device)).flatten()
         for g in optim.param_groups:
             g["lr"] = lr_at(step, opts)
-        need_teacher = not (cache and cache.has(idx))
+        # with the cache, the teacher reads only the rows it has not seen (a prose block seen again costs nothing)
+        todo = cache.missing(idx) if cache else idx
+        t_in = x if cache is None else torch.from_numpy(blocks[todo][:, :-1]).to(device)
         with torch.autocast(device_type=device, dtype=amp_dtype, enabled=amp_dtype is not None):
-            if need_teacher:
+            if len(todo):
                 with torch.no_grad():
-                    t_out = teacher(vmap[x] if vmap is not None else x, output_hidden_states=use_hidden)
+                    t_out = teacher(vmap[t_in] if vmap is not None else t_in, output_hidden_states=use_hidden)
                     t_logits = t_out.logits if vmap is None else t_out.logits.index_select(-1, vmap)
                 teacher_steps += 1
+                teacher_rows += len(todo)
             s_out = student(x, output_hidden_states=use_hidden, use_cache=False)
         # the losses in fp32, outside autocast (under CPU autocast the same KL took 1.8 s instead of 0.1-0.35),
         # on the masked positions only (the teacher's answers, all of chat and prose text)
         s_logits = s_out.logits.flatten(0, -2)
-        if cache and need_teacher:
-            cache.put(idx, *teacher_topk(t_logits, opts.temperature, cache.logp.shape[-1]))
+        if cache and len(todo):
+            cache.put(todo, *teacher_topk(t_logits, opts.temperature, cache.logp.shape[-1]))
         teacher_says = cache.get(idx, device) if cache else t_logits.flatten(0, -2)
         loss = masked_loss(s_logits, teacher_says, m, h, xb[:, 1:].flatten(), opts.temperature, opts.seq_kd)
         if use_hidden:
@@ -424,14 +434,14 @@ def _run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, 
     planned = opts.steps * opts.batch_size * opts.seq_len
     return {
         "steps": len(losses), "steps_planned": opts.steps, "tokens_seen": tokens_seen, "tokens_planned": planned,
-        "seconds": round(seconds, 1), "tokens_per_s": round(tokens_seen / seconds, 1) if seconds else None,
+        "seconds": round(seconds, 1), "batch_size": opts.batch_size, "tokens_per_s": round(tokens_seen / seconds, 1) if seconds else None,
         "device": device, "threads": torch.get_num_threads() if device == "cpu" else None,
         "amp": str(amp_dtype).replace("torch.", "") if amp_dtype else "off", "temperature": opts.temperature,
         "loss_first": float(np.mean(losses[:k])), "loss_last": float(np.mean(losses[-k:])),
         "losses": losses[:: max(1, len(losses) // 100)], "blocks": int(len(blocks)), "stopped_early": stopped,
         "cap_hit": stopped is not None, "resumed_from_step": start or None, "text": describe_mixture(weights),
         "mixture": mix.describe(sources, order[: len(losses)], weights), "seq_kd": opts.seq_kd,
-        "teacher_steps": teacher_steps, "teacher_topk": opts.teacher_topk or None,
+        "teacher_steps": teacher_steps, "teacher_rows": teacher_rows, "teacher_topk": opts.teacher_topk or None,
         "teacher_topk_mass": round(mass, 4) if mass is not None else None,
         "weights_sha256": weights_sha256(student),
     }
