@@ -19,6 +19,9 @@ import numpy as np
 from export.onnx_weights import GraphWeights, untie_lm_head, weight_matmuls
 
 
+ONE_PASS_BYTES = 2 << 30  # statistics up to this size come from one pass of the graph; beyond, block by block
+
+
 class Hessians:
     """H = X^T X / rows (float64) of each weight MatMul's input on `feeds`, by plain-graph MatMul name.
 
@@ -27,7 +30,7 @@ class Hessians:
     ones they are collected in passes over the calibration text, `max_bytes` at a time, in graph order
     (the order the quantizer asks for them), so memory stays bounded whatever the model."""
 
-    def __init__(self, plain: Path, work: Path, feeds: list[dict], max_bytes: int = 2 << 30,
+    def __init__(self, plain: Path, work: Path, feeds: list[dict], max_bytes: int | None = None,
                  threads: int | None = None) -> None:
         import onnx
 
@@ -51,7 +54,7 @@ class Hessians:
         except BaseException:
             self.close()
             raise
-        self.feeds, self.threads, self.max_bytes = feeds, threads, max_bytes
+        self.feeds, self.threads, self.max_bytes = feeds, threads, ONE_PASS_BYTES if max_bytes is None else max_bytes
         self.rows = sum(int(np.prod(f["input_ids"].shape)) for f in feeds)
         self.loaded: dict[str, np.ndarray] = {}
         self.passes = 0
@@ -109,6 +112,158 @@ class Hessians:
         for p in (self.path, self.path.with_name(self.path.name + ".data")):
             p.unlink(missing_ok=True)
 
+
+
+def statistics_bytes(plain: Path) -> int:
+    """Bytes of every weight MatMul's input statistics at once (K x K float64 per distinct input)."""
+    gw = GraphWeights(plain)
+    untie_lm_head(gw)
+    widths = {n.input[0]: gw.shape(n.input[1])[0] for n in weight_matmuls(gw.model)}
+    return sum(k * k * 8 for k in widths.values())
+
+
+class _Captured(Exception):
+    """Raised by the hook that records the first block's inputs: the rest of the forward pass is not needed."""
+
+
+class LayerHessians:
+    """The same statistics as `Hessians`, from the Hugging Face model one decoder block at a time.
+
+    `Hessians` collects a pass of the whole graph per `max_bytes` of matrices: fine for a 135M model (one
+    pass), ~33 passes for Llama-3-8B (65 GB of matrices). Here the calibration texts' hidden states are kept
+    between blocks (texts x tokens x hidden floats: 0.8 GB for an 8B model on 96 x 512 tokens) and each block
+    runs once, as GPTQ's own implementation does: one forward pass in all, one block's matrices in memory.
+    The inputs are the fp32 model's (not the quantized blocks' outputs), as in `Hessians`. Keyed by the plain
+    graph's MatMul names, mapped to modules by the exporter's naming ('/model/layers.3/mlp/up_proj/MatMul' ->
+    'model.layers.3.mlp.up_proj'); a graph whose names do not map raises ValueError (use `Hessians`)."""
+
+    def __init__(self, hf_dir: Path, plain: Path, feeds: list[dict], threads: int | None = None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if not feeds or not sum(int(np.prod(f["input_ids"].shape)) for f in feeds):
+            raise ValueError("GPTQ needs calibration text: no tokens were given")
+        gw = GraphWeights(plain)
+        untie_lm_head(gw)
+        nodes = weight_matmuls(gw.model)
+        self.input_of = {n.name: n.input[0] for n in nodes}
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        modules = dict(self.model.named_modules())
+        self.module_of: dict[str, str] = {}
+        for n in nodes:
+            name = n.name.strip("/").removesuffix("/MatMul").replace("/", ".")
+            if not isinstance(modules.get(name), torch.nn.Linear):
+                raise ValueError(f"the plain graph's MatMul {n.name} maps to no Linear module ({name})")
+            self.module_of[n.name] = name
+        inner = getattr(self.model, "model", None)
+        self.layers = getattr(inner, "layers", None)
+        if self.layers is None or not hasattr(inner, "norm"):
+            raise ValueError(f"{type(self.model).__name__} keeps no model.layers and model.norm")
+        self.step_of = {node: self._step(m) for node, m in self.module_of.items()}
+        self.feeds, self.rows = feeds, sum(int(np.prod(f["input_ids"].shape)) for f in feeds)
+        self.loaded: dict[str, np.ndarray] = {}
+        self.passes, self._at, self._loaded_step, self._hidden, self._kwargs = 0, None, None, [], []
+
+    def _step(self, module: str) -> int:
+        """Which block computes a module's input: i for model.layers.i, len(layers) for the LM head."""
+        parts = module.split(".")
+        if parts[:2] == ["model", "layers"] and parts[2].isdigit():
+            return int(parts[2])
+        if module == "lm_head":
+            return len(self.layers)
+        raise ValueError(f"GPTQ statistics by block: {module} is in no decoder block")
+
+    def __enter__(self) -> "LayerHessians":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __call__(self, node: str) -> np.ndarray:
+        x, step = self.input_of[node], self.step_of[node]
+        if step != self._loaded_step:
+            if self._at is None or step < self._at:  # asked out of order: start the pass again
+                self._capture()
+            while self._at < step:
+                self._run_block(collect=False)
+            self._run_block(collect=True)
+        return self.loaded[x]
+
+    def _capture(self) -> None:
+        """The first block's inputs for every text (hidden states and the keyword arguments it is called with)."""
+        import torch
+
+        self._hidden, self._kwargs, self.loaded, self._loaded_step = [], [], {}, None
+
+        def hook(mod, args, kwargs):
+            self._hidden.append(args[0] if args else kwargs["hidden_states"])
+            self._kwargs.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
+            raise _Captured
+
+        handle = self.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                for f in self.feeds:
+                    try:
+                        self.model(input_ids=torch.from_numpy(f["input_ids"]),
+                                   position_ids=torch.from_numpy(f["position_ids"]) if "position_ids" in f else None,
+                                   use_cache=False)
+                    except _Captured:
+                        pass
+        finally:
+            handle.remove()
+        if len(self._hidden) != len(self.feeds):
+            raise ValueError("GPTQ statistics by block: the model never called its first decoder block")
+        self._at, self.passes = 0, self.passes + 1
+
+    def _run_block(self, collect: bool) -> None:
+        """Run block `_at` on every text (its outputs become the next block's inputs; past the last block, the
+        LM head's input); with `collect`, X^T X / rows of each distinct input of its weight MatMuls."""
+        import torch
+
+        modules = dict(self.model.named_modules())
+        wanted: dict[str, str] = {}  # input name -> one module that reads it (q, k and v read the same)
+        for node, step in self.step_of.items():
+            if collect and step == self._at:
+                wanted.setdefault(self.input_of[node], self.module_of[node])
+        acc: dict[str, np.ndarray] = {}
+
+        def adder(x: str):
+            def hook(mod, args):
+                a = args[0].reshape(-1, args[0].shape[-1]).float()
+                xtx = (a.T @ a).numpy()  # one text's rows in fp32, the sum over texts in fp64 (as Hessians)
+                if x in acc:
+                    np.add(acc[x], xtx, out=acc[x])
+                else:
+                    acc[x] = xtx.astype(np.float64)
+            return hook
+
+        handles = [modules[m].register_forward_pre_hook(adder(x)) for x, m in wanted.items()]
+        try:
+            with torch.no_grad():
+                for i, (h, kw) in enumerate(zip(self._hidden, self._kwargs)):
+                    if self._at < len(self.layers):
+                        out = self.layers[self._at](h, **kw)
+                        self._hidden[i] = out[0] if isinstance(out, tuple) else out
+                    elif wanted:
+                        self.model.lm_head(self.model.model.norm(h))
+        finally:
+            for handle in handles:
+                handle.remove()
+        for x, h in acc.items():
+            h /= self.rows
+            if not np.isfinite(h).all():
+                raise ValueError(f"GPTQ: the fp32 model's input {x} is not finite on the calibration text (NaN or "
+                                 "inf): its rounding cannot use it; use the 'minmax' rounding")
+        if collect:
+            self.loaded, self._loaded_step = acc, self._at
+        self._at += 1
+
+    def close(self) -> None:
+        self.loaded, self._hidden, self._kwargs = {}, [], []
+        self.model = None
 
 def _range(w, bits: int, search: int = 0, symmetric: bool = False):
     """Asymmetric levels of w [rows, N] per column, zero inside the range (as ONNX Runtime's min-max); with

@@ -509,14 +509,21 @@ def _plain_graph(fp32_dir: Path) -> tuple[Path, bool]:
 
 def _gptq_statistics(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, dims):
     """GPTQ's input statistics over the plain graph, asked for by the quantized graph's MatMul names."""
-    from export.gptq import Hessians
+    from export import gptq
+    from export.gptq import Hessians, LayerHessians, statistics_bytes
     from export.sensitivity import target_name
 
     plain, fused = _plain_graph(fp32_dir)
     feeds = sensitivity_feeds(hf_dir, QuantizeOptions(mode=opts.mode, calibration=opts.calibration,
                                                       sensitivity_samples=opts.gptq_samples,
                                                       sensitivity_tokens=opts.gptq_tokens), dims, chats=gptq_chats(opts))
-    hess = Hessians(plain, dst, feeds)
+    hess = None
+    if statistics_bytes(plain) > gptq.ONE_PASS_BYTES:  # more than one pass of the whole graph: block by block
+        try:
+            hess = LayerHessians(hf_dir, plain, feeds)
+        except ValueError as e:  # a graph whose MatMuls do not map to the model's modules
+            log.warning("GPTQ statistics block by block are not possible here (%s): passes of the whole graph", e)
+    hess = hess or Hessians(plain, dst, feeds)
     plain_of = {target_name(p, fused): p for p in hess.input_of}
 
     def by_name(name: str) -> np.ndarray:
@@ -611,7 +618,8 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
         if hess:
             hess.close()
     if hess:
-        metrics |= {"gptq_tokens": hess.rows, "gptq_passes": hess.passes}
+        metrics |= {"gptq_tokens": hess.rows, "gptq_passes": hess.passes,
+                    "gptq_statistics": "by block (torch)" if type(hess).__name__ == "LayerHessians" else "graph (onnxruntime)"}
     return metrics
 
 

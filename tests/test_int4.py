@@ -228,6 +228,56 @@ def test_gptq_statistics_are_the_same_in_one_pass_or_many(mixed_bundle, tmp_path
     assert not (tmp_path / "hessian.onnx").exists()
 
 
+
+def test_gptq_statistics_block_by_block_equal_the_graphs(mixed_bundle, tmp_path):
+    """LayerHessians (the Hugging Face model one decoder block at a time, one forward pass in all: what large
+    models use) gives the matrices the plain graph's pass gives, for every weight MatMul the quantizer asks
+    about in graph order; asked out of order it starts again (a second pass) and still agrees."""
+    from export.gptq import Hessians, LayerHessians, statistics_bytes
+    from export.load import model_dims
+    from export.quantize import QuantizeOptions, sensitivity_feeds
+
+    work = mixed_bundle.root.with_name(mixed_bundle.root.name + ".work")
+    plain = work / "export" / "model.onnx"
+    feeds = sensitivity_feeds(work / "load", QuantizeOptions(mode="int4-weight", sensitivity_samples=4,
+                                                              sensitivity_tokens=32), model_dims(work / "load"))
+    with Hessians(plain, tmp_path, feeds) as ref, LayerHessians(work / "load", plain, feeds) as blocks:
+        names = list(ref.input_of)
+        assert names == list(blocks.input_of) and any("lm_head" in n for n in names)
+        assert statistics_bytes(plain) == sum(k * k * 8 for k in ref.width.values())
+        for n in names:
+            np.testing.assert_allclose(blocks(n), ref(n), rtol=2e-4, atol=1e-6, err_msg=n)
+        assert blocks.passes == 1 and blocks.rows == ref.rows
+        np.testing.assert_allclose(blocks(names[0]), ref(names[0]), rtol=2e-4, atol=1e-6)
+        assert blocks.passes == 2
+
+
+def test_gptq_statistics_choose_block_by_block_past_one_pass(mixed_bundle, tmp_path, monkeypatch):
+    """The quantize stage collects statistics block by block when the graph's pass would not hold them all at
+    once, and records which; the weights it writes then match the one-pass path's to GPTQ's precision."""
+    import export.gptq
+    from export.load import model_dims
+    from export.quantize import QuantizeOptions, _gptq_statistics
+
+    work = mixed_bundle.root.with_name(mixed_bundle.root.name + ".work")
+    opts = QuantizeOptions(mode="int4-weight", gptq_samples=4, gptq_tokens=32)
+    hess, _ = _gptq_statistics(work / "export", work / "load", tmp_path, opts, model_dims(work / "load"))
+    assert type(hess).__name__ == "Hessians"
+    hess.close()
+    monkeypatch.setattr(export.gptq, "ONE_PASS_BYTES", 1)
+    hess, by_name = _gptq_statistics(work / "export", work / "load", tmp_path, opts, model_dims(work / "load"))
+    assert type(hess).__name__ == "LayerHessians"
+    assert by_name(next(iter(hess.input_of))).shape[0] == 64
+    hess.close()
+
+    def unmapped(*a, **k):
+        raise ValueError("the plain graph's MatMul /x/MatMul maps to no Linear module (x)")
+
+    monkeypatch.setattr(export.gptq.LayerHessians, "__init__", unmapped)  # e.g. another exporter's node names
+    hess, _ = _gptq_statistics(work / "export", work / "load", tmp_path, opts, model_dims(work / "load"))
+    assert type(hess).__name__ == "Hessians"  # passes of the whole graph: slower, never wrong
+    hess.close()
+
 def test_gptq_is_the_default_and_needs_asymmetric_blocks(tmp_path):
     from export.quantize import QuantizeOptions
     from export.recipe import BuildOptions
