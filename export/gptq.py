@@ -12,9 +12,12 @@ held-out texts): `Hessians` adds every weight MatMul's input to the graph's outp
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from export.onnx_weights import GraphWeights, untie_lm_head, weight_matmuls
 
@@ -138,33 +141,60 @@ class LayerHessians:
     'model.layers.3.mlp.up_proj'); a graph whose names do not map raises ValueError (use `Hessians`)."""
 
     def __init__(self, hf_dir: Path, plain: Path, feeds: list[dict], threads: int | None = None) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
         if not feeds or not sum(int(np.prod(f["input_ids"].shape)) for f in feeds):
             raise ValueError("GPTQ needs calibration text: no tokens were given")
         gw = GraphWeights(plain)
         untie_lm_head(gw)
         nodes = weight_matmuls(gw.model)
         self.input_of = {n.name: n.input[0] for n in nodes}
-        if threads:
-            torch.set_num_threads(threads)
-        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        modules = dict(self.model.named_modules())
-        self.module_of: dict[str, str] = {}
-        for n in nodes:
-            name = n.name.strip("/").removesuffix("/MatMul").replace("/", ".")
-            if not isinstance(modules.get(name), torch.nn.Linear):
-                raise ValueError(f"the plain graph's MatMul {n.name} maps to no Linear module ({name})")
-            self.module_of[n.name] = name
+        self.hf_dir, self.feeds, self.threads = hf_dir, feeds, threads or os.cpu_count() or 1
+        self.rows = sum(int(np.prod(f["input_ids"].shape)) for f in feeds)
+        self.loaded: dict[str, np.ndarray] = {}
+        self.passes, self._at, self._loaded_step, self._hidden, self._args = 0, None, None, [], []
+        self.model, self._bar = None, None
+        with self._threads():
+            self._load()
+            import torch
+
+            modules = dict(self.model.named_modules())
+            self.module_of: dict[str, str] = {}
+            for n in nodes:
+                name = n.name.strip("/").removesuffix("/MatMul").replace("/", ".")
+                if not isinstance(modules.get(name), torch.nn.Linear):
+                    raise ValueError(f"the plain graph's MatMul {n.name} maps to no Linear module ({name})")
+                self.module_of[n.name] = name
+            self.step_of = {node: self._step(m) for node, m in self.module_of.items()}
+            # every block is called with the first one's arguments: blocks that differ (sliding-window layers
+            # get their own attention mask) cannot be run that way
+            if len({getattr(layer, "attention_type", None) for layer in self.layers}) > 1:
+                raise ValueError("the decoder blocks differ in attention type (each gets its own mask)")
+            self._capture()  # fail here, where the caller can fall back, not halfway through the stage
+            with torch.no_grad():
+                out = self.layers[0](self._hidden[0], *self._args[0][0], **self._args[0][1])
+            if not isinstance(out, tuple | torch.Tensor):
+                raise ValueError(f"a decoder block returned {type(out).__name__}, not its hidden states")
+
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=torch.float32).eval()
         inner = getattr(self.model, "model", None)
         self.layers = getattr(inner, "layers", None)
         if self.layers is None or not hasattr(inner, "norm"):
             raise ValueError(f"{type(self.model).__name__} keeps no model.layers and model.norm")
-        self.step_of = {node: self._step(m) for node, m in self.module_of.items()}
-        self.feeds, self.rows = feeds, sum(int(np.prod(f["input_ids"].shape)) for f in feeds)
-        self.loaded: dict[str, np.ndarray] = {}
-        self.passes, self._at, self._loaded_step, self._hidden, self._kwargs = 0, None, None, [], []
+
+    @contextlib.contextmanager
+    def _threads(self):
+        """torch's thread count for this work only (a distill stage before may have left it at its own)."""
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def _step(self, module: str) -> int:
         """Which block computes a module's input: i for model.layers.i, len(layers) for the LM head."""
@@ -184,22 +214,29 @@ class LayerHessians:
     def __call__(self, node: str) -> np.ndarray:
         x, step = self.input_of[node], self.step_of[node]
         if step != self._loaded_step:
-            if self._at is None or step < self._at:  # asked out of order: start the pass again
-                self._capture()
-            while self._at < step:
-                self._run_block(collect=False)
-            self._run_block(collect=True)
+            with self._threads():
+                if self._at is None or step < self._at:  # asked out of order: start the pass again
+                    self._capture()
+                while self._at < step:
+                    self._run_block(collect=False)
+                self._run_block(collect=True)
+            if self._at > len(self.layers):  # past the LM head: free the fp32 model until it is asked again
+                self.model, self.layers, self._hidden, self._args, self._at = None, None, [], [], None
+                self._bar.close()
+                self._bar = None
         return self.loaded[x]
 
     def _capture(self) -> None:
-        """The first block's inputs for every text (hidden states and the keyword arguments it is called with)."""
+        """The first block's inputs for every text: hidden states and the other arguments it is called with."""
         import torch
 
-        self._hidden, self._kwargs, self.loaded, self._loaded_step = [], [], {}, None
+        if self.model is None:
+            self._load()
+        self._hidden, self._args, self.loaded, self._loaded_step = [], [], {}, None
 
         def hook(mod, args, kwargs):
             self._hidden.append(args[0] if args else kwargs["hidden_states"])
-            self._kwargs.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
+            self._args.append((args[1:], {k: v for k, v in kwargs.items() if k != "hidden_states"}))
             raise _Captured
 
         handle = self.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
@@ -217,6 +254,10 @@ class LayerHessians:
         if len(self._hidden) != len(self.feeds):
             raise ValueError("GPTQ statistics by block: the model never called its first decoder block")
         self._at, self.passes = 0, self.passes + 1
+        if self._bar is not None:
+            self._bar.close()
+        self._bar = tqdm(total=len(self.layers) + 1, desc=f"GPTQ statistics, pass {self.passes}", unit="block",
+                         leave=False)
 
     def _run_block(self, collect: bool) -> None:
         """Run block `_at` on every text (its outputs become the next block's inputs; past the last block, the
@@ -243,9 +284,9 @@ class LayerHessians:
         handles = [modules[m].register_forward_pre_hook(adder(x)) for x, m in wanted.items()]
         try:
             with torch.no_grad():
-                for i, (h, kw) in enumerate(zip(self._hidden, self._kwargs)):
+                for i, (h, (args, kw)) in enumerate(zip(self._hidden, self._args)):
                     if self._at < len(self.layers):
-                        out = self.layers[self._at](h, **kw)
+                        out = self.layers[self._at](h, *args, **kw)
                         self._hidden[i] = out[0] if isinstance(out, tuple) else out
                     elif wanted:
                         self.model.lm_head(self.model.model.norm(h))
@@ -255,15 +296,22 @@ class LayerHessians:
         for x, h in acc.items():
             h /= self.rows
             if not np.isfinite(h).all():
-                raise ValueError(f"GPTQ: the fp32 model's input {x} is not finite on the calibration text (NaN or "
-                                 "inf): its rounding cannot use it; use the 'minmax' rounding")
+                users = [n for n, i in self.input_of.items() if i == x]
+                raise ValueError(f"GPTQ: the fp32 model's input to {', '.join(users)} ({x}) is not finite on the "
+                                 "calibration text (NaN or inf): GPTQ cannot use it; set int8_rounding / "
+                                 "int4_rounding = 'minmax' (--int8-rounding / --int4-rounding minmax)")
         if collect:
             self.loaded, self._loaded_step = acc, self._at
         self._at += 1
+        if self._bar is not None:
+            self._bar.update()
 
     def close(self) -> None:
-        self.loaded, self._hidden, self._kwargs = {}, [], []
-        self.model = None
+        self.loaded, self._hidden, self._args = {}, [], []
+        self.model = self.layers = None
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 def _range(w, bits: int, search: int = 0, symmetric: bool = False):
     """Asymmetric levels of w [rows, N] per column, zero inside the range (as ONNX Runtime's min-max); with

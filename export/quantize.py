@@ -521,7 +521,7 @@ def _gptq_statistics(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOpti
     if statistics_bytes(plain) > gptq.ONE_PASS_BYTES:  # more than one pass of the whole graph: block by block
         try:
             hess = LayerHessians(hf_dir, plain, feeds)
-        except ValueError as e:  # a graph whose MatMuls do not map to the model's modules
+        except (ValueError, TypeError, RuntimeError) as e:  # names that do not map, blocks that cannot run alone
             log.warning("GPTQ statistics block by block are not possible here (%s): passes of the whole graph", e)
     hess = hess or Hessians(plain, dst, feeds)
     plain_of = {target_name(p, fused): p for p in hess.input_of}

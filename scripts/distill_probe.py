@@ -76,12 +76,12 @@ def main() -> None:
         except TypeError as e:
             ap.error(f"--set {over}: {e}")
         dst = a.scratch / "student"
-        shutil.rmtree(a.scratch, ignore_errors=True)
+        shutil.rmtree(dst, ignore_errors=True)  # only what this script writes there
         t0 = time.time()
         rec = run(teacher, student, dst, dataclasses.replace(opts, checkpoint_every=10**6),
                   answers=answers if answers.is_file() else None)
         bpb = prose_bpb(dst, teacher, docs, 512)
-        rows.append({"name": json.dumps(over) or "recipe", "bits_per_byte": bpb, "minutes": round((time.time() - t0) / 60, 1),
+        rows.append({"name": json.dumps(over) if over else "the recipe", "bits_per_byte": bpb, "minutes": round((time.time() - t0) / 60, 1),
                      "loss_first": rec["loss_first"], "loss_last": rec["loss_last"], "tokens_per_s": rec["tokens_per_s"],
                      "weights_sha256": rec["weights_sha256"]})
         print(json.dumps(rows[-1]), flush=True)

@@ -241,40 +241,56 @@ def test_gptq_statistics_block_by_block_equal_the_graphs(mixed_bundle, tmp_path)
     plain = work / "export" / "model.onnx"
     feeds = sensitivity_feeds(work / "load", QuantizeOptions(mode="int4-weight", sensitivity_samples=4,
                                                               sensitivity_tokens=32), model_dims(work / "load"))
-    with Hessians(plain, tmp_path, feeds) as ref, LayerHessians(work / "load", plain, feeds) as blocks:
+    import torch
+
+    threads = torch.get_num_threads()
+    with Hessians(plain, tmp_path, feeds) as ref, LayerHessians(work / "load", plain, feeds, threads=1) as blocks:
         names = list(ref.input_of)
         assert names == list(blocks.input_of) and any("lm_head" in n for n in names)
         assert statistics_bytes(plain) == sum(k * k * 8 for k in ref.width.values())
         for n in names:
             np.testing.assert_allclose(blocks(n), ref(n), rtol=2e-4, atol=1e-6, err_msg=n)
         assert blocks.passes == 1 and blocks.rows == ref.rows
+        assert blocks.model is None  # past the LM head the fp32 model is let go
         np.testing.assert_allclose(blocks(names[0]), ref(names[0]), rtol=2e-4, atol=1e-6)
-        assert blocks.passes == 2
+        assert blocks.passes == 2 and blocks.model is not None  # loaded again for the second pass
+    assert torch.get_num_threads() == threads  # its own thread count, put back
 
 
 def test_gptq_statistics_choose_block_by_block_past_one_pass(mixed_bundle, tmp_path, monkeypatch):
     """The quantize stage collects statistics block by block when the graph's pass would not hold them all at
-    once, and records which; the weights it writes then match the one-pass path's to GPTQ's precision."""
+    once, asked by the fused graph's names as by the plain one's, equal to the one-pass path's; a model whose
+    blocks cannot run alone falls back to passes of the graph."""
     import export.gptq
+    import transformers.models.llama.modeling_llama as llama
     from export.load import model_dims
+    from export.onnx_weights import GraphWeights, untie_lm_head, weight_matmuls
     from export.quantize import QuantizeOptions, _gptq_statistics
 
     work = mixed_bundle.root.with_name(mixed_bundle.root.name + ".work")
+    fused = work / "export" / "fused"
+    gw = GraphWeights(fused / "model.onnx")
+    untie_lm_head(gw)
+    names = [n.name for n in weight_matmuls(gw.model)]
+    assert any("qkv" in n.lower() or "gate_up" in n.lower() for n in names), names  # names only the fused graph has
     opts = QuantizeOptions(mode="int4-weight", gptq_samples=4, gptq_tokens=32)
-    hess, _ = _gptq_statistics(work / "export", work / "load", tmp_path, opts, model_dims(work / "load"))
-    assert type(hess).__name__ == "Hessians"
-    hess.close()
+    graph, by_graph = _gptq_statistics(fused, work / "load", tmp_path, opts, model_dims(work / "load"))
+    assert type(graph).__name__ == "Hessians"
     monkeypatch.setattr(export.gptq, "ONE_PASS_BYTES", 1)
-    hess, by_name = _gptq_statistics(work / "export", work / "load", tmp_path, opts, model_dims(work / "load"))
-    assert type(hess).__name__ == "LayerHessians"
-    assert by_name(next(iter(hess.input_of))).shape[0] == 64
-    hess.close()
+    blocks, by_block = _gptq_statistics(fused, work / "load", tmp_path, opts, model_dims(work / "load"))
+    try:
+        assert type(blocks).__name__ == "LayerHessians"
+        for n in names:
+            np.testing.assert_allclose(by_block(n), by_graph(n), rtol=2e-4, atol=1e-6, err_msg=n)
+    finally:
+        graph.close()
+        blocks.close()
 
-    def unmapped(*a, **k):
-        raise ValueError("the plain graph's MatMul /x/MatMul maps to no Linear module (x)")
+    def cannot_run_alone(self, *a, **k):
+        raise TypeError("LlamaDecoderLayer.forward() missing 1 required positional argument: 'cache'")
 
-    monkeypatch.setattr(export.gptq.LayerHessians, "__init__", unmapped)  # e.g. another exporter's node names
-    hess, _ = _gptq_statistics(work / "export", work / "load", tmp_path, opts, model_dims(work / "load"))
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward", cannot_run_alone)
+    hess, _ = _gptq_statistics(fused, work / "load", tmp_path, opts, model_dims(work / "load"))
     assert type(hess).__name__ == "Hessians"  # passes of the whole graph: slower, never wrong
     hess.close()
 
