@@ -90,7 +90,7 @@ class Hessians:
             so.intra_op_num_threads = self.threads
         sess = ort.InferenceSession(str(self.path), so, providers=["CPUExecutionProvider"])
         acc: dict[str, np.ndarray] = {}
-        for f in self.feeds:
+        for f in tqdm(self.feeds, desc=f"GPTQ statistics, pass {self.passes + 1}", unit="text", leave=False):
             for x, a in zip(names, sess.run(names, f)):
                 a = a.reshape(-1, a.shape[-1]).astype(np.float32, copy=False)
                 xtx = a.T @ a  # one text's rows in fp32 (2x faster), the sum over texts in fp64
