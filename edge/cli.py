@@ -102,6 +102,12 @@ def _repl(args: argparse.Namespace) -> int:
           "/quit or Ctrl-D exits; Ctrl-C stops an answer (twice at the prompt: exits)", flush=True)
     interrupted = False  # Ctrl-C at the prompt once: a second one exits
     read_line = input if sys.stdin.isatty() else _PipeLines().read
+    import signal
+
+    # Python raises KeyboardInterrupt on SIGINT only if SIGINT was not ignored when it started; a shell without
+    # job control starts `cmd &` (and CI runners, nohup'ed scripts) with it ignored, and Ctrl-C then did nothing
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     while True:
         try:
             line = read_line("you> ").strip()
