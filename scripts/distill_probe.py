@@ -58,6 +58,7 @@ def main() -> None:
     if not a.recipe.is_file():
         ap.error(f"no recipe at {a.recipe}")
 
+    from edge.errors import RecipeError
     from export.distill import DistillOptions, run
     from export.evaluate import prose_windows
     from export.load import chat_tokenizer
@@ -67,14 +68,16 @@ def main() -> None:
     base = tomllib.loads(a.recipe.read_text()).get("distill", {})
     teacher, student = a.work / "load", a.work / "prune"
     answers = a.work / "teacher-answers" / "answers.jsonl"
+    options = []
+    for over in a.sets or [{}]:  # every row's options checked before anything runs
+        try:
+            options.append((over, DistillOptions(**(base | {"steps": a.steps, "max_minutes": None} | over))))
+        except (TypeError, RecipeError) as e:  # an unknown key, a bad value
+            ap.error(f"--set {over}: {e}")
     docs = len(prose_windows(chat_tokenizer(teacher), prose_texts("eval"), 512, 4096))
     rows = [{"name": "teacher", "bits_per_byte": prose_bpb(teacher, teacher, docs, 512)},
             {"name": "pruned only", "bits_per_byte": prose_bpb(student, teacher, docs, 512)}]
-    for over in a.sets or [{}]:
-        try:
-            opts = DistillOptions(**(base | {"steps": a.steps, "max_minutes": None} | over))
-        except TypeError as e:
-            ap.error(f"--set {over}: {e}")
+    for over, opts in options:
         dst = a.scratch / "student"
         shutil.rmtree(dst, ignore_errors=True)  # only what this script writes there
         t0 = time.time()
