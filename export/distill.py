@@ -188,9 +188,6 @@ class TopkCache:
         self.idx = np.zeros((n_blocks, seq_len, k), dtype=np.int32)
         self.have = np.zeros(n_blocks, dtype=bool)
 
-    def has(self, blocks: np.ndarray) -> bool:
-        return bool(self.have[blocks].all())
-
     def missing(self, blocks: np.ndarray) -> np.ndarray:
         """The blocks (each once, in order) whose top-k the cache does not hold yet."""
         todo = [int(b) for b in blocks if not self.have[b]]
@@ -374,9 +371,9 @@ def _run(teacher_dir: Path, student_dir: Path, dst: Path, opts: DistillOptions, 
             g["lr"] = lr_at(step, opts)
         # with the cache, the teacher reads only the rows it has not seen (a prose block seen again costs nothing)
         todo = cache.missing(idx) if cache else idx
-        t_in = x if cache is None else torch.from_numpy(blocks[todo][:, :-1]).to(device)
         with torch.autocast(device_type=device, dtype=amp_dtype, enabled=amp_dtype is not None):
             if len(todo):
+                t_in = x if cache is None else torch.from_numpy(blocks[todo][:, :-1]).to(device)
                 with torch.no_grad():
                     t_out = teacher(vmap[t_in] if vmap is not None else t_in, output_hidden_states=use_hidden)
                     t_logits = t_out.logits if vmap is None else t_out.logits.index_select(-1, vmap)

@@ -25,6 +25,33 @@ from export.onnx_weights import GraphWeights, untie_lm_head, weight_matmuls
 ONE_PASS_BYTES = 2 << 30  # statistics up to this size come from one pass of the graph; beyond, block by block
 
 
+def _input_widths(gw: GraphWeights) -> dict[str, int]:
+    """K of each distinct weight-MatMul input (its statistics are K x K), in graph order."""
+    return {n.input[0]: gw.shape(n.input[1])[0] for n in weight_matmuls(gw.model)}
+
+
+def _add_xtx(acc: dict[str, np.ndarray], x: str, a: np.ndarray) -> None:
+    """acc[x] += a^T a for one text's rows a: in fp32 (2x faster), the sum over texts in fp64 (no K x K fp64
+    temporary)."""
+    xtx = a.T @ a
+    if x in acc:
+        np.add(acc[x], xtx, out=acc[x])
+    else:
+        acc[x] = xtx.astype(np.float64)
+
+
+def _finish(acc: dict[str, np.ndarray], rows: int, input_of: dict[str, str]) -> dict[str, np.ndarray]:
+    """The sums divided by the token count, in place (a pass holds its matrices once), checked finite."""
+    for x, h in acc.items():
+        h /= rows
+        if not np.isfinite(h).all():
+            users = [n for n, i in input_of.items() if i == x]
+            raise ValueError(f"GPTQ: the fp32 model's input to {', '.join(users)} ({x}) is not finite on the "
+                             "calibration text (NaN or inf): GPTQ cannot use it; set int8_rounding / "
+                             "int4_rounding = 'minmax' (--int8-rounding / --int4-rounding minmax)")
+    return acc
+
+
 class Hessians:
     """H = X^T X / rows (float64) of each weight MatMul's input on `feeds`, by plain-graph MatMul name.
 
@@ -32,6 +59,8 @@ class Hessians:
     matrices are K x K per distinct input: for a 135M model all of them fit at once (~0.8 GB); for larger
     ones they are collected in passes over the calibration text, `max_bytes` at a time, in graph order
     (the order the quantizer asks for them), so memory stays bounded whatever the model."""
+
+    method = "graph (onnxruntime)"  # recorded in the quantize stage's metrics
 
     def __init__(self, plain: Path, work: Path, feeds: list[dict], max_bytes: int | None = None,
                  threads: int | None = None) -> None:
@@ -46,9 +75,8 @@ class Hessians:
             gw.save(self.path)
             model = onnx.load(str(self.path), load_external_data=False)
             self.input_of = {n.name: n.input[0] for n in weight_matmuls(model)}
-            width = {n.name: gw.shape(n.input[1])[0] for n in weight_matmuls(model)}
-            self.order = list(dict.fromkeys(self.input_of.values()))
-            self.width = {self.input_of[n]: k for n, k in width.items()}
+            self.width = _input_widths(gw)
+            self.order = list(self.width)
             known = {o.name for o in model.graph.output}
             for x in self.order:
                 if x not in known:
@@ -92,22 +120,9 @@ class Hessians:
         acc: dict[str, np.ndarray] = {}
         for f in tqdm(self.feeds, desc=f"GPTQ statistics, pass {self.passes + 1}", unit="text", leave=False):
             for x, a in zip(names, sess.run(names, f)):
-                a = a.reshape(-1, a.shape[-1]).astype(np.float32, copy=False)
-                xtx = a.T @ a  # one text's rows in fp32 (2x faster), the sum over texts in fp64
-                if x in acc:
-                    np.add(acc[x], xtx, out=acc[x])  # no K x K float64 temporary
-                else:
-                    acc[x] = xtx.astype(np.float64)
-                del xtx
+                _add_xtx(acc, x, a.reshape(-1, a.shape[-1]).astype(np.float32, copy=False))
         del sess
-        for x, h in acc.items():
-            h /= self.rows  # in place: the pass holds max_bytes of matrices, not twice that
-            if not np.isfinite(h).all():
-                users = [n for n, i in self.input_of.items() if i == x]
-                raise ValueError(f"GPTQ: the fp32 graph's input to {', '.join(users)} ({x}) is not finite on the "
-                                 "calibration text (NaN or inf): its 4-bit rounding cannot use it; "
-                                 "use int4_rounding = 'minmax'")
-        self.loaded = acc
+        self.loaded = _finish(acc, self.rows, self.input_of)
         self.passes += 1
 
     def close(self) -> None:
@@ -121,8 +136,7 @@ def statistics_bytes(plain: Path) -> int:
     """Bytes of every weight MatMul's input statistics at once (K x K float64 per distinct input)."""
     gw = GraphWeights(plain)
     untie_lm_head(gw)
-    widths = {n.input[0]: gw.shape(n.input[1])[0] for n in weight_matmuls(gw.model)}
-    return sum(k * k * 8 for k in widths.values())
+    return sum(k * k * 8 for k in _input_widths(gw).values())
 
 
 class _Captured(Exception):
@@ -139,6 +153,8 @@ class LayerHessians:
     The inputs are the fp32 model's (not the quantized blocks' outputs), as in `Hessians`. Keyed by the plain
     graph's MatMul names, mapped to modules by the exporter's naming ('/model/layers.3/mlp/up_proj/MatMul' ->
     'model.layers.3.mlp.up_proj'); a graph whose names do not map raises ValueError (use `Hessians`)."""
+
+    method = "by block (torch)"
 
     def __init__(self, hf_dir: Path, plain: Path, feeds: list[dict], threads: int | None = None) -> None:
         if not feeds or not sum(int(np.prod(f["input_ids"].shape)) for f in feeds):
@@ -273,12 +289,7 @@ class LayerHessians:
 
         def adder(x: str):
             def hook(mod, args):
-                a = args[0].reshape(-1, args[0].shape[-1]).float()
-                xtx = (a.T @ a).numpy()  # one text's rows in fp32, the sum over texts in fp64 (as Hessians)
-                if x in acc:
-                    np.add(acc[x], xtx, out=acc[x])
-                else:
-                    acc[x] = xtx.astype(np.float64)
+                _add_xtx(acc, x, args[0].reshape(-1, args[0].shape[-1]).float().numpy())
             return hook
 
         handles = [modules[m].register_forward_pre_hook(adder(x)) for x, m in wanted.items()]
@@ -293,15 +304,8 @@ class LayerHessians:
         finally:
             for handle in handles:
                 handle.remove()
-        for x, h in acc.items():
-            h /= self.rows
-            if not np.isfinite(h).all():
-                users = [n for n, i in self.input_of.items() if i == x]
-                raise ValueError(f"GPTQ: the fp32 model's input to {', '.join(users)} ({x}) is not finite on the "
-                                 "calibration text (NaN or inf): GPTQ cannot use it; set int8_rounding / "
-                                 "int4_rounding = 'minmax' (--int8-rounding / --int4-rounding minmax)")
         if collect:
-            self.loaded, self._loaded_step = acc, self._at
+            self.loaded, self._loaded_step = _finish(acc, self.rows, self.input_of), self._at
         self._at += 1
         if self._bar is not None:
             self._bar.update()

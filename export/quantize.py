@@ -619,7 +619,7 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
             hess.close()
     if hess:
         metrics |= {"gptq_tokens": hess.rows, "gptq_passes": hess.passes,
-                    "gptq_statistics": "by block (torch)" if type(hess).__name__ == "LayerHessians" else "graph (onnxruntime)"}
+                    "gptq_statistics": hess.method}
     return metrics
 
 

@@ -66,12 +66,13 @@ def _stage_lines(results: dict) -> list[str]:
                    f"top-p {a['sampling']['top_p']}); {a['kept']} ended at EOS and were kept.")
     if "distill" in st:
         d = st["distill"]
+        teacher = (f"read {d['teacher_rows']} of the {d['steps'] * d['batch_size']} rows"
+                   if d.get("teacher_rows") is not None and d.get("batch_size")
+                   else f"ran in {d.get('teacher_steps')} of the {d['steps']} steps")  # records before teacher_rows
         out.append(f"Distill on {d.get('text', 'chat text')}: {d['steps']} steps, {d['tokens_seen']} tokens in {d['seconds']:.0f} s on {d['device']} "
                    f"({d['tokens_per_s']} tok/s, AMP {d['amp']}), KD loss {d['loss_first']:.3f} -> {d['loss_last']:.3f}"
                    + (f"; KL over the teacher's top {d['teacher_topk']} tokens (holding {100 * d['teacher_topk_mass']:.1f}% "
-                      f"of its mass at T={d['temperature']}) + the rest, cached: the teacher "
-                      + (f"read {d['teacher_rows']} of the {d['steps'] * d['batch_size']} rows" if d.get("teacher_rows") is not None
-                         and d.get("batch_size") else f"ran in {d['teacher_steps']} of the {d['steps']} steps") if d.get("teacher_topk") and d.get("teacher_topk_mass") is not None else "")
+                      f"of its mass at T={d['temperature']}) + the rest, cached: the teacher {teacher}" if d.get("teacher_topk") and d.get("teacher_topk_mass") is not None else "")
                    + (f"; weights {d['weights_sha256']}" if d.get("weights_sha256") else "") + ".")
         for name, m in (d.get("mixture") or {}).items():
             out.append(f"Distillation source {name}: share {m['share']:g}, {m['rows']} rows of {m['blocks']} blocks "
