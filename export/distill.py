@@ -85,6 +85,9 @@ class DistillOptions:
         if self.mixture.get("teacher") and not self.teacher_answers:
             raise RecipeError("distill mixture has a teacher share but teacher_answers = 0: set teacher_answers = N "
                               "(chats the teacher writes) or drop teacher from the mixture")
+        for k in ("lr", "temperature", "seq_kd", "weight_decay", "hidden_loss", "grad_clip"):
+            if not math.isfinite(getattr(self, k)):  # a TOML recipe can say nan or inf: AdamW failed on it much later
+                raise RecipeError(f"distill {k} must be a finite number, got {getattr(self, k)}")
         if self.seq_kd < 0:
             raise RecipeError(f"distill seq_kd must be >= 0, got {self.seq_kd}")
         for k in ("steps", "batch_size", "seq_len", "checkpoint_every"):

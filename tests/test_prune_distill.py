@@ -255,6 +255,10 @@ def test_distill_caches_the_teachers_topk_and_resumes_with_it(loaded, pruned, tm
         _dopts(teacher_topk=8, hidden_loss=1.0)
     with pytest.raises(RecipeError, match="teacher_topk must be >= 0"):
         _dopts(teacher_topk=-1)
+    for key in ("lr", "temperature", "seq_kd", "weight_decay", "hidden_loss", "grad_clip"):
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(RecipeError, match=f"distill {key} must be a finite number"):
+                _dopts(**{key: bad})
 
 
 def test_distill_amp_on_cpu(loaded, pruned, tmp_path, monkeypatch):
