@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import time
+from dataclasses import dataclass
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -67,9 +68,51 @@ def show_message(m: dict) -> dict:
     return {"role": m["role"], "content": m["content"]}
 
 
+class Answers:
+    """The answer each page session is streaming, so Stop (and Clear) can cancel that request.
+
+    Stop cancels the scheduler request, which then ends with finish "cancelled" like any other answer: the
+    answer's event finishes normally and writes its own status line. (Cancelling the gradio event instead
+    made gradio 6 draw an "Error" beside it now and then.) Stop pressed while an answer is still being set
+    up (prompt fitted, grammar compiled) cancels its request as soon as it exists; Stop with no answer
+    under way does nothing. Touched only on the server's event loop (async handlers), so no lock."""
+
+    @dataclass
+    class Answer:
+        req: object = None
+        stopped: bool = False
+        cleared: bool = False  # the chat was cleared: the answer writes nothing more
+
+    def __init__(self) -> None:
+        self._by_session: dict[str, Answers.Answer] = {}
+
+    def starting(self, session: str) -> Answer:
+        self._by_session[session] = entry = Answers.Answer()
+        return entry
+
+    @staticmethod
+    def running(entry: Answer, req) -> None:
+        entry.req = req
+        if entry.stopped:
+            req.cancel()
+
+    def done(self, session: str, entry: Answer) -> None:
+        if self._by_session.get(session) is entry:  # a newer answer of the same page keeps its entry
+            del self._by_session[session]
+
+    def stop(self, session: str, clear: bool = False) -> None:
+        entry = self._by_session.get(session)
+        if entry is not None:
+            entry.stopped = True
+            entry.cleared = entry.cleared or clear
+            if entry.req is not None:
+                entry.req.cancel()
+
+
 def build_ui(service) -> gr.Blocks:
     gen = service.gen
     defaults = gen.sampling()
+    answers = Answers()
     with gr.Blocks(title=f"EdgeChat · {service.model_id}", analytics_enabled=False) as demo:
         gr.Markdown(f"### EdgeChat · {service.model_id}\n"
                     f"`{service.precision}` on {service.backend} · context {gen.max_context} tokens",
@@ -106,9 +149,23 @@ def build_ui(service) -> gr.Blocks:
             return "", msgs, show(msgs)
 
         async def answer(msgs: list[dict], system_prompt: str, temp: float, p: float, n: int, as_json: bool,
-                         schema_text: str, tools_text: str, choice: str):
+                         schema_text: str, tools_text: str, choice: str, request: gr.Request):
             if not msgs or msgs[-1]["role"] != "user":
                 return
+            session = request.session_hash or ""
+            entry = answers.starting(session)
+            try:
+                async for update in answer_events(msgs, system_prompt, temp, p, n, as_json, schema_text,
+                                                  tools_text, choice, entry):
+                    if entry.cleared:  # this event's last write, so no update of ours lands after the clear
+                        yield [], [], ""
+                        return
+                    yield update
+            finally:
+                answers.done(session, entry)
+
+        async def answer_events(msgs: list[dict], system_prompt: str, temp: float, p: float, n: int, as_json: bool,
+                                schema_text: str, tools_text: str, choice: str, entry: Answers.Answer):
             convo = ([{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []) + msgs
             try:
                 tool_list, logits = await asyncio.to_thread(page_constraint, gen, as_json, schema_text, tools_text,
@@ -119,7 +176,8 @@ def build_ui(service) -> gr.Blocks:
                 cfg = gen.sampling(max_new_tokens=int(n), temperature=float(temp), top_p=float(p))
                 ids, kept, dropped = fit_messages(gen, convo, min(cfg.max_new_tokens, gen.max_context // 2),
                                                   tools=tool_list if native else None)
-                _, events = await service.generate(ids, cfg, logits=logits)
+                req, events = await service.generate(ids, cfg, logits=logits)
+                answers.running(entry, req)
             except EdgeChatError as e:
                 yield msgs, show(msgs), f"⚠️ {e}"
                 return
@@ -136,6 +194,9 @@ def build_ui(service) -> gr.Blocks:
                             shown = msgs + [{"role": "assistant", "content": parsed.content,
                                              "tool_calls": parsed.tool_calls}]
                     s = ev.stats
+                    if ev.finish_reason == "cancelled":
+                        yield shown, show(shown), f"stopped · {s['completion_tokens']} tokens"
+                        return
                     cached = f" · {s['cached_prompt_tokens']} prompt tokens cached" if s.get("cached_prompt_tokens") else ""
                     line = (f"TTFT {s['ttft_s'] * 1000:.0f} ms · {s['decode_tok_s']:.1f} tok/s · "
                             f"{s['completion_tokens']} tokens · {ev.finish_reason}{cached}{note}")
@@ -146,19 +207,28 @@ def build_ui(service) -> gr.Blocks:
                     yield shown, show(shown), "generating…"
 
         inputs = [history, system, temperature, top_p, max_tokens, json_mode, schema, tools, tool_choice]
-        sub = msg.submit(take, [msg, history], [msg, history, chatbot], queue=False).then(
+        msg.submit(take, [msg, history], [msg, history, chatbot], queue=False).then(
             answer, inputs, [history, chatbot, stats], show_progress="hidden")
-        click = send.click(take, [msg, history], [msg, history, chatbot], queue=False).then(
+        send.click(take, [msg, history], [msg, history, chatbot], queue=False).then(
             answer, inputs, [history, chatbot, stats], show_progress="hidden")
-        # Stop cancels the answer's event (its generator closes, which cancels the request and frees the slot)
-        # and says so on the status line, which would otherwise keep "generating…". The answer events show no
-        # progress overlay: a cancelled event's overlay reads "Error" (gradio 6), and the status line and the
-        # streaming text already show progress.
-        stop.click(None, None, None, cancels=[sub, click])
-        stop.click(lambda: "stopped", None, stats, queue=False, show_progress="hidden")
-        clear.click(lambda: ([], [], ""), None, [history, chatbot, stats], queue=False)
+        # Stop cancels the session's request (Answers); the answer's event then ends by itself with "stopped"
+        # on the status line. The answer events show no progress overlay: the status line and the streaming
+        # text already show progress.
+        async def stop_answer(request: gr.Request) -> None:
+            answers.stop(request.session_hash or "")
+
+        stop.click(stop_answer, None, None, queue=False, show_progress="hidden")
+
+        async def clear_chat(request: gr.Request) -> tuple[list, list, str]:
+            answers.stop(request.session_hash or "", clear=True)  # a streaming answer would refill the chat
+            return [], [], ""
+
+        clear.click(clear_chat, None, [history, chatbot, stats], queue=False)
         # the chatbot's own trash icon clears the conversation too, not just the screen (the next turn would
         # still send the old history)
-        chatbot.clear(lambda: ([], ""), None, [history, stats], queue=False)
+        async def clear_history(request: gr.Request):
+            return (await clear_chat(request))[1:]
+
+        chatbot.clear(clear_history, None, [history, stats], queue=False)
     demo.queue(default_concurrency_limit=None)
     return demo

@@ -48,6 +48,13 @@ def test_page_streams_an_answer_and_stop_really_stops(long_bundle):
             page.get_by_label("number input for Max new tokens").fill("2000")
             page.get_by_label("number input for Temperature (0 = greedy)").fill("1")
             page.get_by_label("number input for Temperature (0 = greedy)").press("Enter")
+            other = browser.new_page()  # another user, set up now so that both answers run at once below
+            other.goto(server.url + "/", wait_until="load")
+            other.wait_for_selector("#message textarea", timeout=30_000)
+            other.get_by_text("Settings").click()
+            other.get_by_label("number input for Max new tokens").fill("2000")
+            other.get_by_label("number input for Temperature (0 = greedy)").fill("1")
+            other.get_by_label("number input for Temperature (0 = greedy)").press("Enter")
             page.locator("#message textarea").fill("Hello! Tell me a fun fact.")
             page.locator("#message textarea").press("Enter")
             # the user's message shows, then the answer grows while it streams
@@ -62,14 +69,24 @@ def test_page_streams_an_answer_and_stop_really_stops(long_bundle):
                 time.sleep(0.05)
             assert len(_bot_text(page)) > len(first), "the answer did not grow: not streaming"
             assert "generating" in page.locator("#stats").inner_text()
+            # another user's page streams at the same time: this page's Stop must not stop that answer
+            other.locator("#message textarea").fill("Tell me another fact.")
+            other.locator("#message textarea").press("Enter")
+            other.wait_for_function("document.querySelector('#stats').innerText.includes('generating')",
+                                    timeout=30_000)
             page.locator("#stop").click()
             time.sleep(1.0)
-            after_stop = _bot_text(page)
+            after_stop, other_at_stop = _bot_text(page), _bot_text(other)
             time.sleep(1.0)
             assert _bot_text(page) == after_stop, "text kept coming after Stop"
-            assert page.locator("#stats").inner_text() == "stopped"  # not "generating…" forever
+            assert len(_bot_text(other)) > len(other_at_stop), "Stop on one page stopped another page's answer"
+            assert "generating" in other.locator("#stats").inner_text()
+            other.locator("#stop").click()
+            other.wait_for_function("document.querySelector('#stats').innerText.startsWith('stopped')", timeout=10_000)
+            other.close()
+            assert re.fullmatch(r"stopped · \d+ tokens", page.locator("#stats").inner_text())  # not "generating…"
             metrics = httpx.get(server.url + "/metrics").text
-            assert re.search(r'^edgechat_requests_total\{finish="cancelled"\} 1$', metrics, re.M), metrics
+            assert re.search(r'^edgechat_requests_total\{finish="cancelled"\} 2$', metrics, re.M), metrics
             assert re.search(r"^edgechat_active_requests 0$", metrics, re.M)
             # a second question in the same chat gets a full answer and the speed line
             page.get_by_label("number input for Max new tokens").fill("20")
@@ -90,9 +107,23 @@ def test_page_streams_an_answer_and_stop_really_stops(long_bundle):
             assert _prompt_tokens(server) - before == len(
                 ChatTokenizer(long_bundle.path(long_bundle.manifest.tokenizer.file), long_bundle.manifest.tokenizer)
                 .encode_chat([{"role": "user", "content": "A fresh question?"}]))
+            # Clear while an answer streams: the answer stops (cancelled) and does not refill the chat
+            page.get_by_label("number input for Max new tokens").fill("2000")
+            page.get_by_label("number input for Max new tokens").press("Enter")
+            page.locator("#message textarea").fill("One more, a long one?")
+            page.locator("#message textarea").press("Enter")
+            page.wait_for_function("document.querySelector('#stats').innerText.includes('generating')", timeout=30_000)
             page.locator("#clear").click()
             page.wait_for_function("document.querySelectorAll(\"#chatbot [data-testid='user']\").length == 0",
                                    timeout=10_000)
+            time.sleep(1.5)
+            assert page.locator("#chatbot [data-testid='user']").count() == 0 and not _bot_text(page)
+            assert page.locator("#stats").inner_text() == ""
+            metrics = httpx.get(server.url + "/metrics").text
+            assert re.search(r'^edgechat_requests_total\{finish="cancelled"\} 3$', metrics, re.M), metrics
+            assert re.search(r"^edgechat_active_requests 0$", metrics, re.M)
+            # neither Stop nor Clear left gradio's "Error" badge on the page
+            assert page.get_by_text("Error", exact=True).count() == 0
             browser.close()
     finally:
         code, out = server.stop()

@@ -27,15 +27,29 @@ ADD = [{"type": "function", "function": {"name": "add", "parameters": {
     "required": ["a", "b"], "additionalProperties": False}}}]
 
 
+def _settled(locator, quiet_s: float = 0.5, timeout_s: float = 10.0) -> str:
+    """The element's text once it has not changed for quiet_s: the chatbot can draw the final message a
+    frame after the status line (its code block is highlighted as it renders)."""
+    text, since, deadline = locator.inner_text(), time.time(), time.time() + timeout_s
+    while time.time() - since < quiet_s and time.time() < deadline:
+        time.sleep(0.05)
+        now = locator.inner_text()
+        if now != text:
+            text, since = now, time.time()
+    return text
+
+
 def _ask(page, text: str) -> str:
     before = page.locator("#chatbot [data-testid='bot']").count()
+    old_status = page.locator("#stats").inner_text()  # the previous answer's speed line: not this one's
     page.locator("#message textarea").fill(text)
     page.locator("#message textarea").press("Enter")
     deadline = time.time() + 60
     while time.time() < deadline:
-        if "tok/s" in page.locator("#stats").inner_text() and \
+        status = page.locator("#stats").inner_text()
+        if "tok/s" in status and status != old_status and \
                 page.locator("#chatbot [data-testid='bot']").count() > before:
-            return page.locator("#chatbot [data-testid='bot']").last.inner_text()
+            return _settled(page.locator("#chatbot [data-testid='bot']").last)
         time.sleep(0.1)
     raise AssertionError(f"no finished answer; status: {page.locator('#stats').inner_text()!r}")
 
