@@ -30,6 +30,13 @@ def _gen(args: argparse.Namespace, spin: bool = True):
     gen = Generator.from_bundle(bundle, engine=args.engine, threads=args.threads, spin=spin)
     gen.tokenizer.allow_special_in_content = getattr(args, "allow_special_in_content", False)
     gen.speculative = getattr(args, "speculative", False)
+    if getattr(args, "draft", None):
+        draft = Generator.from_bundle(Bundle.open(args.draft, verify=_verify_mode(args)), engine=args.draft_engine,
+                                      threads=args.threads, spin=spin)
+        gen.use_draft(draft)
+        logging.getLogger("edgechat").info("drafting with %s (%s)", args.draft, draft.decoder.name)
+    elif getattr(args, "draft_engine", None):
+        raise EdgeChatError("--draft-engine names an engine of the --draft bundle: give --draft too")
     return gen
 
 
@@ -258,6 +265,10 @@ def _add_speculative_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", action="store_true",
                    help="prompt-lookup speculative decoding for greedy answers while one user is decoding (helps when "
                         "answers repeat their input; see docs/speed.md for what it gains and costs)")
+    p.add_argument("--draft", metavar="BUNDLE",
+                   help="a smaller model's bundle with the same tokenizer drafts instead of prompt lookup (turns "
+                        "--speculative on); greedy answers stay token for token the target's")
+    p.add_argument("--draft-engine", help="engine of the --draft bundle (default: fastest for this machine)")
 
 
 def _add_load_flags(p: argparse.ArgumentParser) -> None:

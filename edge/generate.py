@@ -28,7 +28,8 @@ class Generator:
         self.defaults = defaults or {}
         self.bundle = bundle
         self.choice = None  # edge.backends.Choice: which backend runs, and why the others did not
-        self.speculative = False  # prompt-lookup speculative decoding for greedy answers (edge.speculative)
+        self.speculative = False  # speculative decoding for greedy answers (edge.speculative)
+        self.drafter = None  # edge.speculative.ModelDrafter (use_draft); None: prompt lookup drafts
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, engine: str | None = None, threads: int | None = None,
@@ -54,11 +55,24 @@ class Generator:
                cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
         """The answer's text as it is generated; the last event has finish_reason and stats."""
         sched = Scheduler(self, max_batch=1, max_queue=1, prompt_cache_mb=0)
-        if self.speculative:
-            from edge.speculative import RowSpeculator
-
-            sched.speculator = self.speculator = RowSpeculator()
+        sched.speculator = self.speculator = self.make_speculator()
         yield from sched.generate(prompt_ids, cfg, cancel)
+
+    def use_draft(self, draft: "Generator") -> None:
+        """Draft with a smaller model of the same tokenizer (turns speculation on)."""
+        from edge.speculative import ModelDrafter, same_vocabulary
+
+        same_vocabulary(self.tokenizer, draft.tokenizer)
+        self.drafter = ModelDrafter(draft.decoder, self.decoder.dims.vocab_size)
+        self.speculative = True
+
+    def make_speculator(self):
+        """The scheduler's speculative step (edge.speculative.RowSpeculator), or None when speculation is off."""
+        if not self.speculative:
+            return None
+        from edge.speculative import RowSpeculator, lookup_draft
+
+        return RowSpeculator(self.drafter or lookup_draft)
 
     def tokens(self, prompt_ids: list[int], cfg: SamplingConfig) -> list[int]:
         """The answer's token ids (EOS not included)."""

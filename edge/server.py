@@ -68,10 +68,8 @@ class Service:
         self.scheduler = Scheduler(gen, max_batch=max_users, max_queue=4 * max_users if max_queue is None else max_queue,
                                    metrics=self.metrics,
                                    **({} if prompt_cache_mb is None else {"prompt_cache_mb": prompt_cache_mb}))
-        if getattr(gen, "speculative", False):  # only while one greedy answer is decoding (edge.speculative)
-            from edge.speculative import RowSpeculator
-
-            self.scheduler.speculator = RowSpeculator()
+        # speculative steps only while one greedy answer is decoding (edge.speculative)
+        self.scheduler.speculator = gen.make_speculator()
         m = gen.bundle.manifest if gen.bundle is not None else None
         self.model_id = m.model_name.split("/")[-1] if m else "edgechat"
         engine = getattr(gen.decoder, "engine", None)

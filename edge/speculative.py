@@ -25,6 +25,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
+from edge.errors import EdgeChatError
 from edge.sampling import SamplingConfig
 
 
@@ -47,6 +48,57 @@ def lookup_draft(seq: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1)
             start = int(hits[-1]) + n
             return a[start:start + k].tolist()
     return []
+
+
+class ModelDrafter:
+    """A smaller model with the target's tokenizer drafts greedily (llama.cpp's draft model; `--draft`).
+
+    It keeps its own KV cache of the tokens it has fed. Each call rolls that cache back to what the new
+    sequence shares with it (the target rejected the rest, or another answer began) and feeds only the new
+    tokens, so a draft of k costs a short catch-up plus k - 1 single-token steps of the small model. Greedy
+    drafts make the draft distribution a point mass, which speculative sampling accepts as it accepts
+    prompt lookup's. Called from one thread (the scheduler's), like the target."""
+
+    def __init__(self, decoder, target_vocab: int) -> None:
+        self.decoder = decoder
+        self.vocab = min(target_vocab, decoder.dims.vocab_size)  # ids the target has (padded heads differ)
+        self.cache = None
+        self.fed: list[int] = []  # the tokens in self.cache, in order
+
+    def __call__(self, seq: list[int], k: int) -> list[int]:
+        k = min(k, self.decoder.dims.max_context - len(seq))
+        if k < 1 or not seq:
+            return []
+        keep = 0  # how much of the cache the new sequence shares; at least its last token is fed again
+        for a, b in zip(self.fed, seq[:-1]):
+            if a != b:
+                break
+            keep += 1
+        if self.cache is None:
+            self.cache = self.decoder.new_cache(capacity=len(seq) + k)
+        rollback(self.decoder, self.cache, keep)
+        logits = self.decoder.prefill(seq[keep:], self.cache)
+        fed, draft = list(seq), []
+        while True:
+            draft.append(int(np.argmax(logits[0, :self.vocab])))
+            if len(draft) == k:
+                break
+            logits = self.decoder.forward(np.array([[draft[-1]]]), self.cache)
+            fed.append(draft[-1])
+        self.fed = fed
+        return draft
+
+
+def same_vocabulary(target_tokenizer, draft_tokenizer) -> None:
+    """A draft must spell every id as the target does; raises EdgeChatError naming the first difference."""
+    a = target_tokenizer.tok.get_vocab(with_added_tokens=True)
+    b = draft_tokenizer.tok.get_vocab(with_added_tokens=True)
+    if a != b:
+        diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:1]
+        raise EdgeChatError(
+            f"the draft bundle's tokenizer differs from the target's ({len(b)} tokens against {len(a)}; "
+            f"first difference: {diff[0][0]!r} = id {diff[0][1]}): a draft must share the target's "
+            "tokenizer (e.g. a smaller model of the same family, or one built from the target)")
 
 
 class AdaptiveK:
@@ -209,7 +261,8 @@ def pick(sampler, cfg: SamplingConfig, rows: np.ndarray, draft: list[int], seq: 
 
 class RowSpeculator:
     """The scheduler's speculative step (edge.scheduler): while exactly one greedy row is decoding on a fused
-    cache and nothing is being prefilled, draft by prompt lookup and let one target call check the draft.
+    cache and nothing is being prefilled, draft (prompt lookup, or a draft model: ModelDrafter) and let one
+    target call check the draft.
     Each checked token goes through the scheduler's own `_accept` (EOS, stop strings, limits, events), so an
     answer ends exactly as a plain step would end it. With a second user, a long prompt waiting, logits
     processors (grammar, logprobs, penalties) or sampling it steps no differently from the plain loop.

@@ -141,17 +141,23 @@ def row_edgechat(spec: dict) -> dict:
 
 
 def row_edgechat_lookup(spec: dict) -> dict:
-    """Our decoder with prompt-lookup speculative decoding (edge.speculative), greedy."""
+    """Our decoder with speculative decoding (edge.speculative), greedy: prompt lookup drafts, or with
+    spec["draft"] a draft model's engine (edge.speculative.ModelDrafter)."""
     from edge.sampling import SamplingConfig
-    from edge.speculative import AdaptiveK, SpecStats, speculative_tokens
+    from edge.speculative import AdaptiveK, SpecStats, lookup_draft, speculative_tokens
 
     b, g = _generator(spec)
+    drafter = lookup_draft
+    if spec.get("draft"):
+        _, dg = _generator(spec | {"bundle": spec["draft"], "engine": spec["draft_engine"]})
+        g.use_draft(dg)
+        drafter = g.drafter
     cfg = SamplingConfig(max_new_tokens=spec["new"], ignore_eos=True)
     for warm in (True, False):
         stats = SpecStats()
         t0 = time.perf_counter()
         it = speculative_tokens(g.decoder, spec["prompt_ids"], cfg, g.tokenizer.eos_ids, g.max_context,
-                                policy=AdaptiveK(k_max=spec.get("k_max", 8)), stats=stats)
+                                drafter=drafter, policy=AdaptiveK(k_max=spec.get("k_max", 8)), stats=stats)
         tokens = [next(it)]
         t1 = time.perf_counter()
         tokens += list(it)
@@ -399,6 +405,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (every row once per round)")
     ap.add_argument("--no-lookup", action="store_true", help="skip the prompt-lookup speculative rows")
+    ap.add_argument("--draft", help="a draft bundle (same tokenizer): adds a row per engine drafting with it")
+    ap.add_argument("--draft-engine", default="int4-weight", help="the draft bundle's engine (default int4-weight)")
     ap.add_argument("--with-transformers", action="store_true", help="add transformers fp32 (slow)")
     ap.add_argument("--no-genai", action="store_true")
     ap.add_argument("--no-llama-cpp", action="store_true")
@@ -437,6 +445,10 @@ def main() -> int:
         specs[f"edgechat {e}"] = {"kind": "edgechat", "bundle": str(b.root), "engine": e}
         if not a.no_lookup and e == "int8-dynamic":
             specs[f"edgechat {e} + lookup"] = {"kind": "edgechat-lookup", "bundle": str(b.root), "engine": e}
+        if a.draft:
+            specs[f"edgechat {e} + draft {a.draft_engine}"] = {"kind": "edgechat-lookup", "bundle": str(b.root),
+                                                              "engine": e, "draft": a.draft,
+                                                              "draft_engine": a.draft_engine}
     skipped: list[str] = []
     specs |= peers(b, a, skipped)
     for s in skipped:
@@ -463,21 +475,24 @@ def main() -> int:
         rss = f"{r['rss_mb']:8.0f}M" if "rss_mb" in r else "-"
         print(f"{name:34s} {r['ttft_ms']:8.0f} {r['decode_tok_s']:13.1f} {f'{lo:.0f}-{hi:.0f}':>13s} "
               f"{r['weight_bytes'] / 1e6:9.0f} {100 * r['roofline_fraction']:8.0f}% {rss:>9s}")
-    # output identity: the speculative answer against the plain one, every round
-    identical = None
-    plain, spec = rounds.get("edgechat int8-dynamic", []), rounds.get("edgechat int8-dynamic + lookup", [])
-    if plain and spec:
-        identical = all("tokens" in p and "tokens" in s and p["tokens"] == s["tokens"] for p, s in zip(plain, spec))
-        acc = rows["edgechat int8-dynamic + lookup"].get("speculative", {})
-        print(f"\nprompt lookup on int8-dynamic: output identical to plain greedy in every round: {identical}; "
+    # output identity: each speculative answer against the plain one of its engine, every round
+    identical: dict[str, bool] = {}
+    for name, spec in specs.items():
+        plain = rounds.get(f"edgechat {spec.get('engine')}", [])
+        if spec["kind"] != "edgechat-lookup" or not plain:
+            continue
+        identical[name] = all("tokens" in p and "tokens" in s and p["tokens"] == s["tokens"]
+                              for p, s in zip(plain, rounds[name]))
+        acc = rows[name].get("speculative", {})
+        print(f"\n{name}: output identical to plain greedy in every round: {identical[name]}; "
               f"acceptance {acc.get('acceptance', 0):.2f} ({acc.get('accepted', 0)} of {acc.get('drafted', 0)} drafted), "
               f"{acc.get('target_calls', 0)} target calls for {a.new_tokens} tokens")
-        cost = rows["edgechat int8-dynamic + lookup"].get("verify_cost", {})
+        cost = rows[name].get("verify_cost", {})
         if cost:
             print("  cost of one target call of n tokens, in single-token calls: " +
                   ", ".join(f"n={n}: {v:.2f}" for n, v in cost.items() if n != "one_token_ms"))
     ratios = {}
-    for ours, theirs in RATIOS:
+    for ours, theirs in RATIOS + [(n, f"edgechat {s['engine']}") for n, s in specs.items() if s.get("draft")]:
         pairs = [(x, y) for x, y in zip(rounds.get(ours, []), rounds.get(theirs, [])) if "error" not in x and "error" not in y]
         if pairs:
             dec = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in pairs]
@@ -509,7 +524,7 @@ def main() -> int:
                                "threads": a.threads, "no_spin": a.no_spin, "new_tokens": a.new_tokens,
                                "prompt_tokens": len(prompt_ids),
                                "rounds": a.rounds, "rows": rows, "per_round": rounds, "loads": loads,
-                               "ratios": ratios, "lookup_output_identical": identical, "skipped": skipped,
+                               "ratios": ratios, "speculative_output_identical": identical, "skipped": skipped,
                                "served": served}, indent=2))
     print(f"\nwrote {out}")
     return 0

@@ -247,3 +247,82 @@ def test_served_single_user_speculates_and_answers_the_same(fused_generator):
         assert spec.stats.calls > 0
     finally:
         sched.stop()
+
+
+# -- a draft model (ModelDrafter, --draft) --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def drafts(tiny_bundle, long_bundle):
+    """Two drafts for the tiny int8 target, both with its tokenizer: its own int4 engine (a fused cache,
+    agrees often) and another random model (a plain growing cache, 4k context, agrees rarely)."""
+    return {"int4-self": Generator.from_bundle(tiny_bundle, engine="int4-weight", threads=1),
+            "other-model": Generator.from_bundle(long_bundle, engine="fp32", threads=1)}
+
+
+@pytest.mark.parametrize("which", ["int4-self", "other-model"])
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_draft_model_greedy_identical(fused_generator, drafts, which, k):
+    from edge.speculative import ModelDrafter
+
+    gen, draft = fused_generator, drafts[which]
+    drafter = ModelDrafter(draft.decoder, gen.decoder.dims.vocab_size)  # one drafter across prompts: its cache follows
+    cfg = SamplingConfig(max_new_tokens=40, ignore_eos=True)
+    stats = SpecStats()
+    for msgs in PROMPTS:
+        ids = gen.tokenizer.encode_chat(msgs)
+        assert spec(gen, ids, cfg, drafter=drafter, policy=FixedK(k), stats=stats) == plain(gen, ids, cfg), which
+    assert stats.drafted > 0  # long accepted runs (its own int4 engine) and rejections (another model) both ran
+    assert stats.accepted > 0 if which == "int4-self" else stats.accepted < stats.drafted
+
+
+@pytest.mark.parametrize("which", ["int4-self", "other-model"])
+def test_draft_model_cache_follows_the_sequence(fused_generator, drafts, which):
+    """A drafter that rolls its cache back and feeds only what is new drafts what a fresh one drafts from
+    scratch, whether the sequence grew, was cut back (rejected drafts) or is another answer altogether."""
+    from edge.speculative import ModelDrafter
+
+    d = drafts[which].decoder
+    vocab = fused_generator.decoder.dims.vocab_size
+    a = fused_generator.tokenizer.encode_chat(PROMPTS[0])
+    b = fused_generator.tokenizer.encode_chat(PROMPTS[1])
+    kept = ModelDrafter(d, vocab)
+    for seq, k in [(a, 4), (a + [17, 42], 3), (a + [17], 5), (a + [17, 99, 5, 6], 8), (b, 2), (a[:3], 6), (b + b, 4)]:
+        got = kept(seq, k)
+        assert got == ModelDrafter(d, vocab)(seq, k), seq
+        assert len(got) == k and all(0 <= t < vocab for t in got)
+        assert kept.fed == seq + got[:-1] and kept.cache.length == len(kept.fed)
+    assert kept([], 4) == [] and kept(a, 0) == []
+
+
+def test_draft_model_in_the_scheduler_and_the_cli(tiny_bundle, long_bundle, drafts):
+    """Generator.use_draft: the scheduler's speculative step drafts with the model; same answer as without.
+    The CLI's --draft gives the same text; a draft with another vocabulary is refused, saying why."""
+    from conftest import run_cli
+    from edge.errors import EdgeChatError
+    from edge.speculative import ModelDrafter, same_vocabulary
+
+    gen = Generator.from_bundle(tiny_bundle, engine="int8-dynamic", threads=1)
+    ids = gen.tokenizer.encode_chat(PROMPTS[1])
+    cfg = SamplingConfig(max_new_tokens=40, ignore_eos=True)
+    want = list(gen.stream(ids, cfg))
+    gen.use_draft(drafts["int4-self"])
+    assert gen.speculative and isinstance(gen.drafter, ModelDrafter)
+    got = list(gen.stream(ids, cfg))
+    assert got[-1].token_ids == want[-1].token_ids and "".join(e.text for e in got) == "".join(e.text for e in want)
+    assert gen.speculator.stats.accepted > 0
+
+    other = Generator.from_bundle(tiny_bundle, engine="int4-weight", threads=1)
+    other.tokenizer.tok.add_tokens(["<extra-token>"])
+    with pytest.raises(EdgeChatError, match="tokenizer differs.*'<extra-token>' = id"):
+        same_vocabulary(gen.tokenizer, other.tokenizer)
+
+    args = ["edge.cli", "-v", "run", str(tiny_bundle.root), "What is the capital of Japan?", "--engine",
+            "int8-dynamic", "--max-new-tokens", "30", "--threads", "1", "--temperature", "0"]
+    plain_run = run_cli(*args)
+    drafted = run_cli(*args, "--draft", str(long_bundle.root))
+    assert plain_run.returncode == 0 and drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout == plain_run.stdout and "drafting with" in drafted.stderr
+    lone = run_cli(*args, "--draft-engine", "int4-weight")
+    assert lone.returncode != 0 and "give --draft too" in lone.stderr
+    missing = run_cli(*args, "--draft", str(tiny_bundle.root) + "-nope")
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr, missing.stderr
