@@ -23,6 +23,7 @@ def _gen(args: argparse.Namespace, spin: bool = True):
     from edge.bundle import Bundle
     from edge.generate import Generator
 
+    draft = _draft_bundle(args)  # before the target loads: a bad --draft fails in a second
     bundle = Bundle.open(args.bundle, verify=_verify_mode(args))
     if bundle.hashed:
         logging.getLogger("edgechat").info("verified %d of %d bundle files by SHA-256 (the others: unchanged since "
@@ -30,14 +31,35 @@ def _gen(args: argparse.Namespace, spin: bool = True):
     gen = Generator.from_bundle(bundle, engine=args.engine, threads=args.threads, spin=spin)
     gen.tokenizer.allow_special_in_content = getattr(args, "allow_special_in_content", False)
     gen.speculative = getattr(args, "speculative", False)
-    if getattr(args, "draft", None):
-        draft = Generator.from_bundle(Bundle.open(args.draft, verify=_verify_mode(args)), engine=args.draft_engine,
-                                      threads=args.threads, spin=spin)
-        gen.use_draft(draft)
-        logging.getLogger("edgechat").info("drafting with %s (%s)", args.draft, draft.decoder.name)
-    elif getattr(args, "draft_engine", None):
-        raise EdgeChatError("--draft-engine names an engine of the --draft bundle: give --draft too")
+    if draft is not None:
+        if not gen.decoder.io.fused or gen.decoder.device != "cpu":
+            raise EdgeChatError(f"--draft: engine {gen.decoder.name} cannot verify drafts here (speculative steps "
+                                "run on a fused graph on CPU: int8-dynamic or int4-weight); drop --draft")
+        # the draft's idle threads sleep: spinning, they would take the cores from the target's call
+        dgen = Generator.from_bundle(draft, engine=args.draft_engine, threads=args.threads, spin=False)
+        if draft.root.resolve() == bundle.root.resolve() and dgen.decoder.name == gen.decoder.name:
+            raise EdgeChatError(f"--draft: the draft is the target itself ({gen.decoder.name}): it would agree "
+                                "always and cost a second step per token; give a smaller model or --draft-engine")
+        gen.use_draft(dgen)
+        logging.getLogger("edgechat").info("drafting with %s (%s)", args.draft, dgen.decoder.name)
     return gen
+
+
+def _draft_bundle(args: argparse.Namespace):
+    from edge.bundle import Bundle
+
+    if not getattr(args, "draft", None):
+        if getattr(args, "draft_engine", None):
+            raise EdgeChatError("--draft-engine names an engine of the --draft bundle: give --draft too")
+        return None
+    try:
+        draft = Bundle.open(args.draft, verify=_verify_mode(args))
+    except EdgeChatError as e:
+        raise EdgeChatError(f"--draft: {e}") from None
+    if args.draft_engine and args.draft_engine not in [e.name for e in draft.manifest.engines]:
+        raise EdgeChatError(f"--draft-engine: the draft bundle has no engine {args.draft_engine!r} (it has "
+                            f"{', '.join(e.name for e in draft.manifest.engines)})")
+    return draft
 
 
 def _cfg(gen, args: argparse.Namespace):
@@ -267,7 +289,8 @@ def _add_speculative_flag(p: argparse.ArgumentParser) -> None:
                         "answers repeat their input; see docs/speed.md for what it gains and costs)")
     p.add_argument("--draft", metavar="BUNDLE",
                    help="a smaller model's bundle with the same tokenizer drafts instead of prompt lookup (turns "
-                        "--speculative on); greedy answers stay token for token the target's")
+                        "--speculative on; int8-dynamic/int4-weight targets on CPU); see docs/speed.md for when it "
+                        "pays and why quantized targets can differ from their plain greedy answer")
     p.add_argument("--draft-engine", help="engine of the --draft bundle (default: fastest for this machine)")
 
 

@@ -19,6 +19,7 @@ input (summaries, code edits, extraction); on free prose it rarely drafts and th
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Protocol
@@ -27,6 +28,8 @@ import numpy as np
 
 from edge.errors import EdgeChatError
 from edge.sampling import SamplingConfig
+
+log = logging.getLogger("edgechat")
 
 
 class Drafter(Protocol):
@@ -50,6 +53,10 @@ def lookup_draft(seq: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1)
     return []
 
 
+def _no_draft(seq: list[int], k: int) -> list[int]:
+    return []
+
+
 class ModelDrafter:
     """A smaller model with the target's tokenizer drafts greedily (llama.cpp's draft model; `--draft`).
 
@@ -69,24 +76,23 @@ class ModelDrafter:
         k = min(k, self.decoder.dims.max_context - len(seq))
         if k < 1 or not seq:
             return []
-        keep = 0  # how much of the cache the new sequence shares; at least its last token is fed again
-        for a, b in zip(self.fed, seq[:-1]):
-            if a != b:
-                break
-            keep += 1
+        # how much of the cache the new sequence shares; at least its last token is fed again
+        n = min(len(self.fed), len(seq) - 1)
+        differ = np.flatnonzero(np.asarray(self.fed[:n]) != np.asarray(seq[:n]))
+        keep = int(differ[0]) if differ.size else n
         if self.cache is None:
             self.cache = self.decoder.new_cache(capacity=len(seq) + k)
         rollback(self.decoder, self.cache, keep)
+        self.fed = self.fed[:keep]  # true even if a call below fails: the next call starts from here
         logits = self.decoder.prefill(seq[keep:], self.cache)
-        fed, draft = list(seq), []
+        self.fed = list(seq)
+        draft: list[int] = []
         while True:
             draft.append(int(np.argmax(logits[0, :self.vocab])))
             if len(draft) == k:
-                break
+                return draft
             logits = self.decoder.forward(np.array([[draft[-1]]]), self.cache)
-            fed.append(draft[-1])
-        self.fed = fed
-        return draft
+            self.fed.append(draft[-1])
 
 
 def same_vocabulary(target_tokenizer, draft_tokenizer) -> None:
@@ -283,7 +289,12 @@ class RowSpeculator:
             return False
         base = sched.cache.lengths[0]
         k = min(self.policy.k, cfg.max_new_tokens - row.n, sched.gen.max_context - base - 2)
-        draft = self.drafter(row.seen, k)[:k] if k > 0 else []
+        try:
+            draft = self.drafter(row.seen, k)[:k] if k > 0 else []
+        except Exception:  # a failing draft model must not fail the answer: decode on without it
+            log.exception("the drafter failed; speculative decoding is off for this process")
+            self.drafter = _no_draft
+            return False
         if not draft:
             return False
         logits = sched.cache.verify([row.last] + draft)

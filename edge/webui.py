@@ -10,6 +10,7 @@ link.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -69,7 +70,7 @@ def show_message(m: dict) -> dict:
 
 
 class Answers:
-    """The answer each page session is streaming, so Stop (and Clear) can cancel that request.
+    """The answers each page session is streaming, so Stop (and Clear) can cancel those requests.
 
     Stop cancels the scheduler request, which then ends with finish "cancelled" like any other answer: the
     answer's event finishes normally and writes its own status line. (Cancelling the gradio event instead
@@ -77,17 +78,18 @@ class Answers:
     up (prompt fitted, grammar compiled) cancels its request as soon as it exists; Stop with no answer
     under way does nothing. Touched only on the server's event loop (async handlers), so no lock."""
 
-    @dataclass
+    @dataclass(eq=False)
     class Answer:
         req: object = None
         stopped: bool = False
         cleared: bool = False  # the chat was cleared: the answer writes nothing more
 
     def __init__(self) -> None:
-        self._by_session: dict[str, Answers.Answer] = {}
+        self._by_session: dict[str, list[Answers.Answer]] = {}
 
     def starting(self, session: str) -> Answer:
-        self._by_session[session] = entry = Answers.Answer()
+        entry = Answers.Answer()
+        self._by_session.setdefault(session, []).append(entry)
         return entry
 
     @staticmethod
@@ -97,12 +99,16 @@ class Answers:
             req.cancel()
 
     def done(self, session: str, entry: Answer) -> None:
-        if self._by_session.get(session) is entry:  # a newer answer of the same page keeps its entry
-            del self._by_session[session]
+        if entry.req is not None:
+            entry.req.cancel()  # no-op for a finished request; frees the slot of one whose page went away
+        entries = self._by_session.get(session, [])
+        if entry in entries:
+            entries.remove(entry)
+        if not entries:
+            self._by_session.pop(session, None)
 
     def stop(self, session: str, clear: bool = False) -> None:
-        entry = self._by_session.get(session)
-        if entry is not None:
+        for entry in self._by_session.get(session, []):  # every answer of this page (Enter pressed twice)
             entry.stopped = True
             entry.cleared = entry.cleared or clear
             if entry.req is not None:
@@ -155,13 +161,14 @@ def build_ui(service) -> gr.Blocks:
             session = request.session_hash or ""
             entry = answers.starting(session)
             try:
-                async for update in answer_events(msgs, system_prompt, temp, p, n, as_json, schema_text,
-                                                  tools_text, choice, entry):
-                    if entry.cleared:  # this event's last write, so no update of ours lands after the clear
-                        yield [], [], ""
-                        return
-                    yield update
-            finally:
+                async with contextlib.aclosing(answer_events(msgs, system_prompt, temp, p, n, as_json, schema_text,
+                                                             tools_text, choice, entry)) as updates:
+                    async for update in updates:
+                        if entry.cleared:  # this event's last write, so no update of ours lands after the clear
+                            yield [], [], ""
+                            return
+                        yield update
+            finally:  # also when gradio closes this generator (page gone): the request is cancelled at once
                 answers.done(session, entry)
 
         async def answer_events(msgs: list[dict], system_prompt: str, temp: float, p: float, n: int, as_json: bool,

@@ -149,7 +149,8 @@ def row_edgechat_lookup(spec: dict) -> dict:
     b, g = _generator(spec)
     drafter = lookup_draft
     if spec.get("draft"):
-        _, dg = _generator(spec | {"bundle": spec["draft"], "engine": spec["draft_engine"]})
+        # the draft's idle threads sleep, as edge-chat --draft loads it: spinning, they take the target's cores
+        _, dg = _generator(spec | {"bundle": spec["draft"], "engine": spec["draft_engine"], "no_spin": True})
         g.use_draft(dg)
         drafter = g.drafter
     cfg = SamplingConfig(max_new_tokens=spec["new"], ignore_eos=True)
@@ -170,6 +171,8 @@ def row_edgechat_lookup(spec: dict) -> dict:
 def verify_cost(d, ids: list[int], sizes=(1, 2, 3, 5, 9), reps: int = 8) -> dict:
     """What bounds speculation: the time of one target call of n tokens (pending + n - 1 drafts) over one of
     1 token, interleaved, median of `reps`. Speculation gains only when the tokens a call yields exceed it."""
+    from edge.speculative import rollback
+
     cache = d.new_cache(capacity=len(ids) + 16)
     d.prefill(ids, cache)
     base = cache.length
@@ -179,7 +182,7 @@ def verify_cost(d, ids: list[int], sizes=(1, 2, 3, 5, 9), reps: int = 8) -> dict
             t = time.perf_counter()
             d.forward(np.arange(100, 100 + n)[None], cache, last_only=n == 1)
             times[n].append(time.perf_counter() - t)
-            cache.length = base
+            rollback(d, cache, base)  # a plain graph's past tensors are cut, not only its length
     one = statistics.median(times[1])
     return {str(n): statistics.median(v) / one for n, v in times.items()} | {"one_token_ms": one * 1000}
 

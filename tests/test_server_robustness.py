@@ -410,3 +410,35 @@ def test_health_reports_a_restarted_scheduler_and_the_server_goes_on(tiny_genera
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
     finally:
         s.stop()
+
+
+def test_page_answers_registry_stops_every_answer_of_one_page_only():
+    """edge.webui.Answers (what the page's Stop and Clear act on): Stop cancels every answer of that page,
+    one still being set up as soon as its request exists, never another page's; entries go when done."""
+    from edge.webui import Answers
+
+    class Req:
+        def __init__(self) -> None:
+            self.cancelled = threading.Event()
+
+        def cancel(self) -> None:
+            self.cancelled.set()
+
+    answers = Answers()
+    first, second, other = answers.starting("page"), answers.starting("page"), answers.starting("other page")
+    r1, r2, ro = Req(), Req(), Req()
+    answers.running(first, r1)
+    answers.running(other, ro)
+    answers.stop("page")  # the second answer has no request yet
+    assert r1.cancelled.is_set() and not ro.cancelled.is_set() and not second.cleared
+    answers.running(second, r2)
+    assert r2.cancelled.is_set()  # cancelled the moment it exists
+    answers.stop("nobody")  # no answer under way: nothing happens
+    answers.stop("other page", clear=True)
+    assert ro.cancelled.is_set() and other.cleared
+    for session, entry in [("page", first), ("page", second), ("other page", other)]:
+        answers.done(session, entry)
+    assert answers._by_session == {}
+    late = answers.starting("page")
+    answers.done("page", late)  # an answer that never got a request ends cleanly too
+    assert answers._by_session == {}

@@ -324,5 +324,31 @@ def test_draft_model_in_the_scheduler_and_the_cli(tiny_bundle, long_bundle, draf
     assert drafted.stdout == plain_run.stdout and "drafting with" in drafted.stderr
     lone = run_cli(*args, "--draft-engine", "int4-weight")
     assert lone.returncode != 0 and "give --draft too" in lone.stderr
-    missing = run_cli(*args, "--draft", str(tiny_bundle.root) + "-nope")
-    assert missing.returncode != 0 and "Traceback" not in missing.stderr, missing.stderr
+    for bad, says in [(["--draft", str(tiny_bundle.root) + "-nope"], "--draft: bundle folder"),
+                      (["--draft", str(tiny_bundle.root), "--draft-engine", "nope"], "has no engine 'nope'"),
+                      (["--draft", str(tiny_bundle.root), "--draft-engine", "int8-dynamic"], "the target itself"),
+                      (["--draft", str(long_bundle.root), "--engine", "fp32"], "cannot verify drafts")]:
+        r = run_cli(*args, *bad)
+        assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
+
+
+def test_a_failing_drafter_turns_itself_off(fused_generator):
+    """A draft model that raises (a bad engine, an id it does not have) costs the answer nothing."""
+    from edge.scheduler import Scheduler
+    from edge.speculative import RowSpeculator
+
+    def broken(seq: list[int], k: int) -> list[int]:
+        raise RuntimeError("draft engine failed")
+
+    gen = fused_generator
+    ids = gen.tokenizer.encode_chat(PROMPTS[1])
+    cfg = SamplingConfig(max_new_tokens=30, ignore_eos=True)
+    want = plain(gen, ids, cfg)
+    sched = Scheduler(gen, max_batch=2).start()
+    sched.speculator = spec = RowSpeculator(broken)
+    try:
+        assert sched.submit(ids, cfg).answer(timeout=60)[1].token_ids == want
+        assert sched.submit(ids, cfg).answer(timeout=60)[1].token_ids == want
+        assert spec.drafter is not broken and sched.restarts == 0
+    finally:
+        sched.stop()
