@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
@@ -265,37 +266,83 @@ def pick(sampler, cfg: SamplingConfig, rows: np.ndarray, draft: list[int], seq: 
     return accept_sampled(p, draft, rng)
 
 
+class Pacer:
+    """Speculate only while it pays, measured: the seconds per emitted token of speculative steps (draft +
+    verify) and of plain steps, each a running average of the time from one step of the same row to the
+    next. The faster mode is used; every `explore`-th step tries the other one, so a draft that stops paying
+    (a slow draft model, prose that prompt lookup cannot guess) costs about 1/explore of a step, not 2x."""
+
+    def __init__(self, explore: int = 16, smoothing: float = 0.2, clock=time.perf_counter) -> None:
+        self.explore, self.smoothing, self.clock = explore, smoothing, clock
+        self.per_token: dict[str, float | None] = {"spec": None, "plain": None}
+        self._last: tuple[object, str, float, int] | None = None  # (row, mode, start, tokens)
+        self._steps = 0
+
+    def record(self, row, mode: str | None = None) -> None:
+        """Call as each step begins: closes the previous step's timing if it was the same row's (an answer
+        that ended, or a step with other rows, is not timed), then starts this one's (mode None: none)."""
+        now = self.clock()
+        if self._last is not None and self._last[0] is row:
+            _, was, start, n = self._last
+            sec = (now - start) / n
+            old = self.per_token[was]
+            self.per_token[was] = sec if old is None else old + self.smoothing * (sec - old)
+        self._last = (row, mode, now, 1) if mode else None
+
+    def emitted(self, tokens: int) -> None:
+        """How many tokens the step being timed gave (a speculative step: the accepted drafts + one)."""
+        if self._last is not None:
+            self._last = self._last[:3] + (tokens,)
+
+    def speculate(self) -> bool:
+        self._steps += 1
+        spec, plain = self.per_token["spec"], self.per_token["plain"]
+        if spec is None or plain is None:  # measure both first: speculate, then one plain step
+            return spec is None
+        faster = spec <= plain
+        return faster != (self._steps % self.explore == 0)
+
+
 class RowSpeculator:
     """The scheduler's speculative step (edge.scheduler): while exactly one greedy row is decoding on a fused
     cache and nothing is being prefilled, draft (prompt lookup, or a draft model: ModelDrafter) and let one
-    target call check the draft.
+    target call check the draft, when speculating has been measured to pay (Pacer).
     Each checked token goes through the scheduler's own `_accept` (EOS, stop strings, limits, events), so an
     answer ends exactly as a plain step would end it. With a second user, a long prompt waiting, logits
     processors (grammar, logprobs, penalties) or sampling it steps no differently from the plain loop.
     (Speculative sampling is `speculative_tokens`; here a sampled row would need `_accept` to take a token.)"""
 
-    def __init__(self, drafter: Drafter = lookup_draft, policy: AdaptiveK | None = None) -> None:
+    def __init__(self, drafter: Drafter = lookup_draft, policy: AdaptiveK | None = None,
+                 pacer: Pacer | None = None) -> None:
         self.drafter = drafter
         self.policy = policy or AdaptiveK()
+        self.pacer = pacer or Pacer()
         self.stats = SpecStats()
+        self.plain_steps = 0  # lone-row steps the pacer left plain
 
     def step(self, sched) -> bool:
         """One speculative step of the scheduler's single row; False (nothing done) when it does not apply."""
-        if len(sched.rows) != 1 or sched.prefilling is not None or not hasattr(sched.cache, "verify"):
+        row = sched.rows[0] if len(sched.rows) == 1 else None
+        if row is None or sched.prefilling is not None or not hasattr(sched.cache, "verify") \
+                or row.logits is not None or not row.req.cfg.greedy:
+            self.pacer.record(None)
             return False
-        row = sched.rows[0]
+        if not self.pacer.speculate():
+            self.pacer.record(row, "plain")
+            self.plain_steps += 1
+            return False
         cfg = row.req.cfg
-        if row.logits is not None or not cfg.greedy:
-            return False
         base = sched.cache.lengths[0]
         k = min(self.policy.k, cfg.max_new_tokens - row.n, sched.gen.max_context - base - 2)
+        self.pacer.record(row, "spec")
         try:
             draft = self.drafter(row.seen, k)[:k] if k > 0 else []
         except Exception:  # a failing draft model must not fail the answer: decode on without it
             log.exception("the drafter failed; speculative decoding is off for this process")
             self.drafter = _no_draft
+            self.pacer.record(None)
             return False
-        if not draft:
+        if not draft:  # nothing to check: a plain step (timed as speculation's cost: drafting found nothing)
             return False
         logits = sched.cache.verify([row.last] + draft)
         self.stats.calls += 1
@@ -307,6 +354,7 @@ class RowSpeculator:
             if i == len(draft) or row.last != draft[i]:  # the target's own token: a correction or the bonus
                 sched.cache.rollback(base + i + 1)
                 break
+        self.pacer.emitted(i + 1)
         self.policy.update(len(draft), i)
         self.stats.drafted += len(draft)
         self.stats.accepted += i

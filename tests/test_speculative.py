@@ -352,3 +352,75 @@ def test_a_failing_drafter_turns_itself_off(fused_generator):
         assert spec.drafter is not broken and sched.restarts == 0
     finally:
         sched.stop()
+
+
+def test_pacer_uses_the_faster_mode_and_keeps_measuring():
+    """Pacer on a fake clock: it measures speculation first, then one plain step, then keeps the faster
+    per emitted token and tries the other every `explore` steps; a row change or a step that is not a
+    lone row's is not timed."""
+    from edge.speculative import Pacer
+
+    now = [0.0]
+    pacer = Pacer(explore=4, smoothing=1.0, clock=lambda: now[0])
+    row = object()
+
+    def run(n: int, spec_s: float, spec_tokens: int, plain_s: float) -> list[bool]:
+        modes = []
+        for _ in range(n):
+            speculate = pacer.speculate()
+            modes.append(speculate)
+            pacer.record(row, "spec" if speculate else "plain")
+            if speculate:
+                pacer.emitted(spec_tokens)
+            now[0] += spec_s if speculate else plain_s
+        return modes
+
+    # a draft that costs 3 s per call for 2 tokens against 1 s plain: plain wins, speculation tried 1 in 4
+    # (a step's time is known when the next one begins, so the first two steps both speculate)
+    modes = run(12, spec_s=3.0, spec_tokens=2, plain_s=1.0)
+    assert modes == [True, True, False, False, False, False, False, True, False, False, False, True]
+    assert pacer.per_token["spec"] == 1.5 and pacer.per_token["plain"] == 1.0
+    # the draft gets good (4 tokens per call): the next try measures it and speculation takes over
+    modes = run(12, spec_s=3.0, spec_tokens=4, plain_s=1.0)
+    assert modes == [False, False, False, True, False, True, True, False, True, True, True, False]
+    assert pacer.per_token["spec"] == 0.75
+    # a step of another row, or of no lone row, ends the timing without recording it
+    before = dict(pacer.per_token)
+    pacer.record(object(), "plain")
+    now[0] += 100.0
+    pacer.record(None)
+    now[0] += 100.0
+    pacer.record(row, "spec")
+    assert pacer.per_token == before
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_speculation_backs_off_when_drafting_costs_more_than_it_gives(fused_generator, slow):
+    """Through the scheduler: a draft that is slow and always wrong ends up mostly plain steps; one that is
+    cheap and always right keeps speculating. The answer is the plain one either way."""
+    import time as _time
+
+    from edge.scheduler import Scheduler
+    from edge.speculative import RowSpeculator
+
+    gen = fused_generator
+    ids = gen.tokenizer.encode_chat(PROMPTS[1])
+    cfg = SamplingConfig(max_new_tokens=120, ignore_eos=True)
+    want = plain(gen, ids, cfg)
+
+    def drafter(seq: list[int], k: int) -> list[int]:
+        if slow:
+            _time.sleep(0.03)  # ~30 plain steps of this tiny model
+            return [(t + 1) % 300 for t in want[len(seq) - len(ids):][:k]] or [1]
+        return want[len(seq) - len(ids):][:k]
+
+    sched = Scheduler(gen, max_batch=1).start()
+    sched.speculator = spec = RowSpeculator(drafter)
+    try:
+        assert sched.submit(ids, cfg).answer(timeout=60)[1].token_ids == want
+    finally:
+        sched.stop()
+    if slow:
+        assert spec.plain_steps > 4 * spec.stats.calls, (spec.plain_steps, spec.stats.as_dict())
+    else:
+        assert spec.plain_steps <= 3 and spec.stats.accepted > 80, (spec.plain_steps, spec.stats.as_dict())
