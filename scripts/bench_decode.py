@@ -140,25 +140,38 @@ def row_edgechat(spec: dict) -> dict:
     return r | _engine_facts(b, spec["engine"])
 
 
-def row_edgechat_lookup(spec: dict) -> dict:
-    """Our decoder with speculative decoding (edge.speculative), greedy: prompt lookup drafts, or with
-    spec["draft"] a draft model's engine (edge.speculative.ModelDrafter)."""
+def row_edgechat_stream(spec: dict) -> dict:
+    """What `edge-chat run` does: Generator.stream (the scheduler, detokenizing), greedy; with spec["draft"]
+    a draft model's engine drafts (`--draft`: edge.speculative.ModelDrafter, paced by Pacer)."""
     from edge.sampling import SamplingConfig
-    from edge.speculative import AdaptiveK, SpecStats, lookup_draft, speculative_tokens
 
     b, g = _generator(spec)
-    drafter = lookup_draft
     if spec.get("draft"):
         # the draft's idle threads sleep, as edge-chat --draft loads it: spinning, they take the target's cores
         _, dg = _generator(spec | {"bundle": spec["draft"], "engine": spec["draft_engine"], "no_spin": True})
         g.use_draft(dg)
-        drafter = g.drafter
+    cfg = SamplingConfig(max_new_tokens=spec["new"], ignore_eos=True)
+    for warm in (True, False):
+        last = list(g.stream(spec["prompt_ids"], cfg))[-1]
+    out = {"ttft_ms": last.stats["ttft_s"] * 1000, "decode_tok_s": last.stats["decode_tok_s"],
+           "tokens": last.token_ids} | _engine_facts(b, spec["engine"])
+    if g.speculator is not None:
+        out["speculative"] = g.speculator.stats.as_dict() | {"plain_steps": g.speculator.plain_steps}
+    return out
+
+
+def row_edgechat_lookup(spec: dict) -> dict:
+    """Our decoder with prompt-lookup speculative decoding (edge.speculative), greedy."""
+    from edge.sampling import SamplingConfig
+    from edge.speculative import AdaptiveK, SpecStats, speculative_tokens
+
+    b, g = _generator(spec)
     cfg = SamplingConfig(max_new_tokens=spec["new"], ignore_eos=True)
     for warm in (True, False):
         stats = SpecStats()
         t0 = time.perf_counter()
         it = speculative_tokens(g.decoder, spec["prompt_ids"], cfg, g.tokenizer.eos_ids, g.max_context,
-                                drafter=drafter, policy=AdaptiveK(k_max=spec.get("k_max", 8)), stats=stats)
+                                policy=AdaptiveK(k_max=spec.get("k_max", 8)), stats=stats)
         tokens = [next(it)]
         t1 = time.perf_counter()
         tokens += list(it)
@@ -235,7 +248,7 @@ def row_genai(spec: dict) -> dict:
                                         "genai_version": og.__version__}
 
 
-ROWS = {"edgechat": row_edgechat, "edgechat-lookup": row_edgechat_lookup, "transformers": row_transformers,
+ROWS = {"edgechat": row_edgechat, "edgechat-lookup": row_edgechat_lookup, "edgechat-stream": row_edgechat_stream, "transformers": row_transformers,
         "genai": row_genai}
 
 
@@ -448,10 +461,11 @@ def main() -> int:
         specs[f"edgechat {e}"] = {"kind": "edgechat", "bundle": str(b.root), "engine": e}
         if not a.no_lookup and e == "int8-dynamic":
             specs[f"edgechat {e} + lookup"] = {"kind": "edgechat-lookup", "bundle": str(b.root), "engine": e}
-        if a.draft:
-            specs[f"edgechat {e} + draft {a.draft_engine}"] = {"kind": "edgechat-lookup", "bundle": str(b.root),
-                                                              "engine": e, "draft": a.draft,
-                                                              "draft_engine": a.draft_engine}
+        if a.draft:  # both through the scheduler, as edge-chat runs them
+            specs[f"edgechat {e} stream"] = {"kind": "edgechat-stream", "bundle": str(b.root), "engine": e}
+            specs[f"edgechat {e} stream + draft {a.draft_engine}"] = {
+                "kind": "edgechat-stream", "bundle": str(b.root), "engine": e, "draft": a.draft,
+                "draft_engine": a.draft_engine}
     skipped: list[str] = []
     specs |= peers(b, a, skipped)
     for s in skipped:
@@ -482,20 +496,21 @@ def main() -> int:
     identical: dict[str, bool] = {}
     for name, spec in specs.items():
         plain = rounds.get(f"edgechat {spec.get('engine')}", [])
-        if spec["kind"] != "edgechat-lookup" or not plain:
+        if not (spec["kind"] == "edgechat-lookup" or spec.get("draft")) or not plain:
             continue
         identical[name] = all("tokens" in p and "tokens" in s and p["tokens"] == s["tokens"]
                               for p, s in zip(plain, rounds[name]))
         acc = rows[name].get("speculative", {})
+        plain_steps = f", {acc['plain_steps']} plain steps (Pacer)" if "plain_steps" in acc else ""
         print(f"\n{name}: output identical to plain greedy in every round: {identical[name]}; "
               f"acceptance {acc.get('acceptance', 0):.2f} ({acc.get('accepted', 0)} of {acc.get('drafted', 0)} drafted), "
-              f"{acc.get('target_calls', 0)} target calls for {a.new_tokens} tokens")
+              f"{acc.get('target_calls', 0)} target calls{plain_steps} for {a.new_tokens} tokens")
         cost = rows[name].get("verify_cost", {})
         if cost:
             print("  cost of one target call of n tokens, in single-token calls: " +
                   ", ".join(f"n={n}: {v:.2f}" for n, v in cost.items() if n != "one_token_ms"))
     ratios = {}
-    for ours, theirs in RATIOS + [(n, f"edgechat {s['engine']}") for n, s in specs.items() if s.get("draft")]:
+    for ours, theirs in RATIOS + [(n, f"edgechat {s['engine']} stream") for n, s in specs.items() if s.get("draft")]:
         pairs = [(x, y) for x, y in zip(rounds.get(ours, []), rounds.get(theirs, [])) if "error" not in x and "error" not in y]
         if pairs:
             dec = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in pairs]
