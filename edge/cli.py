@@ -41,7 +41,7 @@ def _gen(args: argparse.Namespace, spin: bool = True):
             raise EdgeChatError(f"--draft: the draft is the target itself ({gen.decoder.name}): it would agree "
                                 "always and cost a second step per token; give a smaller model or --draft-engine")
         gen.use_draft(dgen)
-        logging.getLogger("edgechat").info("drafting with %s (%s)", args.draft, dgen.decoder.name)
+        logging.getLogger("edgechat").info("drafting with %s (%s)", args.draft, gen.draft_name)
     return gen
 
 

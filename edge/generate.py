@@ -30,6 +30,7 @@ class Generator:
         self.choice = None  # edge.backends.Choice: which backend runs, and why the others did not
         self.speculative = False  # speculative decoding for greedy answers (edge.speculative)
         self.drafter = None  # edge.speculative.ModelDrafter (use_draft); None: prompt lookup drafts
+        self.draft_name = ""  # the draft's model and engine, for the server's start line and logs
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, engine: str | None = None, threads: int | None = None,
@@ -65,6 +66,9 @@ class Generator:
         same_vocabulary(self.tokenizer, draft.tokenizer)
         self.drafter = ModelDrafter(draft.decoder, self.decoder.dims.vocab_size)
         self.speculative = True
+        engine = getattr(draft.decoder, "engine", None)
+        model = draft.bundle.manifest.model_name.split("/")[-1] if draft.bundle is not None else "draft"
+        self.draft_name = f"{model} {engine.name if engine is not None else draft.decoder.name}"
 
     def make_speculator(self):
         """The scheduler's speculative step (edge.speculative.RowSpeculator), or None when speculation is off."""

@@ -419,6 +419,7 @@ def main() -> int:
     ap.add_argument("--engines", nargs="*", help="bundle engines to time (default: int8-dynamic and int4-weight)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt", help="the user message to answer (default: the bench's Kyoto question)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (every row once per round)")
     ap.add_argument("--no-lookup", action="store_true", help="skip the prompt-lookup speculative rows")
     ap.add_argument("--draft", help="a draft bundle (same tokenizer): adds a row per engine drafting with it")
@@ -448,7 +449,8 @@ def main() -> int:
     m = b.manifest
     names = [e.name for e in m.engines if e.fingerprint.format == "onnx"]
     engines = a.engines or [e for e in ("int8-dynamic", "int4-weight") if e in names] or names
-    prompt_ids = ChatTokenizer(b.path(m.tokenizer.file), m.tokenizer).encode_chat(PROMPT)
+    prompt = [{"role": "user", "content": a.prompt}] if a.prompt else PROMPT
+    prompt_ids = ChatTokenizer(b.path(m.tokenizer.file), m.tokenizer).encode_chat(prompt)
     base = {"threads": a.threads, "new": a.new_tokens, "prompt_ids": prompt_ids, "no_spin": a.no_spin}
     bw = read_bandwidth_gbs(a.threads)
     cpu = cpu_name()
@@ -540,7 +542,7 @@ def main() -> int:
                                            "platform": platform.platform(), "load_avg_at_start": load0,
                                            "load_avg_at_end": os.getloadavg()},
                                "threads": a.threads, "no_spin": a.no_spin, "new_tokens": a.new_tokens,
-                               "prompt_tokens": len(prompt_ids),
+                               "prompt_tokens": len(prompt_ids), "prompt": prompt,
                                "rounds": a.rounds, "rows": rows, "per_round": rounds, "loads": loads,
                                "ratios": ratios, "speculative_output_identical": identical, "skipped": skipped,
                                "served": served}, indent=2))

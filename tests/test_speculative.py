@@ -424,3 +424,23 @@ def test_speculation_backs_off_when_drafting_costs_more_than_it_gives(fused_gene
         assert spec.plain_steps > 4 * spec.stats.calls, (spec.plain_steps, spec.stats.as_dict())
     else:
         assert spec.plain_steps <= 3 and spec.stats.accepted > 80, (spec.plain_steps, spec.stats.as_dict())
+
+
+def test_served_with_a_draft_answers_as_without(tiny_bundle, long_bundle, fused_generator):
+    """`edge-chat serve --draft`: says it drafts, and a greedy API answer is the plain one, token for token."""
+    import httpx
+
+    from conftest import ServerProcess
+
+    gen = fused_generator
+    msgs = PROMPTS[1]
+    want = gen.tokenizer.decode(plain(gen, gen.tokenizer.encode_chat(msgs), SamplingConfig(max_new_tokens=40)))
+    server = ServerProcess(tiny_bundle.root, "--engine", "int8-dynamic", "--draft", str(long_bundle.root), "--no-ui")
+    try:
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                       json={"messages": msgs, "max_tokens": 40, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want
+    finally:
+        code, out = server.stop()
+    assert code == 0 and "draft       tiny-llama-4k fp32 drafts" in out and "Traceback" not in out, out
