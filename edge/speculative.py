@@ -109,25 +109,33 @@ def same_vocabulary(target_tokenizer, draft_tokenizer) -> None:
 
 
 class AdaptiveK:
-    """Pick k from the running acceptance rate.
+    """Pick k from the running acceptance rate and what drafting and checking cost.
 
-    With per-token acceptance rate a, a draft of k yields (1 - a^(k+1)) / (1 - a) tokens per verify call,
-    and a call of k + 1 tokens costs about 1 + step_cost * k single steps (weights are read once; the extra
-    positions cost compute). k maximises tokens per cost, so it grows while drafts are accepted and falls to
-    1 when they are not."""
+    With per-token acceptance rate a, a draft of k yields (1 - a^(k+1)) / (1 - a) tokens per verify call.
+    The call of k + 1 tokens costs about 1 + step_cost * k single steps (weights are read once; the extra
+    positions cost compute), and drafting k tokens draft_cost * k more (0 for prompt lookup; a draft
+    model's step over the target's, measured by RowSpeculator). k maximises tokens per cost, so it grows
+    while drafts are accepted and cheap, and falls to 1 when they are not."""
 
     def __init__(self, k_max: int = 8, k_min: int = 1, step_cost: float = 0.1, rate: float = 0.5,
-                 smoothing: float = 0.3) -> None:
+                 smoothing: float = 0.3, draft_cost: float = 0.0) -> None:
         self.k_max, self.k_min, self.step_cost, self.rate, self.smoothing = k_max, k_min, step_cost, rate, smoothing
+        self.draft_cost = draft_cost
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted:
             self.rate += self.smoothing * (accepted / drafted - self.rate)
 
+    def costs(self, step_cost: float, draft_cost: float) -> None:
+        """Measured costs of one more verified position and of one drafted token, in plain steps."""
+        self.step_cost += self.smoothing * (max(step_cost, 0.0) - self.step_cost)
+        self.draft_cost += self.smoothing * (max(draft_cost, 0.0) - self.draft_cost)
+
     @property
     def k(self) -> int:
         a = min(self.rate, 0.999)
-        gain = [(1 - a ** (k + 1)) / (1 - a) / (1 + self.step_cost * k) for k in range(self.k_min, self.k_max + 1)]
+        per_k = self.step_cost + self.draft_cost
+        gain = [(1 - a ** (k + 1)) / (1 - a) / (1 + per_k * k) for k in range(self.k_min, self.k_max + 1)]
         return self.k_min + int(np.argmax(gain))
 
 
@@ -269,14 +277,17 @@ def pick(sampler, cfg: SamplingConfig, rows: np.ndarray, draft: list[int], seq: 
 class Pacer:
     """Speculate only while it pays, measured: the seconds per emitted token of speculative steps (draft +
     verify) and of plain steps, each a running average of the time from one step of the same row to the
-    next. The faster mode is used; every `explore`-th step tries the other one, so a draft that stops paying
-    (a slow draft model, prose that prompt lookup cannot guess) costs about 1/explore of a step, not 2x."""
+    next. The faster mode is used, and the other is tried after `explore` steps, then after twice as many
+    each time it is still slower (up to `max_interval`), so a draft that does not pay (a slow draft model,
+    prose that prompt lookup cannot guess) costs a few tries per answer, not 2x."""
 
-    def __init__(self, explore: int = 16, smoothing: float = 0.2, clock=time.perf_counter) -> None:
-        self.explore, self.smoothing, self.clock = explore, smoothing, clock
+    def __init__(self, explore: int = 16, max_interval: int = 256, smoothing: float = 0.2,
+                 clock=time.perf_counter) -> None:
+        self.explore, self.max_interval, self.smoothing, self.clock = explore, max_interval, smoothing, clock
         self.per_token: dict[str, float | None] = {"spec": None, "plain": None}
         self._last: tuple[object, str, float, int] | None = None  # (row, mode, start, tokens)
-        self._steps = 0
+        self._faster: bool | None = None
+        self._interval, self._since = explore, 0
 
     def record(self, row, mode: str | None = None) -> None:
         """Call as each step begins: closes the previous step's timing if it was the same row's (an answer
@@ -295,12 +306,19 @@ class Pacer:
             self._last = self._last[:3] + (tokens,)
 
     def speculate(self) -> bool:
-        self._steps += 1
         spec, plain = self.per_token["spec"], self.per_token["plain"]
         if spec is None or plain is None:  # measure both first: speculate, then one plain step
             return spec is None
         faster = spec <= plain
-        return faster != (self._steps % self.explore == 0)
+        if faster != self._faster:  # the ranking changed: look at the other mode again soon
+            self._faster, self._interval, self._since = faster, self.explore, 0
+        self._since += 1
+        if self._since < self._interval:
+            return faster
+        # one step of the slower mode; each try that leaves the ranking as it was doubles the wait for the next
+        # (a draft model that fell behind pays a catch-up prefill each time it is tried)
+        self._since, self._interval = 0, min(2 * self._interval, self.max_interval)
+        return not faster
 
 
 class RowSpeculator:
@@ -335,6 +353,7 @@ class RowSpeculator:
         base = sched.cache.lengths[0]
         k = min(self.policy.k, cfg.max_new_tokens - row.n, sched.gen.max_context - base - 2)
         self.pacer.record(row, "spec")
+        t0 = time.perf_counter()
         try:
             draft = self.drafter(row.seen, k)[:k] if k > 0 else []
         except Exception:  # a failing draft model must not fail the answer: decode on without it
@@ -344,7 +363,12 @@ class RowSpeculator:
             return False
         if not draft:  # nothing to check: a plain step (timed as speculation's cost: drafting found nothing)
             return False
+        t1 = time.perf_counter()
         logits = sched.cache.verify([row.last] + draft)
+        plain = self.pacer.per_token["plain"]
+        if plain:  # what one more checked position and one drafted token cost, in plain steps: k follows them
+            n = len(draft)
+            self.policy.costs(((time.perf_counter() - t1) / plain - 1) / n, (t1 - t0) / plain / n)
         self.stats.calls += 1
         for i in range(len(draft) + 1):
             if not sched._accept(row, logits[i], base + i + 1):  # the answer ended at this token

@@ -459,16 +459,19 @@ def main() -> int:
           f"(other work on this machine adds noise); threads {a.threads}, prompt {len(prompt_ids)} tokens, "
           f"{a.new_tokens} greedy tokens, {a.rounds} interleaved rounds", flush=True)
     specs: dict[str, dict] = {}
+    skipped: list[str] = []
     for e in engines:
         specs[f"edgechat {e}"] = {"kind": "edgechat", "bundle": str(b.root), "engine": e}
         if not a.no_lookup and e == "int8-dynamic":
             specs[f"edgechat {e} + lookup"] = {"kind": "edgechat-lookup", "bundle": str(b.root), "engine": e}
-        if a.draft:  # both through the scheduler, as edge-chat runs them
+        if a.draft and m.engine(e).fingerprint.variant != "fused":
+            skipped.append(f"edgechat {e} + draft: a {m.engine(e).fingerprint.variant} graph cannot verify drafts "
+                           "(edge-chat --draft refuses it too)")
+        elif a.draft:  # both through the scheduler, as edge-chat runs them
             specs[f"edgechat {e} stream"] = {"kind": "edgechat-stream", "bundle": str(b.root), "engine": e}
             specs[f"edgechat {e} stream + draft {a.draft_engine}"] = {
                 "kind": "edgechat-stream", "bundle": str(b.root), "engine": e, "draft": a.draft,
                 "draft_engine": a.draft_engine}
-    skipped: list[str] = []
     specs |= peers(b, a, skipped)
     for s in skipped:
         print(f"  skipped {s}")

@@ -375,14 +375,16 @@ def test_pacer_uses_the_faster_mode_and_keeps_measuring():
             now[0] += spec_s if speculate else plain_s
         return modes
 
-    # a draft that costs 3 s per call for 2 tokens against 1 s plain: plain wins, speculation tried 1 in 4
+    # a draft that costs 3 s per call for 2 tokens against 1 s plain: plain wins; speculation is tried
+    # again after 4 steps, then 8 (each try that is still slower doubles the wait)
     # (a step's time is known when the next one begins, so the first two steps both speculate)
-    modes = run(12, spec_s=3.0, spec_tokens=2, plain_s=1.0)
-    assert modes == [True, True, False, False, False, False, False, True, False, False, False, True]
+    modes = run(24, spec_s=3.0, spec_tokens=2, plain_s=1.0)
+    assert [i for i, m in enumerate(modes) if m] == [0, 1, 7, 15]
     assert pacer.per_token["spec"] == 1.5 and pacer.per_token["plain"] == 1.0
-    # the draft gets good (4 tokens per call): the next try measures it and speculation takes over
+    # the draft gets good (4 tokens per call): the next try (16 steps after the last) measures it, and
+    # speculation takes over once that try's time is known (a step's time closes when the next begins)
     modes = run(12, spec_s=3.0, spec_tokens=4, plain_s=1.0)
-    assert modes == [False, False, False, True, False, True, True, False, True, True, True, False]
+    assert modes == [False] * 7 + [True, False, True, True, True]
     assert pacer.per_token["spec"] == 0.75
     # a step of another row, or of no lone row, ends the timing without recording it
     before = dict(pacer.per_token)
@@ -444,3 +446,15 @@ def test_served_with_a_draft_answers_as_without(tiny_bundle, long_bundle, fused_
     finally:
         code, out = server.stop()
     assert code == 0 and "draft       tiny-llama-4k fp32 drafts" in out and "Traceback" not in out, out
+
+
+def test_adaptive_k_shrinks_as_drafting_costs_more():
+    pol = AdaptiveK(k_max=8, rate=0.8)
+    cheap = pol.k
+    pol.smoothing = 1.0
+    pol.costs(step_cost=0.1, draft_cost=0.4)  # a draft model's step at 0.4 of the target's
+    assert 1 <= pol.k < cheap
+    pol.costs(step_cost=0.1, draft_cost=5.0)
+    assert pol.k == 1
+    pol.costs(step_cost=-1.0, draft_cost=-1.0)  # timing noise below zero counts as free, not as a gain
+    assert pol.step_cost == 0 and pol.draft_cost == 0 and pol.k == 8
