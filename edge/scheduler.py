@@ -332,7 +332,9 @@ class Scheduler:
             self._cv.notify()
         return fut
 
-    def _run_calls(self) -> None:
+    def _run_calls(self) -> bool:
+        """Run the queued calls; True when any ran."""
+        ran = bool(self._calls)
         while self._calls:
             fn, fut = self._calls.popleft()
             if fut.set_running_or_notify_cancel():
@@ -340,11 +342,14 @@ class Scheduler:
                     fut.set_result(fn())
                 except BaseException as e:  # the caller gets it; the loop goes on
                     fut.set_exception(e)
+        return ran
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._run_calls()
-            self._admit()
+            other_work = self._run_calls()
+            other_work = self._admit() or other_work
+            if other_work and self.speculator is not None:
+                self.speculator.interrupted()  # this step's time is not a lone row's step
             if not self.rows and self.prefilling is None:
                 with self._cv:
                     if not self.pending and not self._calls and not self._stop.is_set():
@@ -381,16 +386,20 @@ class Scheduler:
         """Prefilled between decode steps (see Admission)."""
         return len(req.prompt_ids) > self.admission.long_prompt
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """Start waiting requests while rows are free; True when any was taken."""
+        took = False
         while self._free() > 0 and not self._stop.is_set():
             batch = self._take(self._free())
             if not batch:
-                return
+                return took
+            took = True
             for req, row in batch:
                 if self._long(req):  # _take hands out at most one, and only while none is in progress
                     self._start_prefill(req, row)
                 else:
                     self._prefill(req, row)
+        return took
 
     def _take(self, free: int) -> list[tuple[Request, _Row]]:
         """Up to `free` waiting requests (cancelled ones are closed here), oldest first. A long prompt

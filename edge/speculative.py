@@ -72,6 +72,7 @@ class ModelDrafter:
         self.vocab = min(target_vocab, decoder.dims.vocab_size)  # ids the target has (padded heads differ)
         self.cache = None
         self.fed: list[int] = []  # the tokens in self.cache, in order
+        self.last_prefill_s = 0.0  # the latest call's catch-up (RowSpeculator leaves it out of its timing)
 
     def __call__(self, seq: list[int], k: int) -> list[int]:
         k = min(k, self.decoder.dims.max_context - len(seq))
@@ -85,7 +86,9 @@ class ModelDrafter:
             self.cache = self.decoder.new_cache(capacity=len(seq) + k)
         rollback(self.decoder, self.cache, keep)
         self.fed = self.fed[:keep]  # true even if a call below fails: the next call starts from here
+        t = time.perf_counter()
         logits = self.decoder.prefill(seq[keep:], self.cache)
+        self.last_prefill_s = time.perf_counter() - t
         self.fed = list(seq)
         draft: list[int] = []
         while True:
@@ -126,9 +129,12 @@ class AdaptiveK:
         if drafted:
             self.rate += self.smoothing * (accepted / drafted - self.rate)
 
+    MIN_STEP_COST = 0.05  # a verified position is never free: without a floor k would go to k_max at any rate
+
     def costs(self, step_cost: float, draft_cost: float) -> None:
-        """Measured costs of one more verified position and of one drafted token, in plain steps."""
-        self.step_cost += self.smoothing * (max(step_cost, 0.0) - self.step_cost)
+        """Measured costs of one more verified position and of one drafted token, in plain steps. (A plain
+        step's time includes the scheduler's own work per token, so the measured step cost runs low.)"""
+        self.step_cost += self.smoothing * (max(step_cost, self.MIN_STEP_COST) - self.step_cost)
         self.draft_cost += self.smoothing * (max(draft_cost, 0.0) - self.draft_cost)
 
     @property
@@ -277,16 +283,20 @@ def pick(sampler, cfg: SamplingConfig, rows: np.ndarray, draft: list[int], seq: 
 class Pacer:
     """Speculate only while it pays, measured: the seconds per emitted token of speculative steps (draft +
     verify) and of plain steps, each a running average of the time from one step of the same row to the
-    next. The faster mode is used, and the other is tried after `explore` steps, then after twice as many
-    each time it is still slower (up to `max_interval`), so a draft that does not pay (a slow draft model,
-    prose that prompt lookup cannot guess) costs a few tries per answer, not 2x."""
+    next (a step in which the scheduler did other work is not timed). The faster mode is used, and the
+    other is tried after `explore` steps, then after twice as many each time it is still slower (up to
+    `max_interval`; a new answer starts again at `explore`); a try's time replaces that mode's average.
+    So a draft that does not pay (a slow draft model, prose that prompt lookup cannot guess) costs a few
+    tries per answer, not 2x, and one that starts paying takes over at its next try."""
 
     def __init__(self, explore: int = 16, max_interval: int = 256, smoothing: float = 0.2,
                  clock=time.perf_counter) -> None:
         self.explore, self.max_interval, self.smoothing, self.clock = explore, max_interval, smoothing, clock
         self.per_token: dict[str, float | None] = {"spec": None, "plain": None}
-        self._last: tuple[object, str, float, int] | None = None  # (row, mode, start, tokens)
+        self._last: tuple | None = None  # the step being timed: (row, mode, start, tokens, a try?)
+        self._row = None  # the row of the latest timed step (a new one resets the wait between tries)
         self._faster: bool | None = None
+        self._trying = False
         self._interval, self._since = explore, 0
 
     def record(self, row, mode: str | None = None) -> None:
@@ -294,16 +304,28 @@ class Pacer:
         that ended, or a step with other rows, is not timed), then starts this one's (mode None: none)."""
         now = self.clock()
         if self._last is not None and self._last[0] is row:
-            _, was, start, n = self._last
-            sec = (now - start) / n
-            old = self.per_token[was]
-            self.per_token[was] = sec if old is None else old + self.smoothing * (sec - old)
-        self._last = (row, mode, now, 1) if mode else None
+            _, was, start, n, trying = self._last
+            sec, old = (now - start) / n, self.per_token[was]
+            self.per_token[was] = sec if old is None or trying else old + self.smoothing * (sec - old)
+        if mode and row is not self._row:
+            self._row, self._interval, self._since = row, self.explore, 0
+        self._last = (row, mode, now, 1, self._trying) if mode else None
+        self._trying = False
+
+    def interrupted(self) -> None:
+        """The scheduler did other work (admitted a request, ran a call): the open step is not timed."""
+        self._last = None
 
     def emitted(self, tokens: int) -> None:
         """How many tokens the step being timed gave (a speculative step: the accepted drafts + one)."""
         if self._last is not None:
-            self._last = self._last[:3] + (tokens,)
+            self._last = self._last[:3] + (tokens,) + self._last[4:]
+
+    def discount(self, seconds: float) -> None:
+        """Leave `seconds` of the open step out of its time (a draft model catching up after plain steps:
+        the cost of switching modes, paid once per try, not per speculative step)."""
+        if self._last is not None:
+            self._last = self._last[:2] + (self._last[2] + seconds,) + self._last[3:]
 
     def speculate(self) -> bool:
         spec, plain = self.per_token["spec"], self.per_token["plain"]
@@ -316,8 +338,7 @@ class Pacer:
         if self._since < self._interval:
             return faster
         # one step of the slower mode; each try that leaves the ranking as it was doubles the wait for the next
-        # (a draft model that fell behind pays a catch-up prefill each time it is tried)
-        self._since, self._interval = 0, min(2 * self._interval, self.max_interval)
+        self._since, self._interval, self._trying = 0, min(2 * self._interval, self.max_interval), True
         return not faster
 
 
@@ -337,6 +358,11 @@ class RowSpeculator:
         self.pacer = pacer or Pacer()
         self.stats = SpecStats()
         self.plain_steps = 0  # lone-row steps the pacer left plain
+        self._drafted_for = None  # the row whose previous step was speculative (its draft model is in step)
+
+    def interrupted(self) -> None:
+        """The scheduler did other work between steps (edge.scheduler)."""
+        self.pacer.interrupted()
 
     def step(self, sched) -> bool:
         """One speculative step of the scheduler's single row; False (nothing done) when it does not apply."""
@@ -348,12 +374,14 @@ class RowSpeculator:
         if not self.pacer.speculate():
             self.pacer.record(row, "plain")
             self.plain_steps += 1
+            self._drafted_for = None
             return False
         cfg = row.req.cfg
         base = sched.cache.lengths[0]
         k = min(self.policy.k, cfg.max_new_tokens - row.n, sched.gen.max_context - base - 2)
+        clock = self.pacer.clock
         self.pacer.record(row, "spec")
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             draft = self.drafter(row.seen, k)[:k] if k > 0 else []
         except Exception:  # a failing draft model must not fail the answer: decode on without it
@@ -361,14 +389,19 @@ class RowSpeculator:
             self.drafter = _no_draft
             self.pacer.record(None)
             return False
+        catch_up = 0.0
+        if self._drafted_for is not row:  # a draft model fed what plain steps (or the prompt) added since
+            catch_up = getattr(self.drafter, "last_prefill_s", 0.0)
+            self.pacer.discount(catch_up)
+        self._drafted_for = row
         if not draft:  # nothing to check: a plain step (timed as speculation's cost: drafting found nothing)
             return False
-        t1 = time.perf_counter()
+        t1 = clock()
         logits = sched.cache.verify([row.last] + draft)
         plain = self.pacer.per_token["plain"]
         if plain:  # what one more checked position and one drafted token cost, in plain steps: k follows them
             n = len(draft)
-            self.policy.costs(((time.perf_counter() - t1) / plain - 1) / n, (t1 - t0) / plain / n)
+            self.policy.costs(((clock() - t1) / plain - 1) / n, (t1 - t0 - catch_up) / plain / n)
         self.stats.calls += 1
         for i in range(len(draft) + 1):
             if not sched._accept(row, logits[i], base + i + 1):  # the answer ended at this token

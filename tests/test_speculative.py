@@ -355,16 +355,15 @@ def test_a_failing_drafter_turns_itself_off(fused_generator):
 
 
 def test_pacer_uses_the_faster_mode_and_keeps_measuring():
-    """Pacer on a fake clock: it measures speculation first, then one plain step, then keeps the faster
-    per emitted token and tries the other every `explore` steps; a row change or a step that is not a
-    lone row's is not timed."""
+    """Pacer on a fake clock, default settings: it measures both modes, keeps the faster per emitted
+    token, tries the slower ever more rarely while it stays slower, and switches at the first try after
+    the slower one got faster; a new answer tries again soon; what is not a lone row's step is not timed."""
     from edge.speculative import Pacer
 
     now = [0.0]
-    pacer = Pacer(explore=4, smoothing=1.0, clock=lambda: now[0])
-    row = object()
+    pacer = Pacer(clock=lambda: now[0])
 
-    def run(n: int, spec_s: float, spec_tokens: int, plain_s: float) -> list[bool]:
+    def run(row, n: int, spec_s: float, spec_tokens: int, plain_s: float) -> list[bool]:
         modes = []
         for _ in range(n):
             speculate = pacer.speculate()
@@ -375,25 +374,37 @@ def test_pacer_uses_the_faster_mode_and_keeps_measuring():
             now[0] += spec_s if speculate else plain_s
         return modes
 
-    # a draft that costs 3 s per call for 2 tokens against 1 s plain: plain wins; speculation is tried
-    # again after 4 steps, then 8 (each try that is still slower doubles the wait)
-    # (a step's time is known when the next one begins, so the first two steps both speculate)
-    modes = run(24, spec_s=3.0, spec_tokens=2, plain_s=1.0)
-    assert [i for i, m in enumerate(modes) if m] == [0, 1, 7, 15]
-    assert pacer.per_token["spec"] == 1.5 and pacer.per_token["plain"] == 1.0
-    # the draft gets good (4 tokens per call): the next try (16 steps after the last) measures it, and
-    # speculation takes over once that try's time is known (a step's time closes when the next begins)
-    modes = run(12, spec_s=3.0, spec_tokens=4, plain_s=1.0)
-    assert modes == [False] * 7 + [True, False, True, True, True]
-    assert pacer.per_token["spec"] == 0.75
-    # a step of another row, or of no lone row, ends the timing without recording it
+    answer = object()
+    # speculation costs 3 s for 2 tokens against 1 s plain: after measuring, plain; tries after 16, 32, 64 ...
+    modes = run(answer, 300, spec_s=3.0, spec_tokens=2, plain_s=1.0)
+    tries = [i for i, m in enumerate(modes) if m][2:]  # the first two steps measure speculation
+    assert tries[0] <= 20 and [b - a for a, b in zip(tries, tries[1:])] == [32, 64, 128]
+    assert pacer.per_token == {"spec": 1.5, "plain": 1.0}
+    # speculation gets good (4 tokens per 3 s): its next try measures it, and it takes over for good
+    modes = run(answer, 600, spec_s=3.0, spec_tokens=4, plain_s=1.0)
+    first = modes.index(True)
+    assert first <= 256 and modes[first + 2:].count(False) <= len(modes[first + 2:]) // 16 + 1
+    # a new answer, speculation slow again: tried within `explore` steps, not after the old answer's wait
+    later = object()
+    run(later, 40, spec_s=30.0, spec_tokens=1, plain_s=1.0)
+    assert pacer.per_token["spec"] == 30.0  # a try's time replaces the average
+    # a step of another row, the scheduler's other work, and a drafter's catch-up are not timed
     before = dict(pacer.per_token)
     pacer.record(object(), "plain")
     now[0] += 100.0
     pacer.record(None)
     now[0] += 100.0
-    pacer.record(row, "spec")
+    pacer.record(later, "plain")
+    pacer.interrupted()
+    now[0] += 100.0
+    pacer.record(later, "plain")
     assert pacer.per_token == before
+    pacer._trying = True  # a try, so the next sample replaces the average: 1 s once 99 s of catch-up are left out
+    pacer.record(later, "spec")
+    pacer.discount(99.0)
+    now[0] += 100.0
+    pacer.record(later, "plain")
+    assert pacer.per_token["spec"] == 1.0
 
 
 @pytest.mark.parametrize("slow", [True, False])
@@ -456,5 +467,7 @@ def test_adaptive_k_shrinks_as_drafting_costs_more():
     assert 1 <= pol.k < cheap
     pol.costs(step_cost=0.1, draft_cost=5.0)
     assert pol.k == 1
-    pol.costs(step_cost=-1.0, draft_cost=-1.0)  # timing noise below zero counts as free, not as a gain
-    assert pol.step_cost == 0 and pol.draft_cost == 0 and pol.k == 8
+    pol.costs(step_cost=-1.0, draft_cost=-1.0)  # timing noise below zero: a floor for checking, 0 for drafting
+    assert pol.step_cost == AdaptiveK.MIN_STEP_COST and pol.draft_cost == 0 and pol.k == 8
+    pol.rate = 0.05  # drafts nobody accepts: the floor keeps k at 1
+    assert pol.k == 1
