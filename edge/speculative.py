@@ -370,6 +370,7 @@ class RowSpeculator:
         if row is None or sched.prefilling is not None or not hasattr(sched.cache, "verify") \
                 or row.logits is not None or not row.req.cfg.greedy:
             self.pacer.record(None)
+            self._drafted_for = None  # a draft model falls behind while others share the steps
             return False
         if not self.pacer.speculate():
             self.pacer.record(row, "plain")
