@@ -338,14 +338,20 @@ def genai_model(hf_dir: Path, precision: str) -> tuple[Path | None, str]:
     return out, ""
 
 
-def serve_rows(bundle: str, engines: list[str], users: int, threads: int) -> dict:
-    """The same engines through `edge-chat serve` with `users` streaming clients (scripts/bench_serve.py)."""
+def serve_rows(bundle: str, engines: list[str], users: int, threads: int, draft: str | None = None,
+               draft_engine: str | None = None) -> dict:
+    """The same engines through `edge-chat serve` with `users` streaming clients (scripts/bench_serve.py);
+    with `draft`, each engine again with `--draft` (it drafts while one answer decodes, not in a batch)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_serve
 
+    configs = [(e, e, ()) for e in engines]
+    if draft:
+        configs += [(f"{e} + draft {draft_engine}", e, ("--draft", draft, "--draft-engine", draft_engine))
+                    for e in engines]
     rows = {}
-    for e in engines:
-        proc, url = bench_serve.start_server(bundle, e, users, threads)
+    for name, e, extra in configs:
+        proc, url = bench_serve.start_server(bundle, e, users, threads, extra=extra)
         try:
             bench_serve.one_request(url, "Hello!", 8)
             one = bench_serve.run_level(url, 1, 2, 128)
@@ -353,7 +359,7 @@ def serve_rows(bundle: str, engines: list[str], users: int, threads: int) -> dic
         finally:
             proc.terminate()
             proc.wait(30)
-        rows[e] = {"one_user": one, f"{users}_users": many, "speedup": many["total_tok_s"] / one["total_tok_s"]}
+        rows[name] = {"one_user": one, f"{users}_users": many, "speedup": many["total_tok_s"] / one["total_tok_s"]}
     return rows
 
 
@@ -532,13 +538,13 @@ def main() -> int:
     served = {}
     if a.concurrency:
         pick = [e for e in ("int8-dynamic", "int4-weight") if e in engines] or engines[:1]
-        served = serve_rows(str(b.root), pick, a.concurrency, a.threads)
+        served = serve_rows(str(b.root), pick, a.concurrency, a.threads, a.draft, a.draft_engine)
         print(f"\nthrough the server ({a.concurrency} streaming clients, 128 tokens each, 2 answers per client):")
-        print(f"{'engine':16s} {'1 user tok/s':>13s} {f'{a.concurrency} users tok/s':>15s} {'speedup':>8s} "
+        print(f"{'engine':34s} {'1 user tok/s':>13s} {f'{a.concurrency} users tok/s':>15s} {'speedup':>8s} "
               f"{'per user':>9s} {'TTFT p50':>9s}")
         for e, r in served.items():
             many = r[f"{a.concurrency}_users"]
-            print(f"{e:16s} {r['one_user']['total_tok_s']:13.1f} {many['total_tok_s']:15.1f} {r['speedup']:7.2f}x "
+            print(f"{e:34s} {r['one_user']['total_tok_s']:13.1f} {many['total_tok_s']:15.1f} {r['speedup']:7.2f}x "
                   f"{many['per_user_tok_s']:9.1f} {many['ttft_p50_ms']:7.0f}ms")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

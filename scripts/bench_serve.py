@@ -38,10 +38,10 @@ def free_port() -> int:
 
 
 def start_server(bundle: str, engine: str | None, max_users: int, threads: int | None,
-                 prompt_cache_mb: float | None = None) -> tuple[subprocess.Popen, str]:
+                 prompt_cache_mb: float | None = None, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "edge.cli", "serve", bundle, "--port", str(port), "--max-users", str(max_users),
-           "--max-queue", str(4 * max_users), "--no-ui"]
+           "--max-queue", str(4 * max_users), "--no-ui", *extra]
     cmd += ["--prompt-cache-mb", str(prompt_cache_mb)] if prompt_cache_mb is not None else []
     cmd += ["--engine", engine] if engine else []
     cmd += ["--threads", str(threads)] if threads else []
