@@ -187,3 +187,26 @@ def test_speculative_greedy_equals_plain_greedy(smol_bundle, engine):
         kw = {"policy": FixedK(k), "drafter": oracle(want, len(ids), wrong_every=3)} if k else {}
         got = list(speculative_tokens(gen.decoder, ids, cfg, gen.tokenizer.eos_ids, gen.max_context, stats=stats, **kw))
         assert got == want, f"k={k or 'lookup'}: first difference at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+
+
+def test_draft_model_greedy_equals_plain_greedy(smol_bundle):
+    """A real draft model (the bundle's int8 engine drafting for its fp32 graph, edge.speculative.ModelDrafter):
+    token for token the fp32 greedy answer for k = 1..8, with drafts accepted and rejected."""
+    from edge.generate import Generator
+    from edge.sampling import SamplingConfig
+    from edge.speculative import ModelDrafter, SpecStats, speculative_tokens
+
+    from test_speculative import FixedK
+
+    gen = Generator.from_bundle(smol_bundle, engine="fp32", threads=2)
+    draft = Generator.from_bundle(smol_bundle, engine="int8-dynamic", threads=2, spin=False)
+    drafter = ModelDrafter(draft.decoder, gen.decoder.dims.vocab_size)  # one drafter: its cache follows each k
+    cfg = SamplingConfig(max_new_tokens=48, ignore_eos=True)
+    ids = gen.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of Japan, and why is it there?"}])
+    want = gen.tokens(ids, cfg)
+    stats = SpecStats()
+    for k in range(1, 9):
+        got = list(speculative_tokens(gen.decoder, ids, cfg, gen.tokenizer.eos_ids, gen.max_context,
+                                      drafter=drafter, policy=FixedK(k), stats=stats))
+        assert got == want, f"k={k}: first difference at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+    assert 0 < stats.accepted < stats.drafted
