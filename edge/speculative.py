@@ -307,6 +307,8 @@ class Pacer:
             _, was, start, n, trying = self._last
             sec, old = (now - start) / n, self.per_token[was]
             self.per_token[was] = sec if old is None or trying else old + self.smoothing * (sec - old)
+        elif row is None or mode is None:
+            self._discard()
         if mode and row is not self._row:
             self._row, self._interval, self._since = row, self.explore, 0
         self._last = (row, mode, now, 1, self._trying) if mode else None
@@ -314,7 +316,13 @@ class Pacer:
 
     def interrupted(self) -> None:
         """The scheduler did other work (admitted a request, ran a call): the open step is not timed."""
+        self._discard()
         self._last = None
+
+    def _discard(self) -> None:
+        """The open step goes untimed; if it was a try, its doubling of the wait is taken back."""
+        if self._last is not None and self._last[4]:
+            self._interval = max(self.explore, self._interval // 2)
 
     def emitted(self, tokens: int) -> None:
         """How many tokens the step being timed gave (a speculative step: the accepted drafts + one)."""

@@ -471,3 +471,27 @@ def test_adaptive_k_shrinks_as_drafting_costs_more():
     assert pol.step_cost == AdaptiveK.MIN_STEP_COST and pol.draft_cost == 0 and pol.k == 8
     pol.rate = 0.05  # drafts nobody accepts: the floor keeps k at 1
     assert pol.k == 1
+
+
+def test_pacer_takes_back_the_longer_wait_of_a_try_it_could_not_time():
+    """A try of the slower mode that the scheduler interrupted (a request was admitted) measured nothing:
+    the next try comes after the same wait again, not after twice as long."""
+    from edge.speculative import Pacer
+
+    def tries(interrupt_second: bool) -> list[int]:
+        now, row, out = [0.0], object(), []
+        pacer = Pacer(explore=4, clock=lambda: now[0])
+        for i in range(60):
+            speculate = pacer.speculate()
+            pacer.record(row, "spec" if speculate else "plain")
+            if speculate:
+                pacer.emitted(2)
+                if i > 1:  # the first two steps measure speculation
+                    out.append(i)
+                    if interrupt_second and len(out) == 2:
+                        pacer.interrupted()
+            now[0] += 3.0 if speculate else 1.0
+        return out
+
+    assert tries(False) == [7, 15, 31]
+    assert tries(True) == [7, 15, 23, 39]
