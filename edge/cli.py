@@ -48,17 +48,19 @@ def _gen(args: argparse.Namespace, spin: bool = True):
 def _draft_bundle(args: argparse.Namespace):
     from edge.bundle import Bundle
 
-    if not getattr(args, "draft", None):
-        if getattr(args, "draft_engine", None):
+    if getattr(args, "draft", None) is None:
+        if getattr(args, "draft_engine", None) is not None:
             raise EdgeChatError("--draft-engine names an engine of the --draft bundle: give --draft too")
         return None
     try:
         draft = Bundle.open(args.draft, verify=_verify_mode(args))
     except EdgeChatError as e:
         raise EdgeChatError(f"--draft: {e}") from None
-    if args.draft_engine and args.draft_engine not in [e.name for e in draft.manifest.engines]:
-        raise EdgeChatError(f"--draft-engine: the draft bundle has no engine {args.draft_engine!r} (it has "
-                            f"{', '.join(e.name for e in draft.manifest.engines)})")
+    if args.draft_engine is not None:
+        try:
+            draft.manifest.engine(args.draft_engine)
+        except EdgeChatError as e:
+            raise EdgeChatError(f"--draft-engine: the draft {e}") from None
     return draft
 
 

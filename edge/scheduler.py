@@ -346,9 +346,9 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            other_work = self._run_calls()
-            other_work = self._admit() or other_work
-            if other_work and self.speculator is not None:
+            ran = self._run_calls()
+            took = self._admit()
+            if (ran or took) and self.speculator is not None:
                 self.speculator.interrupted()  # this step's time is not a lone row's step
             if not self.rows and self.prefilling is None:
                 with self._cv:

@@ -280,6 +280,16 @@ def pick(sampler, cfg: SamplingConfig, rows: np.ndarray, draft: list[int], seq: 
     return accept_sampled(p, draft, rng)
 
 
+@dataclass
+class _Timing:
+    """One step of a lone row being timed by the Pacer."""
+    row: object
+    mode: str  # "spec" | "plain"
+    start: float
+    tokens: int = 1  # what the step emitted (a speculative step: the accepted drafts + one)
+    trying: bool = False  # a try of the slower mode: its time replaces that mode's average
+
+
 class Pacer:
     """Speculate only while it pays, measured: the seconds per emitted token of speculative steps (draft +
     verify) and of plain steps, each a running average of the time from one step of the same row to the
@@ -293,7 +303,7 @@ class Pacer:
                  clock=time.perf_counter) -> None:
         self.explore, self.max_interval, self.smoothing, self.clock = explore, max_interval, smoothing, clock
         self.per_token: dict[str, float | None] = {"spec": None, "plain": None}
-        self._last: tuple | None = None  # the step being timed: (row, mode, start, tokens, a try?)
+        self._last: _Timing | None = None  # the step being timed
         self._row = None  # the row of the latest timed step (a new one resets the wait between tries)
         self._faster: bool | None = None
         self._trying = False
@@ -303,15 +313,15 @@ class Pacer:
         """Call as each step begins: closes the previous step's timing if it was the same row's (an answer
         that ended, or a step with other rows, is not timed), then starts this one's (mode None: none)."""
         now = self.clock()
-        if self._last is not None and self._last[0] is row:
-            _, was, start, n, trying = self._last
-            sec, old = (now - start) / n, self.per_token[was]
-            self.per_token[was] = sec if old is None or trying else old + self.smoothing * (sec - old)
+        last = self._last
+        if last is not None and last.row is row:
+            sec, old = (now - last.start) / last.tokens, self.per_token[last.mode]
+            self.per_token[last.mode] = sec if old is None or last.trying else old + self.smoothing * (sec - old)
         elif row is None or mode is None:
             self._discard()
         if mode and row is not self._row:
             self._row, self._interval, self._since = row, self.explore, 0
-        self._last = (row, mode, now, 1, self._trying) if mode else None
+        self._last = _Timing(row, mode, now, trying=self._trying) if mode else None
         self._trying = False
 
     def interrupted(self) -> None:
@@ -321,19 +331,19 @@ class Pacer:
 
     def _discard(self) -> None:
         """The open step goes untimed; if it was a try, its doubling of the wait is taken back."""
-        if self._last is not None and self._last[4]:
+        if self._last is not None and self._last.trying:
             self._interval = max(self.explore, self._interval // 2)
 
     def emitted(self, tokens: int) -> None:
         """How many tokens the step being timed gave (a speculative step: the accepted drafts + one)."""
         if self._last is not None:
-            self._last = self._last[:3] + (tokens,) + self._last[4:]
+            self._last.tokens = tokens
 
     def discount(self, seconds: float) -> None:
         """Leave `seconds` of the open step out of its time (a draft model catching up after plain steps:
         the cost of switching modes, paid once per try, not per speculative step)."""
         if self._last is not None:
-            self._last = self._last[:2] + (self._last[2] + seconds,) + self._last[3:]
+            self._last.start += seconds
 
     def speculate(self) -> bool:
         spec, plain = self.per_token["spec"], self.per_token["plain"]

@@ -38,6 +38,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from edge.errors import EdgeChatError  # noqa: E402
 from edge.probe import cpu_name  # noqa: E402
 # 55 tokens with SmolLM2's chat template (system prompt included)
 PROMPT = [{"role": "user", "content": "Tell me about the history of the city of Kyoto, its temples and gardens, "
@@ -250,8 +251,8 @@ def row_genai(spec: dict) -> dict:
                                         "genai_version": og.__version__}
 
 
-ROWS = {"edgechat": row_edgechat, "edgechat-lookup": row_edgechat_lookup, "edgechat-stream": row_edgechat_stream, "transformers": row_transformers,
-        "genai": row_genai}
+ROWS = {"edgechat": row_edgechat, "edgechat-lookup": row_edgechat_lookup, "edgechat-stream": row_edgechat_stream,
+        "transformers": row_transformers, "genai": row_genai}
 
 
 def run_llama_bench(spec: dict) -> dict:
@@ -449,12 +450,19 @@ def main() -> int:
         ap.error("the bundle folder is required")
     if a.rounds < 1:
         ap.error("--rounds must be >= 1")
+    if a.prompt is not None and not a.prompt.strip():
+        ap.error("--prompt is empty: give the user message to answer, or leave it out for the Kyoto question")
 
     from edge.bundle import Bundle
     from edge.tokenizer import ChatTokenizer
 
     b = Bundle.open(a.bundle)
     m = b.manifest
+    if a.draft:  # here, not in every row's process: a bad draft is one error line, not an ERROR per row
+        try:
+            Bundle.open(a.draft).manifest.engine(a.draft_engine)
+        except EdgeChatError as e:
+            ap.error(f"--draft: {e}")
     names = [e.name for e in m.engines if e.fingerprint.format == "onnx"]
     engines = a.engines or [e for e in ("int8-dynamic", "int4-weight") if e in names] or names
     prompt = [{"role": "user", "content": a.prompt}] if a.prompt else PROMPT

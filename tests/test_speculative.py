@@ -325,7 +325,7 @@ def test_draft_model_in_the_scheduler_and_the_cli(tiny_bundle, long_bundle, draf
     lone = run_cli(*args, "--draft-engine", "int4-weight")
     assert lone.returncode != 0 and "give --draft too" in lone.stderr
     for bad, says in [(["--draft", str(tiny_bundle.root) + "-nope"], "--draft: bundle folder"),
-                      (["--draft", str(tiny_bundle.root), "--draft-engine", "nope"], "has no engine 'nope'"),
+                      (["--draft", str(tiny_bundle.root), "--draft-engine", "nope"], "--draft-engine: the draft bundle has no engine named 'nope'"),
                       (["--draft", str(tiny_bundle.root), "--draft-engine", "int8-dynamic"], "the target itself"),
                       (["--draft", str(long_bundle.root), "--engine", "fp32"], "cannot verify drafts")]:
         r = run_cli(*args, *bad)
