@@ -182,6 +182,10 @@ class Manifest:
     source: str = ""
     created: str = ""
     schema_version: int = SCHEMA_VERSION
+    # a draft model shipped inside the bundle (export/draft.py): a complete bundle of its own in the folder
+    # `path` (its files listed and hashed in this manifest's `files` too), the engine that drafts, its
+    # size and the acceptance measured at build time. Optional: an edgechat that does not know it ignores it.
+    draft: dict = field(default_factory=dict)
 
     def engine(self, name: str) -> EngineEntry:
         for e in self.engines:
@@ -236,9 +240,25 @@ class Manifest:
                 golden=d.get("golden", []),
                 source=d.get("source", ""),
                 created=d.get("created", ""),
+                draft=_draft_record(d.get("draft", {})),
             )
         except TypeError as e:  # unexpected / missing dataclass fields
             raise ManifestError(f"manifest.json does not follow schema {SCHEMA_VERSION}: {e}") from None
+
+
+def _draft_record(d: Any) -> dict:
+    """The `draft` entry: {} or an object naming the draft bundle's folder (inside this one) and its engine."""
+    if not isinstance(d, dict):
+        raise ManifestError("manifest key 'draft' must be an object")
+    if not d:
+        return {}
+    for key in ("path", "engine"):
+        if not isinstance(d.get(key), str) or not d[key]:
+            raise ManifestError(f"manifest 'draft' needs '{key}' (a non-empty string); the bundle is damaged, rebuild it")
+    parts = Path(d["path"]).parts
+    if Path(d["path"]).is_absolute() or not parts or ".." in parts:
+        raise ManifestError(f"manifest 'draft' path {d['path']!r} must be a folder inside the bundle")
+    return d
 
 
 def _req(d: dict, key: str, typ: type) -> Any:
@@ -306,7 +326,7 @@ class Bundle:
         for each file whose verified stamp (see Verify) is missing or no longer matches its stat."""
         m = self.manifest
         listed = set(m.files)
-        needed = {m.tokenizer.file} | {e.file for e in m.engines}
+        needed = {m.tokenizer.file} | {e.file for e in m.engines} | ({f"{m.draft['path']}/{MANIFEST}"} if m.draft else set())
         for rel in sorted(needed - listed):
             raise ManifestError(f"manifest refers to '{rel}' but does not list it under 'files'")
         state = verified_stamp_path(self.root) if stamp else None
@@ -338,6 +358,13 @@ class Bundle:
         finally:
             if state is not None and new != old:
                 _write_stamps(state, self.root, {k: v for k, v in new.items() if v})
+
+    def draft_bundle(self) -> "Bundle | None":
+        """The draft bundle shipped inside this one (None when it has none). Its files were checked with this
+        bundle's (they are listed in this manifest), so it opens without hashing them again."""
+        if not self.manifest.draft:
+            return None
+        return Bundle.open(self.root / self.manifest.draft["path"], verify="none")
 
     def update_manifest(self, manifest: Manifest) -> None:
         """Replace the manifest in place (e.g. after adding an engine), atomically."""
@@ -378,10 +405,11 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 
 
 def hash_tree(root: Path) -> dict[str, FileEntry]:
-    """Size and SHA-256 of every file under root (the manifest itself excluded)."""
+    """Size and SHA-256 of every file under root (the manifest itself excluded; a nested draft bundle's
+    manifest is listed like any file)."""
     out: dict[str, FileEntry] = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file() and p.name != MANIFEST and ".tmp-" not in p.name:
+        if p.is_file() and p != root / MANIFEST and ".tmp-" not in p.name:
             out[p.relative_to(root).as_posix()] = FileEntry(size=p.stat().st_size, sha256=sha256_file(p))
     return out
 

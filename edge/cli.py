@@ -31,23 +31,37 @@ def _gen(args: argparse.Namespace, spin: bool = True):
     gen = Generator.from_bundle(bundle, engine=args.engine, threads=args.threads, spin=spin)
     gen.tokenizer.allow_special_in_content = getattr(args, "allow_special_in_content", False)
     gen.speculative = getattr(args, "speculative", False)
+    log = logging.getLogger("edgechat")
+    draft_engine = getattr(args, "draft_engine", None)
+    can_verify = gen.decoder.io.fused and gen.decoder.device == "cpu"
+    engine = getattr(gen.decoder, "engine", None)
+    engine_name = engine.name if engine is not None else gen.decoder.name
+    # commands without --no-draft (golden re-checks) never draft
+    if draft is None and bundle.manifest.draft and not getattr(args, "no_draft", True):
+        if can_verify:  # the bundle's own draft (edge-export build --draft): on by default
+            draft, draft_engine = bundle.draft_bundle(), bundle.manifest.draft["engine"]
+        else:
+            log.info("the bundle's draft model is not used: engine %s cannot verify drafts here (a fused graph on "
+                     "CPU can: int8-dynamic or int4-weight)", engine_name)
     if draft is not None:
-        if not gen.decoder.io.fused or gen.decoder.device != "cpu":
-            raise EdgeChatError(f"--draft: engine {gen.decoder.name} cannot verify drafts here (speculative steps "
+        if not can_verify:
+            raise EdgeChatError(f"--draft: engine {engine_name} cannot verify drafts here (speculative steps "
                                 "run on a fused graph on CPU: int8-dynamic or int4-weight); drop --draft")
         # the draft's idle threads sleep: spinning, they would take the cores from the target's call
-        dgen = Generator.from_bundle(draft, engine=args.draft_engine, threads=args.threads, spin=False)
+        dgen = Generator.from_bundle(draft, engine=draft_engine, threads=args.threads, spin=False)
         if draft.root.resolve() == bundle.root.resolve() and dgen.decoder.name == gen.decoder.name:
             raise EdgeChatError(f"--draft: the draft is the target itself ({gen.decoder.name}): it would agree "
                                 "always and cost a second step per token; give a smaller model or --draft-engine")
         gen.use_draft(dgen)
-        logging.getLogger("edgechat").info("drafting with %s (%s)", args.draft, gen.draft_name)
+        log.info("drafting with %s (%s)", args.draft or "the bundle's draft", gen.draft_name)
     return gen
 
 
 def _draft_bundle(args: argparse.Namespace):
     from edge.bundle import Bundle
 
+    if getattr(args, "draft", None) is not None and getattr(args, "no_draft", False):
+        raise EdgeChatError("--draft and --no-draft contradict each other: give one")
     if getattr(args, "draft", None) is None:
         if getattr(args, "draft_engine", None) is not None:
             raise EdgeChatError("--draft-engine names an engine of the --draft bundle: give --draft too")
@@ -187,6 +201,12 @@ def _info(args: argparse.Namespace) -> int:
         q = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in e.quality.items() if not isinstance(v, (dict, list)))
         print(f"  {e.name:14s} {fp.format}/{fp.precision}/{fp.variant} opset {fp.opset}  {q}")
     print("stages   " + " -> ".join(f"{s.name} ({s.seconds:.0f}s)" for s in m.stages))
+    if m.draft:
+        dr, acc = m.draft, m.draft.get("acceptance", {})
+        print(f"draft    {dr['path']}/ {dr['engine']}: {dr.get('num_layers', '?')} layers, "
+              f"{dr.get('num_parameters', 0) / 1e6:.1f}M params, {dr.get('bytes', 0) / 1e6:.1f} MB; acceptance "
+              f"{acc.get('acceptance', float('nan')):.2f} at k={acc.get('k', '?')} against {dr.get('target_engine', '?')} "
+              f"(measured at build); edge-chat drafts with it unless --no-draft")
     from edge.backends import decide
     from edge.machine import detect
 
@@ -294,6 +314,9 @@ def _add_speculative_flag(p: argparse.ArgumentParser) -> None:
                         "--speculative on; int8-dynamic/int4-weight targets on CPU); see docs/speed.md for when it "
                         "pays and why quantized targets can differ from their plain greedy answer")
     p.add_argument("--draft-engine", help="engine of the --draft bundle (default: fastest for this machine)")
+    p.add_argument("--no-draft", action="store_true",
+                   help="do not draft with the model the bundle ships (edge-export build --draft); by default it "
+                        "drafts while one greedy answer decodes, and stops where drafting does not pay")
 
 
 def _add_load_flags(p: argparse.ArgumentParser) -> None:

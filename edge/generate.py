@@ -31,6 +31,7 @@ class Generator:
         self.speculative = False  # speculative decoding for greedy answers (edge.speculative)
         self.drafter = None  # edge.speculative.ModelDrafter (use_draft); None: prompt lookup drafts
         self.draft_name = ""  # the draft's model and engine, for the server's start line and logs
+        self.draft_source = ""  # where the draft came from: "--draft", or the bundle's own with its acceptance
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, engine: str | None = None, threads: int | None = None,
@@ -69,6 +70,12 @@ class Generator:
         engine = getattr(draft.decoder, "engine", None)
         model = draft.bundle.manifest.model_name.split("/")[-1] if draft.bundle is not None else "draft"
         self.draft_name = f"{model} {engine.name if engine is not None else draft.decoder.name}"
+        self.draft_source = "--draft"
+        own = self.bundle.manifest.draft if self.bundle is not None else {}
+        if own and draft.bundle is not None and draft.bundle.root == self.bundle.root / own["path"]:
+            acc = own.get("acceptance", {}).get("acceptance")
+            self.draft_source = "the bundle's own; --no-draft turns it off" + (
+                f"; acceptance {acc:.2f} measured at build" if isinstance(acc, (int, float)) else "")
 
     def make_speculator(self):
         """The scheduler's speculative step (edge.speculative.RowSpeculator), or None when speculation is off."""

@@ -242,6 +242,11 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--distill-steps", type=Bounded(int, 1), help="distillation steps after pruning (default 300)")
     b.add_argument("--distill-minutes", type=Bounded(float, 0, above=True), help="stop distilling after this many minutes")
     b.add_argument("--no-distill", action="store_true", help="prune only (the report then has no recovery row)")
+    b.add_argument("--draft", action="store_true",
+                   help="also build a draft model from this one (its most important blocks, distilled on its own "
+                        "answers) and ship it in the bundle: edge-chat drafts with it by default (see [draft] in a recipe)")
+    b.add_argument("--draft-layers", type=Bounded(int, 1), metavar="N",
+                   help="blocks the draft keeps (default: a sixth of the model's); implies --draft")
     b.add_argument("--skip-ram-check", action="store_true",
                    help="build even when the planned peak memory exceeds this machine's RAM")
     b.add_argument("-v", "--verbose", action="store_true",

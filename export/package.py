@@ -30,6 +30,16 @@ class EngineArtifact:
     reference: bool = False  # the fp32 graph every engine is compared with: measured in full even when not shipped
 
 
+@dataclass
+class DraftArtifact:
+    """A draft model's bundle (export/draft.py) to ship inside the target's, with what was measured of it."""
+    root: Path  # a complete, verified bundle
+    engine: str  # the draft's engine
+    target_engine: str  # the target engine its acceptance was measured against
+    records: list[StageRecord]
+    acceptance: dict
+
+
 def _opset(path: Path) -> int:
     import onnx
 
@@ -41,14 +51,17 @@ TENSORRT_SOURCES = precisions.TENSORRT_SOURCES
 
 
 def run(hf_dir: Path, engines: list[EngineArtifact], stages: list[StageRecord], dst: Path, max_context: int,
-        golden: list[dict] | None = None, extra_files: dict[str, Path] | None = None) -> Bundle:
+        golden: list[dict] | None = None, extra_files: dict[str, Path] | None = None,
+        draft: DraftArtifact | None = None) -> Bundle:
     import onnxruntime as ort
 
     src = json.loads((hf_dir / META).read_text())
     dims = model_dims(hf_dir, max_context)
     spec = tokenizer_spec(hf_dir)
     gen = dict(DEFAULT_GENERATION)
-    digest = hashlib.sha256(json.dumps([src, [e.name for e in engines], [s.params for s in stages]],
+    shipped_draft = Bundle.open(draft.root, verify="full") if draft is not None else None
+    digest = hashlib.sha256(json.dumps([src, [e.name for e in engines], [s.params for s in stages],
+                                        shipped_draft.manifest.bundle_id if shipped_draft else None],
                                        sort_keys=True, default=str).encode()).hexdigest()[:10]
     slug = "".join(c if c.isalnum() else "-" for c in src["name"].lower()).strip("-")
     with BundleWriter(dst) as w:
@@ -71,11 +84,22 @@ def run(hf_dir: Path, engines: list[EngineArtifact], stages: list[StageRecord], 
             io = io_for_variant(e.variant)
             entries.append(EngineEntry(name=e.name, file=f"engines/{e.name}/model.onnx", fingerprint=fp, quality=quality,
                                        io={} if io == DecoderIO() else io.to_dict()))
+        draft_entry: dict = {}
+        if shipped_draft is not None:
+            from export.draft import DRAFT_DIR
+
+            shutil.copytree(shipped_draft.root, w.root / DRAFT_DIR)
+            dm = shipped_draft.manifest
+            draft_entry = {"path": DRAFT_DIR, "engine": draft.engine, "bundle_id": dm.bundle_id,
+                           "num_parameters": dm.model.num_parameters, "num_layers": dm.model.num_layers,
+                           "bytes": dm.engine_bytes(draft.engine), "target_engine": draft.target_engine,
+                           "acceptance": draft.acceptance}
         for rel, path in (extra_files or {}).items():
             (w.root / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, w.root / rel)
         manifest = Manifest(
             bundle_id=f"{slug}-{digest}", model_name=src["name"], source=src["source"], model=dims, tokenizer=spec,
             io=DecoderIO().to_dict(), engines=entries, stages=stages, generation=gen, golden=golden or [],
+            draft=draft_entry,
         )
         return w.commit(manifest)

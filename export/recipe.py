@@ -24,6 +24,7 @@ from edge.errors import RecipeError
 from edge.precisions import FP32, INT4_WEIGHT, INT8_DYNAMIC
 from export.console import fmt_bytes
 from export.distill import DistillOptions
+from export.draft import DraftOptions
 from export.prune import PruneOptions
 
 BUILD_PRECISIONS = precisions.EXPORTED
@@ -35,7 +36,7 @@ FROM_FUSED = tuple(p for p in precisions.QUANTIZED if precisions.get(p).variant 
 STAGE_CODE = {"load": "export.load", "prune": "export.prune", "export-teacher": "export.onnx_export",
               "export-pruned": "export.onnx_export", "teacher-answers": "export.teacher_answers",
               "distill": "export.distill", "export": "export.onnx_export", "quantize": "export.quantize",
-              "evaluate": "export.evaluate"}
+              "evaluate": "export.evaluate", "acceptance": "export.draft"}
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class BuildOptions:
     fused: bool = True  # write the fused ONNX Runtime graph and quantize the CPU/CUDA engines from it
     prune: PruneOptions | None = None  # [prune] section: None = keep the model's size
     distill: DistillOptions | None = None  # [distill] section: only after a prune
+    draft: DraftOptions | None = None  # [draft] section / --draft: a draft model shipped in the bundle
 
     def __post_init__(self) -> None:
         bad = [p for p in self.precisions if p not in BUILD_PRECISIONS]
@@ -92,6 +94,10 @@ class BuildOptions:
             raise RecipeError(f"int8_rounding must be 'gptq' or 'minmax', got {self.int8_rounding!r}")
         if not isinstance(self.gptq_samples, int) or self.gptq_samples < 1:
             raise RecipeError(f"gptq_samples must be a whole number >= 1 (calibration texts for GPTQ), got {self.gptq_samples!r}")
+        if self.draft is not None and not (self.fused and any(p in FROM_FUSED for p in self.precisions)):
+            raise RecipeError("a draft model is checked by a fused CPU engine (int8-dynamic or int4-weight), which this "
+                              f"build does not make (it builds {', '.join(self.precisions)}"
+                              f"{', --no-fused' if not self.fused else ''}): add --precision int8-dynamic")
         if self.distill is not None and self.prune is None:
             raise RecipeError("distill needs a prune stage before it (a [prune] section or --prune RATIO): "
                               "distilling a model into itself teaches it nothing")
@@ -109,6 +115,8 @@ class BuildOptions:
         except tomllib.TOMLDecodeError as e:
             raise RecipeError(f"recipe {path} is not valid TOML: {e}") from None
         nested = {}
+        if isinstance(raw.get("draft"), dict):
+            nested["draft"] = DraftOptions.from_section(raw.pop("draft"), str(path))
         for name, kind in (("prune", PruneOptions), ("distill", DistillOptions)):
             if isinstance(raw.get(name), dict):
                 sec = raw.pop(name)
@@ -165,13 +173,17 @@ class BuildOptions:
                                           (("steps", a.distill_steps), ("max_minutes", a.distill_minutes)) if v})
         if getattr(a, "no_distill", False):
             distill = None
+        draft = base.draft
+        if getattr(a, "draft", False) or getattr(a, "draft_layers", None) is not None:
+            layers = getattr(a, "draft_layers", None)
+            draft = dataclasses.replace(draft or DraftOptions(), **({"layers": layers} if layers is not None else {}))
         int4_flags = [f for f, v in (("--int4-block", getattr(a, "int4_block", None)),
                                      ("--int4-head-bits", getattr(a, "int4_head_bits", None)),
                                      ("--int4-budget-mb", getattr(a, "int4_budget_mb", None))) if v is not None]
         if int4_flags and INT4_WEIGHT not in base.precisions:
             raise RecipeError(f"{int4_flags[0]} shapes the int4-weight engine, which this build does not make "
                               f"(it builds {', '.join(base.precisions)}): add --precision int4-weight")
-        return dataclasses.replace(base, prune=prune, distill=distill)
+        return dataclasses.replace(base, prune=prune, distill=distill, draft=draft)
 
 
 def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
@@ -192,7 +204,8 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
     work.mkdir(parents=True, exist_ok=True)
 
     def stage(name: str, params: dict, fn):
-        code = STAGE_CODE[name.split("-")[0] if name.startswith("quantize-") else name]
+        base = name.removeprefix("draft-")  # the draft's stages run the same modules
+        code = STAGE_CODE["quantize" if base.startswith("quantize-") else base]
         return run_stage(work, name, params, fn, opts.fresh, log, code=code, reuse_stale=opts.reuse_stale,
                          verbose=verbose)
 
@@ -206,7 +219,7 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
     lineage: list = []  # teacher and pruned-only graphs: measured for the report, not shipped
     teacher_dir = hf_dir
     if opts.prune is not None:
-        from export import distill, prune
+        from export import prune
 
         popts = opts.prune
         pruned_dir, rec = stage("prune", dataclasses.asdict(popts) | {"load": rec.finished},
@@ -224,32 +237,11 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
                                  lambda d: onnx_export.run(pruned_dir, d, lineage_eopts))
             lineage.append(package.EngineArtifact("pruned-only", p_dir, FP32, report_only=True, dims_dir=pruned_dir,
                                                   lineage=True))
-            answers, inputs = None, {"prune": rec.finished}
-            if dopts.teacher_answers and dopts.mixture.get("teacher"):
-                from export import teacher_answers
-
-                aopts = teacher_answers.AnswerOptions(count=dopts.teacher_answers, seed=dopts.seed, data=dopts.data,
-                                                      prompts=dopts.teacher_prompts, max_tokens=dopts.answer_tokens)
-                a_dir, arec = stage("teacher-answers", dataclasses.asdict(aopts) | {"load": records[0].finished},
-                                        lambda d: teacher_answers.run(teacher_dir, d, aopts, opts.threads))
-                records.append(arec)
-                log(f"[teacher-answers] {arec.metrics['kept']} of {arec.metrics['asked']} answers kept "
-                    f"({arec.metrics['answer_tokens']} tokens)")
-                answers, inputs = a_dir / teacher_answers.ANSWERS, inputs | {"answers": arec.finished}
-            hf_dir, rec = stage("distill", dataclasses.asdict(dopts) | inputs,
-                                    lambda d: distill.run(teacher_dir, pruned_dir, d, dopts,
-                                                          ckpt_dir=work / ".distill-checkpoint", answers=answers))
-            records.append(rec)
-            log(f"[distill] {rec.metrics['steps']} steps, {rec.metrics['tokens_seen']} tokens "
-                f"({rec.metrics.get('text', 'chat text')}), loss {rec.metrics['loss_first']:.3f} -> "
-                f"{rec.metrics['loss_last']:.3f}")
-            if rec.metrics.get("stopped_early"):
-                log(f"[distill] WARNING: {rec.metrics['stopped_early']}")
-            mass = rec.metrics.get("teacher_topk_mass")
-            if mass is not None and mass < 0.8:
-                log(f"[distill] warning: the teacher's top {dopts.teacher_topk} tokens held only {100 * mass:.0f}% of its "
-                    f"mass at temperature {dopts.temperature}; the rest went into one bucket. Raise teacher_topk or "
-                    "lower temperature (at T=1 SmolLM2's top 64 hold ~94%)")
+            hf_dir, recs = _distill_stages(stage, teacher_dir, pruned_dir, {"prune": rec.finished},
+                                           {"load": records[0].finished}, dopts, opts.threads,
+                                           work / ".distill-checkpoint", log)
+            records += recs
+            rec = recs[-1]
     shipped_from = rec.finished
     fp32_dir, rec = stage("export", dataclasses.asdict(eopts) | ({"model": shipped_from} if opts.prune else {}),
                               lambda d: onnx_export.run(hf_dir, d, eopts))
@@ -265,30 +257,29 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
         log(f"[export] no fused graph: {rec.metrics.get('fused', {}).get('reason', 'not written')}; "
             "the ONNX Runtime engines use the plain graph")
 
+    stamps: dict[str, str] = {}  # each quantized engine's stage stamp (what a later stage was measured on)
     for precision in opts.precisions:
         if precision == FP32:
             continue
         from export import quantize
 
-        qopts = quantize.QuantizeOptions(mode=precision, calibration=opts.calibration,
-                                         samples=opts.calibration_samples, smoothquant_alpha=opts.smoothquant_alpha,
-                                         **({"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio,
-                                             "int4_rounding": opts.int4_rounding, "int4_block_size": opts.int4_block_size,
-                                             "int4_lm_head_bits": opts.int4_lm_head_bits}
-                                            if precision == INT4_WEIGHT else {}),
-                                         **({"int8_rounding": opts.int8_rounding} if precision == INT8_DYNAMIC else {}),
-                                         gptq_samples=opts.gptq_samples)
+        qopts = _quantize_options(opts, precision)
         variant = "fused" if has_fused and precision in FROM_FUSED else "plain"
         src_dir = fused_dir if variant == "fused" else fp32_dir
         qdir, rec = stage(f"quantize-{precision}",
                               dataclasses.asdict(qopts) | {"export": exported, "variant": variant},
                               lambda d, q=qopts, s=src_dir: quantize.run(s, hf_dir, d, q))
         records.append(rec)
+        stamps[precision] = rec.finished
         engines.append(package.EngineArtifact(precision, qdir, precision, variant=variant))
         if (qdir / quantize.ABLATION).is_dir():
             report_only.append(package.EngineArtifact(f"{precision}-{quantize.ABLATION}", qdir / quantize.ABLATION, precision,
                                                        report_only=True))
 
+    draft = None
+    if opts.draft is not None:
+        draft = _draft_stages(stage, opts, hf_dir, shipped_from, engines, stamps, eopts, work, log)
+        records += draft.records
     golden: list[dict] = []
     extra: dict[str, Path] = {}
     if not opts.skip_eval:
@@ -312,13 +303,100 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
     from export.stages import guarded
 
     with guarded("package", work / "package.log.txt", verbose, progress=False) as mem:
-        bundle = package.run(hf_dir, engines, records, opts.output, opts.max_context, golden, extra)
+        bundle = package.run(hf_dir, engines, records, opts.output, opts.max_context, golden, extra, draft)
     log(f"[package] bundle {bundle.manifest.bundle_id} verified and written to {bundle.root} "
         f"(peak memory {fmt_bytes(mem.peak_bytes)})")
     log(summary(records, bundle))
     for r in next((x.metrics.get("golden_regressions", []) for x in records if x.name == "evaluate"), []):
         log(f"golden: {r['engine']} fails \"{r['prompt']}\" (fp32 passes): {r['why']}")
     return bundle
+
+
+def _distill_stages(stage, teacher_dir: Path, student_dir: Path, after: dict, teacher_key: dict,
+                    dopts: DistillOptions, threads: int | None, ckpt: Path, log, prefix: str = "") -> tuple[Path, list[StageRecord]]:
+    """The teacher's own answers (when the mixture has a teacher share), then distillation of the pruned
+    student toward the teacher. `after`/`teacher_key`: the stages the student and the teacher come from (their
+    reuse keys); `prefix`: "draft-" for the draft's stages. Returns the distilled folder and the records."""
+    from export import distill
+
+    records: list[StageRecord] = []
+    answers, inputs = None, dict(after)
+    if dopts.teacher_answers and dopts.mixture.get("teacher"):
+        from export import teacher_answers
+
+        aopts = teacher_answers.AnswerOptions(count=dopts.teacher_answers, seed=dopts.seed, data=dopts.data,
+                                              prompts=dopts.teacher_prompts, max_tokens=dopts.answer_tokens)
+        a_dir, arec = stage(f"{prefix}teacher-answers", dataclasses.asdict(aopts) | teacher_key,
+                            lambda d: teacher_answers.run(teacher_dir, d, aopts, threads))
+        records.append(arec)
+        log(f"[{prefix}teacher-answers] {arec.metrics['kept']} of {arec.metrics['asked']} answers kept "
+            f"({arec.metrics['answer_tokens']} tokens)")
+        answers, inputs = a_dir / teacher_answers.ANSWERS, inputs | {"answers": arec.finished}
+    out_dir, rec = stage(f"{prefix}distill", dataclasses.asdict(dopts) | inputs,
+                         lambda d: distill.run(teacher_dir, student_dir, d, dopts, ckpt_dir=ckpt, answers=answers))
+    records.append(rec)
+    log(f"[{prefix}distill] {rec.metrics['steps']} steps, {rec.metrics['tokens_seen']} tokens "
+        f"({rec.metrics.get('text', 'chat text')}), loss {rec.metrics['loss_first']:.3f} -> "
+        f"{rec.metrics['loss_last']:.3f}")
+    if rec.metrics.get("stopped_early"):
+        log(f"[{prefix}distill] WARNING: {rec.metrics['stopped_early']}")
+    mass = rec.metrics.get("teacher_topk_mass")
+    if mass is not None and mass < 0.8:
+        log(f"[{prefix}distill] warning: the teacher's top {dopts.teacher_topk} tokens held only {100 * mass:.0f}% of its "
+            f"mass at temperature {dopts.temperature}; the rest went into one bucket. Raise teacher_topk or "
+            "lower temperature (at T=1 SmolLM2's top 64 hold ~94%)")
+    return out_dir, records
+
+
+def _quantize_options(opts: BuildOptions, precision: str):
+    from export import quantize
+
+    return quantize.QuantizeOptions(mode=precision, calibration=opts.calibration,
+                                    samples=opts.calibration_samples, smoothquant_alpha=opts.smoothquant_alpha,
+                                    **({"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio,
+                                        "int4_rounding": opts.int4_rounding, "int4_block_size": opts.int4_block_size,
+                                        "int4_lm_head_bits": opts.int4_lm_head_bits}
+                                       if precision == INT4_WEIGHT else {}),
+                                    **({"int8_rounding": opts.int8_rounding} if precision == INT8_DYNAMIC else {}),
+                                    gptq_samples=opts.gptq_samples)
+
+
+def _draft_stages(stage, opts: BuildOptions, target_dir: Path, target_from: str, engines: list, stamps: dict,
+                  eopts, work: Path, log):
+    """Prune the shipped model to the draft's blocks, distill it on the model's own answers, export the fused
+    graph, quantize, package it as a bundle of its own and measure its acceptance against the target's engine."""
+    from export import draft as dm, onnx_export, package, prune, quantize
+
+    d = opts.draft
+    popts = d.prune_options(dm.target_layers(target_dir))
+    p_dir, prec = stage("draft-prune", dataclasses.asdict(popts) | {"target": target_from},
+                        lambda dst: prune.run(target_dir, dst, popts))
+    log(f"[draft-prune] {prune.describe(prec.metrics)}")
+    d_hf, recs = _distill_stages(stage, target_dir, p_dir, {"prune": prec.finished}, {"target": target_from}, d.distill,
+                                 opts.threads, work / ".draft-distill-checkpoint", log, prefix="draft-")
+    e_dir, erec = stage("draft-export", dataclasses.asdict(eopts) | {"model": recs[-1].finished},
+                        lambda dst: onnx_export.run(d_hf, dst, eopts))
+    fused = e_dir / onnx_export.FUSED_DIR
+    if not (fused / "model.onnx").is_file():
+        raise RecipeError(f"the draft has no fused graph ({erec.metrics.get('fused', {}).get('reason', 'not written')}): "
+                          "it could not roll back its cache; build without --draft")
+    qopts = _quantize_options(opts, d.precision)
+    q_dir, qrec = stage(f"draft-quantize-{d.precision}", dataclasses.asdict(qopts) | {"export": erec.finished},
+                        lambda dst: quantize.run(fused, d_hf, dst, qopts))
+    records = [prec, *recs, erec, qrec]
+    draft_root = work / "draft.bundle"
+    package.run(d_hf, [package.EngineArtifact(d.precision, q_dir, d.precision, variant="fused")], records, draft_root,
+                opts.max_context)
+    target = next((e for p in dm.PRECISIONS for e in engines if e.precision == p and e.variant == "fused"), None)
+    if target is None:
+        raise RecipeError("the draft needs a fused int8-dynamic or int4-weight engine of the model to check it, and "
+                          "this build has none (its fused graph was not written: see the export stage's log)")
+    aparams = dataclasses.asdict(d) | {"draft": qrec.finished, "target_engine": target.name, "target": stamps[target.name]}
+    arec_dir, arec = stage("draft-acceptance", aparams,
+                           lambda dst: dm.measure(target.folder / "model.onnx", target.variant, target_dir, draft_root, dst, d,
+                                                  opts.max_context, opts.threads))
+    log(f"[draft] {dm.describe(arec.metrics)}")
+    return package.DraftArtifact(draft_root, d.precision, target.name, records + [arec], arec.metrics)
 
 
 def summary(records: list[StageRecord], bundle: Bundle) -> str:

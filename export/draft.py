@@ -1,0 +1,145 @@
+"""Draft stage: a small model cut from the target, distilled on the target's own answers, quantized and
+shipped inside the target's bundle, so `edge-chat` speculates with it by default (edge.speculative).
+
+Why built from the target: a draft must spell every token as the target does and agree with its choices.
+Dropping the target's least important blocks keeps its tokenizer, embedding and LM head; distilling on
+answers the target wrote teaches the draft exactly what it is checked against. The acceptance rate that
+decides whether drafting pays is measured here, on held-out chats, with the runtime that ships.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edge.errors import RecipeError
+from edge.precisions import INT4_WEIGHT, INT8_DYNAMIC
+from export.distill import DistillOptions
+from export.prune import PruneOptions
+
+DRAFT_DIR = "draft"  # the draft bundle's folder inside the target's bundle
+PRECISIONS = (INT8_DYNAMIC, INT4_WEIGHT)  # fused-graph engines: what the draft's KV cache rolls back on
+
+
+def default_distill() -> DistillOptions:
+    """Mostly the target's own answers to questions it wrote (what the draft will be checked against)."""
+    return DistillOptions(steps=200, batch_size=4, seq_len=256, lr=5e-4, warmup=10, temperature=1.0,
+                          mixture={"teacher": 0.7, "chat": 0.3}, teacher_answers=300, teacher_prompts="teacher",
+                          answer_tokens=256, teacher_topk=64, seq_kd=0.5, max_minutes=90, checkpoint_every=25)
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    layers: int | None = None  # blocks the draft keeps (None: a sixth of the target's, at least one)
+    precision: str = INT8_DYNAMIC
+    samples: int = 64  # calibration chats for the blocks' importance
+    distill: DistillOptions = field(default_factory=default_distill)
+    acceptance_chats: int = 16  # held-out chats the acceptance rate is measured on
+    acceptance_tokens: int = 64  # greedy tokens per chat
+    k: int = 4  # draft length for the measurement (the runtime picks its own k as it goes)
+
+    def __post_init__(self) -> None:
+        if self.layers is not None and (not isinstance(self.layers, int) or self.layers < 1):
+            raise RecipeError(f"draft layers must be a whole number >= 1 (blocks the draft keeps), got {self.layers!r}")
+        if self.precision not in PRECISIONS:
+            raise RecipeError(f"draft precision must be one of {', '.join(PRECISIONS)} (a fused CPU engine, whose KV "
+                              f"cache rolls back after a rejected draft), got {self.precision!r}")
+        for name in ("samples", "acceptance_chats", "acceptance_tokens", "k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise RecipeError(f"draft {name} must be a whole number >= 1, got {v!r}")
+        if self.k > 16:
+            raise RecipeError(f"draft k must be <= 16 (tokens drafted per check), got {self.k}")
+
+    @classmethod
+    def from_section(cls, sec: dict, where: str) -> "DraftOptions":
+        """A recipe's [draft] section, with an optional [draft.distill] table."""
+        sec = dict(sec)
+        distill = sec.pop("distill", None)
+        known = {f.name for f in dataclasses.fields(cls)} - {"distill"}
+        if set(sec) - known:
+            raise RecipeError(f"recipe {where} [draft] has unknown options {sorted(set(sec) - known)} (known: {sorted(known)})")
+        if distill is not None:
+            if not isinstance(distill, dict):
+                raise RecipeError(f"recipe {where} [draft] distill must be a table ([draft.distill])")
+            dknown = {f.name for f in dataclasses.fields(DistillOptions)}
+            if set(distill) - dknown:
+                raise RecipeError(f"recipe {where} [draft.distill] has unknown options {sorted(set(distill) - dknown)}")
+            sec["distill"] = dataclasses.replace(default_distill(), **distill)
+        return cls(**sec)
+
+    def prune_options(self, target_layers: int) -> PruneOptions:
+        """Keep `layers` blocks of the target's (the most important), every head, channel and token."""
+        # a sixth: the draft step should cost well under a third of the target's, and the embedding and LM
+        # head it keeps whole already take a share (SmolLM2-135M: 28M of 135M parameters)
+        keep = self.layers if self.layers is not None else max(1, -(-target_layers // 6))
+        if keep >= target_layers:
+            raise RecipeError(f"draft layers = {keep}, but the target has {target_layers} blocks: a draft keeps fewer "
+                              f"(1..{target_layers - 1}), or it costs as much as the target")
+        return PruneOptions(target_ratio=1.0, drop_layers=target_layers - keep, samples=self.samples)
+
+
+def target_layers(hf_dir: Path) -> int:
+    return int(json.loads((hf_dir / "config.json").read_text())["num_hidden_layers"])
+
+
+def measure(target_onnx: Path, target_variant: str, hf_dir: Path, draft_root: Path, dst: Path, opts: DraftOptions,
+            max_context: int, threads: int | None = None) -> dict:
+    """Greedy answers to held-out chats, each twice on the target's engine: plainly and checking the draft's
+    k tokens per call, interleaved. Acceptance (accepted / drafted), tokens per target call, both speeds here,
+    and whether the answers were the same (a quantized target's checked logits differ slightly from a single
+    step's, so a near tie can flip; docs/speed.md)."""
+    from tqdm import tqdm
+
+    from edge.bundle import Bundle
+    from edge.io_contract import io_for_variant
+    from edge.load import load_decoder
+    from edge.ort_decoder import OrtDecoder
+    from edge.sampling import SamplingConfig
+    from edge.speculative import AdaptiveK, ModelDrafter, SpecStats, _no_draft, speculative_tokens
+    from export.data import load_chats
+    from export.load import chat_tokenizer, model_dims
+
+    tok = chat_tokenizer(hf_dir)
+    target = OrtDecoder(target_onnx, model_dims(hf_dir, max_context), io_for_variant(target_variant), threads=threads,
+                        name="target")
+    draft = Bundle.open(draft_root, verify="full")
+    draft_dec, _ = load_decoder(draft, opts.precision, threads, providers=["CPUExecutionProvider"], spin=False)
+    chats = load_chats(None, "evaluation", opts.acceptance_chats)
+    cfg = SamplingConfig(max_new_tokens=opts.acceptance_tokens)
+    stats = SpecStats()
+    seconds = {"plain": 0.0, "draft": 0.0}
+    tokens = {"plain": 0, "draft": 0}
+    same = 0
+    for chat in tqdm(chats, desc="draft acceptance", unit="chat"):
+        prompt = tok.encode_chat(chat[:1])
+        answers = {}
+        for mode in ("plain", "draft"):
+            drafter = ModelDrafter(draft_dec, target.dims.vocab_size) if mode == "draft" else _no_draft
+            t = time.perf_counter()
+            answers[mode] = list(speculative_tokens(target, prompt, cfg, tok.eos_ids, max_context, drafter,
+                                                    AdaptiveK(k_max=opts.k, k_min=opts.k),
+                                                    stats if mode == "draft" else None))
+            seconds[mode] += time.perf_counter() - t
+            tokens[mode] += len(answers[mode])
+        same += answers["plain"] == answers["draft"]
+    rate = {m: tokens[m] / seconds[m] if seconds[m] else 0.0 for m in seconds}
+    out = {"acceptance": round(stats.acceptance, 4), "k": opts.k, "drafted": stats.drafted, "accepted": stats.accepted,
+           "tokens_per_target_call": round(tokens["draft"] / max(1, stats.calls + len(chats)), 3),
+           "chats": len(chats), "tokens": tokens["draft"], "identical_answers": f"{same}/{len(chats)}",
+           "plain_tok_s": round(rate["plain"], 1), "draft_tok_s": round(rate["draft"], 1),
+           "speedup_here": round(rate["draft"] / rate["plain"], 3) if rate["plain"] else None,
+           "draft_parameters": draft.manifest.model.num_parameters,
+           "draft_bytes": draft.manifest.engine_bytes(opts.precision)}
+    (dst / "acceptance.json").write_text(json.dumps(out, indent=2))
+    return out
+
+
+def describe(m: dict) -> str:
+    return (f"acceptance {m['acceptance']:.2f} at k={m['k']} ({m['tokens_per_target_call']:.2f} tokens per target call, "
+            f"{m['chats']} held-out chats); {m['draft_parameters'] / 1e6:.1f}M parameters, "
+            f"{m['draft_bytes'] / 1e6:.1f} MB; here {m['plain_tok_s']:.0f} -> {m['draft_tok_s']:.0f} tok/s "
+            f"at a fixed k (the runtime adapts k and turns drafting off where it does not pay)")

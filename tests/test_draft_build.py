@@ -1,0 +1,202 @@
+"""`edge-export build --draft`: a draft cut from the model, distilled on its answers, shipped inside its bundle
+and used by edge-chat by default; its acceptance measured at build with the runtime that ships."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import make_tiny_model, run_cli
+from edge.errors import RecipeError
+
+STAGES = ["draft-prune", "draft-teacher-answers", "draft-distill", "draft-export", "draft-quantize-int8-dynamic",
+          "draft-acceptance"]
+
+
+def _draft_opts(**kw):
+    from export.distill import DistillOptions
+    from export.draft import DraftOptions
+
+    distill = DistillOptions(steps=6, batch_size=2, seq_len=32, lr=1e-3, warmup=2, samples=60, checkpoint_every=4,
+                             mixture={"teacher": 0.5, "chat": 0.5}, teacher_answers=40, answer_tokens=24,
+                             teacher_prompts="data")  # a random-init model cannot write its own questions
+    return DraftOptions(**({"layers": 1, "samples": 4, "distill": distill, "acceptance_chats": 3,
+                            "acceptance_tokens": 16} | kw))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A 4-block tiny model's int8 bundle with a 1-block draft; the build's log lines."""
+    from export.recipe import BuildOptions, build
+
+    d = tmp_path_factory.mktemp("draft-build")
+    src = make_tiny_model(d / "src", layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=1)
+    lines: list[str] = []
+    opts = BuildOptions(output=d / "t.bundle", model=str(src), precisions=("fp32", "int8-dynamic"), max_context=256,
+                        skip_eval=True, calibration_samples=4, gptq_samples=4, draft=_draft_opts())
+    b = build(opts, log=lines.append)
+    return b, opts, lines
+
+
+def test_the_bundle_ships_a_verified_draft_with_its_measured_acceptance(built):
+    from edge.bundle import MANIFEST, Bundle
+    from edge.speculative import same_vocabulary
+    from edge.tokenizer import ChatTokenizer
+
+    b, opts, lines = built
+    m = Bundle.open(b.root, verify="full").manifest
+    assert [s.name for s in m.stages][-len(STAGES):] == STAGES
+    dr = m.draft
+    assert dr["path"] == "draft" and dr["engine"] == "int8-dynamic" and dr["target_engine"] == "int8-dynamic"
+    assert dr["num_layers"] == 1 and dr["num_parameters"] < m.model.num_parameters
+    # the draft's files are the outer bundle's too: listed, sized and hashed
+    assert f"draft/{MANIFEST}" in m.files and "draft/engines/int8-dynamic/model.onnx" in m.files
+    inner = Bundle.open(b.root / "draft", verify="full")
+    assert inner.manifest.bundle_id == dr["bundle_id"] and dr["bytes"] == inner.manifest.engine_bytes("int8-dynamic")
+    assert [e.fingerprint.variant for e in inner.manifest.engines] == ["fused"]
+    same_vocabulary(ChatTokenizer(b.root / m.tokenizer.file, m.tokenizer),
+                    ChatTokenizer(inner.path(inner.manifest.tokenizer.file), inner.manifest.tokenizer))
+    acc = dr["acceptance"]
+    assert acc["k"] == 4 and acc["chats"] == 3 and 0 <= acc["acceptance"] <= 1 and acc["drafted"] > 0
+    assert acc["accepted"] == round(acc["acceptance"] * acc["drafted"])
+    assert any(line.startswith("[draft] acceptance") for line in lines)
+
+
+def test_the_recorded_acceptance_is_what_the_runtime_gets(built):
+    """Recount the acceptance with the shipped engines (greedy, k = 4): the build's number is not invented."""
+    from edge.bundle import Bundle
+    from edge.generate import Generator
+    from edge.sampling import SamplingConfig
+    from edge.speculative import AdaptiveK, ModelDrafter, SpecStats, speculative_tokens
+    from export.data import load_chats
+
+    b, _, _ = built
+    bundle = Bundle.open(b.root)
+    target = Generator.from_bundle(bundle, engine="int8-dynamic", threads=1)
+    draft = Generator.from_bundle(bundle.draft_bundle(), engine="int8-dynamic", threads=1, spin=False)
+    stats = SpecStats()
+    for chat in load_chats(None, "evaluation", 3):
+        list(speculative_tokens(target.decoder, target.tokenizer.encode_chat(chat[:1]), SamplingConfig(max_new_tokens=16),
+                                target.tokenizer.eos_ids, 256, ModelDrafter(draft.decoder, target.decoder.dims.vocab_size),
+                                AdaptiveK(k_max=4, k_min=4), stats))
+    acc = bundle.manifest.draft["acceptance"]
+    assert (stats.drafted, stats.accepted) == (acc["drafted"], acc["accepted"])
+
+
+def test_edge_chat_drafts_with_the_bundles_draft_unless_told_not_to(built):
+    b, _, _ = built
+    on = run_cli("edge.cli", "-v", "run", str(b.root), "Hi", "--engine", "int8-dynamic", "--threads", "1",
+                 "--max-new-tokens", "8")
+    assert on.returncode == 0 and "drafting with the bundle's draft" in on.stderr, on.stderr
+    off = run_cli("edge.cli", "-v", "run", str(b.root), "Hi", "--engine", "int8-dynamic", "--threads", "1",
+                  "--max-new-tokens", "8", "--no-draft")
+    assert off.returncode == 0 and "drafting" not in off.stderr, off.stderr
+    fp32 = run_cli("edge.cli", "-v", "run", str(b.root), "Hi", "--engine", "fp32", "--threads", "1", "--max-new-tokens", "4")
+    assert fp32.returncode == 0 and "draft model is not used: engine fp32 cannot verify" in fp32.stderr, fp32.stderr
+    both = run_cli("edge.cli", "run", str(b.root), "Hi", "--no-draft", "--draft", str(b.root / "draft"))
+    assert both.returncode != 0 and "--draft and --no-draft contradict" in both.stderr
+    info = run_cli("edge.cli", "info", str(b.root))
+    assert info.returncode == 0 and "draft    draft/ int8-dynamic: 1 layers" in info.stdout, info.stdout
+
+
+def test_the_server_says_it_drafts_with_the_bundles_draft(built):
+    from conftest import ServerProcess
+
+    b, _, _ = built
+    server = ServerProcess(b.root, "--engine", "int8-dynamic", "--no-ui")
+    code, out = server.stop()
+    assert code == 0 and "draft       src int8-dynamic drafts" in out and "the bundle's own" in out, out
+
+
+def test_a_changed_draft_file_fails_the_bundles_verification(built, tmp_path):
+    from edge.bundle import Bundle
+    from edge.errors import HashMismatchError
+
+    b, _, _ = built
+    copy = tmp_path / "copy.bundle"
+    shutil.copytree(b.root, copy)
+    f = copy / "draft/engines/int8-dynamic/model.onnx"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 1
+    f.write_bytes(bytes(data))
+    with pytest.raises(HashMismatchError, match="'draft/engines/int8-dynamic/model.onnx'"):
+        Bundle.open(copy, verify="full")
+    (copy / "draft/manifest.json").unlink()
+    with pytest.raises(Exception, match="draft/manifest.json"):
+        Bundle.open(copy, verify="size")
+
+
+def test_a_rebuild_reuses_the_drafts_stages(built):
+    from export.recipe import build
+
+    b, opts, _ = built
+    lines: list[str] = []
+    again = build(opts, log=lines.append)
+    for name in STAGES:
+        assert any(line.startswith(f"[{name}] done earlier") for line in lines), (name, lines)
+    assert again.manifest.draft["acceptance"] == b.manifest.draft["acceptance"]
+
+
+@pytest.mark.parametrize("draft, match", [
+    ({"path": "../x", "engine": "int8-dynamic"}, "must be a folder inside the bundle"),
+    ({"path": "/abs", "engine": "int8-dynamic"}, "must be a folder inside the bundle"),
+    ({"path": "draft"}, "needs 'engine'"),
+    ("draft", "'draft' must be an object"),
+])
+def test_a_damaged_draft_entry_is_refused(built, tmp_path, draft, match):
+    from edge.bundle import Bundle
+    from edge.errors import ManifestError
+
+    b, _, _ = built
+    raw = json.loads((b.root / "manifest.json").read_text())
+    copy = tmp_path / "c.bundle"
+    copy.mkdir()
+    (copy / "manifest.json").write_text(json.dumps(raw | {"draft": draft}))
+    with pytest.raises(ManifestError, match=match):
+        Bundle.open(copy, verify="none")
+
+
+def test_draft_options_and_recipe_section(tmp_path):
+    from export.draft import DraftOptions
+    from export.recipe import BuildOptions
+
+    r = tmp_path / "r.toml"
+    r.write_text('[build]\nprecisions = ["int8-dynamic"]\n[draft]\nlayers = 3\nk = 2\n[draft.distill]\nsteps = 9\n')
+    o = BuildOptions.from_toml(r, output="x.bundle")
+    assert o.draft.layers == 3 and o.draft.k == 2 and o.draft.distill.steps == 9
+    assert o.draft.distill.teacher_prompts == "teacher"  # the other draft defaults kept
+    assert o.draft.prune_options(30).drop_layers == 27
+    assert DraftOptions().prune_options(30).drop_layers == 25  # a sixth kept by default
+    with pytest.raises(RecipeError, match="target has 3 blocks"):
+        DraftOptions(layers=3).prune_options(3)
+    for bad, match in ((dict(layers=0), "layers must be a whole number >= 1"),
+                       (dict(precision="fp32"), "draft precision must be one of int8-dynamic, int4-weight"),
+                       (dict(k=17), "k must be <= 16"), (dict(acceptance_chats=0), "acceptance_chats")):
+        with pytest.raises(RecipeError, match=match):
+            DraftOptions(**bad)
+    r.write_text('[draft]\nlayer = 3\n')
+    with pytest.raises(RecipeError, match=r"\[draft\] has unknown options \['layer'\]"):
+        BuildOptions.from_toml(r, output="x.bundle")
+    r.write_text('[draft.distill]\nstep = 3\n')
+    with pytest.raises(RecipeError, match=r"\[draft.distill\] has unknown options \['step'\]"):
+        BuildOptions.from_toml(r, output="x.bundle")
+    with pytest.raises(RecipeError, match="fused CPU engine.*add --precision int8-dynamic"):
+        BuildOptions(output=Path("x.bundle"), precisions=("fp32",), draft=DraftOptions())
+    with pytest.raises(RecipeError, match="--no-fused"):
+        BuildOptions(output=Path("x.bundle"), fused=False, draft=DraftOptions())
+    ns = dict(output="o.bundle", model="default", recipe=None, precision=None, max_context=None, calibration=None,
+              eval_samples=None, skip_eval=False, fresh=False, online=False)
+    assert BuildOptions.from_cli(argparse.Namespace(**ns)).draft is None
+    assert BuildOptions.from_cli(argparse.Namespace(**(ns | {"draft": True}))).draft == DraftOptions()
+    assert BuildOptions.from_cli(argparse.Namespace(**(ns | {"draft_layers": 2}))).draft.layers == 2
+
+
+def test_edge_export_build_draft_flag_errors():
+    out = run_cli("export.cli", "build", "--draft-layers", "0", "-o", "/tmp/never.bundle")
+    assert out.returncode != 0 and "--draft-layers" in out.stderr
+    out = run_cli("export.cli", "build", "--draft", "--precision", "fp32", "-o", "/tmp/never.bundle")
+    assert out.returncode != 0 and "add --precision int8-dynamic" in out.stderr, out.stderr
