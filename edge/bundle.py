@@ -34,7 +34,7 @@ from edge.errors import (
 )
 
 log = logging.getLogger("edgechat")
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # 2: an engine may carry its own `io` contract (the fused graph's differs from the plain one's);
 # a version-1 manifest still reads, every engine using the manifest's `io`.
 # 3: a fused engine's `io` may name `logit_positions` (the graph returns logits at those positions only);
@@ -42,7 +42,9 @@ SCHEMA_VERSION = 5
 # 4: a stage record may carry `memory` (its measured peak resident memory).
 # 5: `io` carries `prefill_chunk` (the most prompt tokens one plain-graph call takes); a reader of 1-4 builds its
 # DecoderIO from every key and would fail on it.
-READS_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
+# 6: an engine's `io` may name `logit_ids` (its LM head was cut to those vocabulary ids: a draft model's), and a
+# manifest may carry `draft` (a draft model's bundle inside this one).
+READS_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
 MANIFEST = "manifest.json"
 PARTIAL_TAG = ".partial-"
 
@@ -184,7 +186,7 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     # a draft model shipped inside the bundle (export/draft.py): a complete bundle of its own in the folder
     # `path` (its files listed and hashed in this manifest's `files` too), the engine that drafts, its
-    # size and the acceptance measured at build time. Optional: an edgechat that does not know it ignores it.
+    # size and the acceptance measured at build time.
     draft: dict = field(default_factory=dict)
 
     def engine(self, name: str) -> EngineEntry:
@@ -327,6 +329,7 @@ class Bundle:
         m = self.manifest
         listed = set(m.files)
         needed = {m.tokenizer.file} | {e.file for e in m.engines} | ({f"{m.draft['path']}/{MANIFEST}"} if m.draft else set())
+        needed |= {e.io["logit_ids"] for e in m.engines if e.io.get("logit_ids")}
         for rel in sorted(needed - listed):
             raise ManifestError(f"manifest refers to '{rel}' but does not list it under 'files'")
         state = verified_stamp_path(self.root) if stamp else None

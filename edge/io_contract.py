@@ -37,6 +37,10 @@ class DecoderIO:
     # the most prompt tokens one plain-graph call takes: the runtime cuts longer prompts into pieces of this
     # size, a TensorRT engine's prefill profile is built for it and the planner sizes activations by it
     prefill_chunk: int = 512
+    # a bundle file (.npy, int32) of the vocabulary ids the logits' columns are, when the LM head was cut to
+    # those rows (a draft model's, export/draft.py); the runtime spreads them back over the whole vocabulary
+    # (-inf elsewhere), so every caller sees [.., vocab] logits. Empty: one column per id.
+    logit_ids: str = ""
 
     @property
     def fused(self) -> bool:

@@ -36,11 +36,13 @@ class OrtDecoder(Decoder):
 
     def __init__(self, path: str | os.PathLike, dims: ModelDims, io: DecoderIO, threads: int | None = None,
                  providers: list[str] | None = None, name: str | None = None, spin: bool = True,
-                 session_config: dict[str, str] | None = None, arena: bool = True) -> None:
+                 session_config: dict[str, str] | None = None, arena: bool = True,
+                 logit_ids: np.ndarray | None = None) -> None:
         """`session_config`: extra ONNX Runtime session config entries (scripts/sweep_ort.py measures them);
-        `arena`: ONNX Runtime's CPU memory arena."""
+        `arena`: ONNX Runtime's CPU memory arena; `logit_ids`: the vocabulary ids of a cut LM head's columns."""
         ort = _ort()
         super().__init__(dims, io, name or os.path.basename(str(path)))
+        self.logit_ids = logit_ids
         want_gpu = bool(providers and any("CUDA" in p or "Tensorrt" in p for p in providers))
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -83,8 +85,9 @@ class OrtDecoder(Decoder):
                    providers: list[str] | None = None, spin: bool = True) -> "OrtDecoder":
         """The decoder for one ONNX engine of a bundle (edge.load picks which)."""
         m = bundle.manifest
-        dec = cls(bundle.path(entry.file), m.model, DecoderIO.from_dict(m.engine_io(entry)), threads, providers,
-                  name=entry.file, spin=spin)
+        io = DecoderIO.from_dict(m.engine_io(entry))
+        ids = _logit_ids(bundle, io.logit_ids, m.model.vocab_size) if io.logit_ids else None
+        dec = cls(bundle.path(entry.file), m.model, io, threads, providers, name=entry.file, spin=spin, logit_ids=ids)
         dec.engine = entry
         return dec
 
@@ -104,8 +107,10 @@ class OrtDecoder(Decoder):
             if isinstance(shape[3], int) and shape[3] != d.head_dim:
                 problems.append(f"head dim {shape[3]} != manifest {d.head_dim}")
         logits = self.session.get_outputs()[0]
-        if isinstance(logits.shape[-1], int) and logits.shape[-1] != d.vocab_size:
-            problems.append(f"vocab {logits.shape[-1]} != manifest {d.vocab_size}")
+        columns = d.vocab_size if self.logit_ids is None else len(self.logit_ids)
+        if isinstance(logits.shape[-1], int) and logits.shape[-1] != columns:
+            problems.append(f"vocab {logits.shape[-1]} != manifest {d.vocab_size}" if self.logit_ids is None else
+                            f"LM head {logits.shape[-1]} columns != {columns} ids in {self.io.logit_ids}")
         if problems:
             raise DimensionError(f"{self.name} does not match the manifest: " + "; ".join(problems))
 
@@ -164,7 +169,15 @@ class OrtDecoder(Decoder):
             b.bind_output(name, self.device)
         self.session.run_with_iobinding(b)
         outs = b.get_outputs()
-        return outs[0].numpy(), outs[1:]
+        return self._vocab(outs[0].numpy()), outs[1:]
+
+    def _vocab(self, logits: np.ndarray) -> np.ndarray:
+        """A cut LM head's columns spread over the whole vocabulary (-inf for ids it cannot pick)."""
+        if self.logit_ids is None:
+            return logits
+        full = np.full(logits.shape[:-1] + (self.dims.vocab_size,), -np.inf, np.float32)
+        full[..., self.logit_ids] = logits
+        return full
 
     def run_fused(self, ids: np.ndarray, seqlens_k: np.ndarray, total: int, buffers: list,
                   at: np.ndarray | None = None) -> np.ndarray:
@@ -186,7 +199,7 @@ class OrtDecoder(Decoder):
             b.bind_ortvalue_input(past, val)
             b.bind_ortvalue_output(present, val)
         self.session.run_with_iobinding(b)
-        logits = b.get_outputs()[0].numpy()
+        logits = self._vocab(b.get_outputs()[0].numpy())
         if self.io.logit_positions or everywhere:
             return logits
         return np.take_along_axis(logits, np.asarray(at, np.int64)[:, :, None], axis=1)
@@ -197,3 +210,16 @@ class OrtDecoder(Decoder):
     def share(self, array: np.ndarray):
         """An OrtValue over `array`'s memory, no copy (a fused CPU cache binds views of its slots)."""
         return _ort().OrtValue.ortvalue_from_numpy(array)
+
+
+def _logit_ids(bundle: Bundle, rel: str, vocab: int) -> np.ndarray:
+    """The ids file a cut LM head names (listed in the manifest, so verified with the bundle), checked."""
+    try:
+        ids = np.load(bundle.path(rel), allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise BundleError(f"cannot read the LM head's ids {rel} ({e}): the bundle is damaged, rebuild it") from None
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or not len(ids) \
+            or ids.min() < 0 or ids.max() >= vocab or len(np.unique(ids)) != len(ids):
+        raise BundleError(f"{rel} must hold distinct vocabulary ids (0..{vocab - 1}) in one row: the bundle is "
+                          "damaged, rebuild it")
+    return ids.astype(np.int64)

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from edge.errors import RecipeError
 from edge.precisions import INT4_WEIGHT, INT8_DYNAMIC
 from export.distill import DistillOptions
@@ -40,6 +42,10 @@ class DraftOptions:
     acceptance_chats: int = 16  # held-out chats the acceptance rate is measured on
     acceptance_tokens: int = 64  # greedy tokens per chat
     k: int = 4  # draft length for the measurement (the runtime picks its own k as it goes)
+    # the draft's LM head keeps this many tokens (those the chats use most, plus the special tokens and the
+    # base alphabet); 0: the whole vocabulary. The head is a large part of a small draft's step (SmolLM2:
+    # 28M of a 5-block draft's 46M parameters); a token it lacks the target still emits when it checks.
+    head_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if self.layers is not None and (not isinstance(self.layers, int) or self.layers < 1):
@@ -51,6 +57,8 @@ class DraftOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise RecipeError(f"draft {name} must be a whole number >= 1, got {v!r}")
+        if not isinstance(self.head_tokens, int) or self.head_tokens < 0:
+            raise RecipeError(f"draft head_tokens must be a whole number >= 0 (0: the whole vocabulary), got {self.head_tokens!r}")
         if self.k > 16:
             raise RecipeError(f"draft k must be <= 16 (tokens drafted per check), got {self.k}")
 
@@ -82,8 +90,64 @@ class DraftOptions:
         return PruneOptions(target_ratio=1.0, drop_layers=target_layers - keep, samples=self.samples)
 
 
+HEAD_IDS = "logit_ids.npy"
+
+
+def cut_head(src: Path, dst: Path, hf_dir: Path, tokens: int, calibration: str | None = None) -> dict:
+    """Write the fp32 graph in src with its LM head cut to the `tokens` ids chat text uses most (export/vocab.py
+    chooses them as for vocabulary pruning: special tokens and base alphabet always), and those ids to
+    dst/logit_ids.npy. The embedding keeps every row: the draft reads any token, it only proposes fewer."""
+    from onnx import helper
+
+    from export import vocab
+    from export.onnx_weights import GraphWeights, lm_head_matmul
+
+    tok_json = json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    counts = vocab.token_counts(hf_dir, calibration)
+    try:
+        ids = np.asarray(vocab.choose(tok_json, counts, tokens), np.int32)
+    except RecipeError as e:  # its bounds, in the draft's words
+        raise RecipeError(str(e).replace("prune vocab_size", "draft head_tokens")) from None
+    gw = GraphWeights(src / "model.onnx")
+    model = gw.model
+    producers = {o: n for n in model.graph.node for o in n.output}
+    head = next((n for n in model.graph.node if n.op_type == "MatMul" and n.output[0] == model.graph.output[0].name), None)
+    if head is None:
+        raise RecipeError("the draft's graph has no MatMul writing its logits: cannot cut its LM head (head_tokens = 0 "
+                          "keeps it whole)")
+    tied = producers.get(head.input[1])
+    if tied is not None and tied.op_type == "Transpose" and tied.input[0] in gw.names():
+        source = tied.input[0]  # the embedding [vocab, hidden]: the head is its transpose
+        rows = lambda: np.ascontiguousarray(gw.stored(source)[ids].T)  # noqa: E731
+        hidden = gw.shape(source)[1]
+    elif lm_head_matmul(model) is head:
+        tied, source = None, head.input[1]  # [hidden, vocab]
+        rows = lambda: np.ascontiguousarray(gw.stored(source)[:, ids])  # noqa: E731  (read after drop_unused removes it)
+        hidden = gw.shape(source)[0]
+    else:
+        raise RecipeError("the draft's LM head is neither a weight nor a transposed embedding: cannot cut it "
+                          "(head_tokens = 0 keeps it whole)")
+    dtype = helper.tensor_dtype_to_np_dtype(gw.initializer(source).data_type)
+    gw.set("lm_head.weight_cut", rows, dims=(hidden, len(ids)), dtype=dtype)
+    head.input[1] = "lm_head.weight_cut"
+    if tied is not None and not any(tied.output[0] in n.input for n in model.graph.node):
+        model.graph.node.remove(tied)
+    gw.drop_unused()
+    model.graph.output[0].type.tensor_type.shape.dim[-1].dim_value = len(ids)
+    gw.save(dst / "model.onnx")
+    np.save(dst / HEAD_IDS, ids)
+    total = sum(counts.values())
+    kept = set(ids.tolist())
+    return {"head_tokens": len(ids), "vocab": len(tok_json["model"]["vocab"]),
+            "chat_token_coverage": round(sum(c for i, c in counts.items() if i in kept) / max(1, total), 5)}
+
+
 def target_layers(hf_dir: Path) -> int:
     return int(json.loads((hf_dir / "config.json").read_text())["num_hidden_layers"])
+
+
+def vocab_size(hf_dir: Path) -> int:
+    return int(json.loads((hf_dir / "config.json").read_text())["vocab_size"])
 
 
 def measure(target_onnx: Path, target_variant: str, hf_dir: Path, draft_root: Path, dst: Path, opts: DraftOptions,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -28,6 +29,7 @@ class EngineArtifact:
     dims_dir: Path | None = None  # the HF folder this graph was exported from, when not the shipped model's
     lineage: bool = False  # teacher / pruned-only: quality and speed measured, no golden answers
     reference: bool = False  # the fp32 graph every engine is compared with: measured in full even when not shipped
+    logit_ids: Path | None = None  # a cut LM head's vocabulary ids (.npy; export/draft.py), shipped beside the graph
 
 
 @dataclass
@@ -38,6 +40,14 @@ class DraftArtifact:
     target_engine: str  # the target engine its acceptance was measured against
     records: list[StageRecord]
     acceptance: dict
+
+
+def _head_tokens(bundle: Bundle, engine: str) -> int:
+    """The tokens an engine's LM head scores: its cut head's ids, else the whole vocabulary."""
+    import numpy as np
+
+    rel = bundle.manifest.engine_io(bundle.manifest.engine(engine)).get("logit_ids")
+    return len(np.load(bundle.path(rel))) if rel else bundle.manifest.model.vocab_size
 
 
 def _opset(path: Path) -> int:
@@ -82,6 +92,9 @@ def run(hf_dir: Path, engines: list[EngineArtifact], stages: list[StageRecord], 
                 quality["tensorrt_check"] = {"compatible": rep.compatible, "problems": rep.problems,
                                              "opset": rep.opset, "qdq_nodes": rep.quantize_nodes + rep.dequantize_nodes}
             io = io_for_variant(e.variant)
+            if e.logit_ids is not None:
+                shutil.copy2(e.logit_ids, edir / e.logit_ids.name)
+                io = dataclasses.replace(io, logit_ids=f"engines/{e.name}/{e.logit_ids.name}")
             entries.append(EngineEntry(name=e.name, file=f"engines/{e.name}/model.onnx", fingerprint=fp, quality=quality,
                                        io={} if io == DecoderIO() else io.to_dict()))
         draft_entry: dict = {}
@@ -93,6 +106,7 @@ def run(hf_dir: Path, engines: list[EngineArtifact], stages: list[StageRecord], 
             draft_entry = {"path": DRAFT_DIR, "engine": draft.engine, "bundle_id": dm.bundle_id,
                            "num_parameters": dm.model.num_parameters, "num_layers": dm.model.num_layers,
                            "bytes": dm.engine_bytes(draft.engine), "target_engine": draft.target_engine,
+                           "head_tokens": _head_tokens(shipped_draft, draft.engine),
                            "acceptance": draft.acceptance}
         for rel, path in (extra_files or {}).items():
             (w.root / rel).parent.mkdir(parents=True, exist_ok=True)

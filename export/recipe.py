@@ -36,7 +36,7 @@ FROM_FUSED = tuple(p for p in precisions.QUANTIZED if precisions.get(p).variant 
 STAGE_CODE = {"load": "export.load", "prune": "export.prune", "export-teacher": "export.onnx_export",
               "export-pruned": "export.onnx_export", "teacher-answers": "export.teacher_answers",
               "distill": "export.distill", "export": "export.onnx_export", "quantize": "export.quantize",
-              "evaluate": "export.evaluate", "acceptance": "export.draft"}
+              "evaluate": "export.evaluate", "acceptance": "export.draft", "head": "export.draft"}
 
 
 @dataclass(frozen=True)
@@ -380,13 +380,25 @@ def _draft_stages(stage, opts: BuildOptions, target_dir: Path, target_from: str,
     if not (fused / "model.onnx").is_file():
         raise RecipeError(f"the draft has no fused graph ({erec.metrics.get('fused', {}).get('reason', 'not written')}): "
                           "it could not roll back its cache; build without --draft")
-    qopts = _quantize_options(opts, d.precision)
-    q_dir, qrec = stage(f"draft-quantize-{d.precision}", dataclasses.asdict(qopts) | {"export": erec.finished},
-                        lambda dst: quantize.run(fused, d_hf, dst, qopts))
-    records = [prec, *recs, erec, qrec]
+    records = [prec, *recs, erec]
+    graph, ids = fused, None
+    if 0 < d.head_tokens < dm.vocab_size(d_hf):
+        graph, hrec = stage("draft-head", {"head_tokens": d.head_tokens, "calibration": opts.calibration,
+                                           "export": erec.finished},
+                            lambda dst: dm.cut_head(fused, dst, d_hf, d.head_tokens, opts.calibration))
+        records.append(hrec)
+        ids = graph / dm.HEAD_IDS
+        log(f"[draft-head] LM head cut to {hrec.metrics['head_tokens']} of {hrec.metrics['vocab']} tokens "
+            f"({100 * hrec.metrics['chat_token_coverage']:.1f}% of the chat data's tokens)")
+    # rounded to nearest: a draft's quality shows in its acceptance, not worth GPTQ's minutes (or its plain graph)
+    qopts = dataclasses.replace(_quantize_options(opts, d.precision), int8_rounding="minmax", int4_rounding="minmax",
+                                int4_budget_mb=None, int4_extra_ratio=0.0)
+    q_dir, qrec = stage(f"draft-quantize-{d.precision}", dataclasses.asdict(qopts) | {"graph": records[-1].finished},
+                        lambda dst: quantize.run(graph, d_hf, dst, qopts))
+    records.append(qrec)
     draft_root = work / "draft.bundle"
-    package.run(d_hf, [package.EngineArtifact(d.precision, q_dir, d.precision, variant="fused")], records, draft_root,
-                opts.max_context)
+    package.run(d_hf, [package.EngineArtifact(d.precision, q_dir, d.precision, variant="fused", logit_ids=ids)],
+                records, draft_root, opts.max_context)
     target = next((e for p in dm.PRECISIONS for e in engines if e.precision == p and e.variant == "fused"), None)
     if target is None:
         raise RecipeError("the draft needs a fused int8-dynamic or int4-weight engine of the model to check it, and "

@@ -13,8 +13,8 @@ import pytest
 from conftest import make_tiny_model, run_cli
 from edge.errors import RecipeError
 
-STAGES = ["draft-prune", "draft-teacher-answers", "draft-distill", "draft-export", "draft-quantize-int8-dynamic",
-          "draft-acceptance"]
+STAGES = ["draft-prune", "draft-teacher-answers", "draft-distill", "draft-export", "draft-head",
+          "draft-quantize-int8-dynamic", "draft-acceptance"]
 
 
 def _draft_opts(**kw):
@@ -25,7 +25,7 @@ def _draft_opts(**kw):
                              mixture={"teacher": 0.5, "chat": 0.5}, teacher_answers=40, answer_tokens=24,
                              teacher_prompts="data")  # a random-init model cannot write its own questions
     return DraftOptions(**({"layers": 1, "samples": 4, "distill": distill, "acceptance_chats": 3,
-                            "acceptance_tokens": 16} | kw))
+                            "acceptance_tokens": 16, "head_tokens": 300} | kw))  # of the tiny model's 400
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,9 @@ def test_the_bundle_ships_a_verified_draft_with_its_measured_acceptance(built):
     inner = Bundle.open(b.root / "draft", verify="full")
     assert inner.manifest.bundle_id == dr["bundle_id"] and dr["bytes"] == inner.manifest.engine_bytes("int8-dynamic")
     assert [e.fingerprint.variant for e in inner.manifest.engines] == ["fused"]
+    io = inner.manifest.engines[0].io
+    assert io["logit_ids"] == "engines/int8-dynamic/logit_ids.npy" and f"draft/{io['logit_ids']}" in m.files
+    assert dr["head_tokens"] == 300 and inner.manifest.schema_version == m.schema_version == 6
     same_vocabulary(ChatTokenizer(b.root / m.tokenizer.file, m.tokenizer),
                     ChatTokenizer(inner.path(inner.manifest.tokenizer.file), inner.manifest.tokenizer))
     acc = dr["acceptance"]
@@ -200,3 +203,51 @@ def test_edge_export_build_draft_flag_errors():
     assert out.returncode != 0 and "--draft-layers" in out.stderr
     out = run_cli("export.cli", "build", "--draft", "--precision", "fp32", "-o", "/tmp/never.bundle")
     assert out.returncode != 0 and "add --precision int8-dynamic" in out.stderr, out.stderr
+
+
+def test_a_cut_head_scores_its_tokens_as_the_whole_head_does(tmp_path):
+    """The cut graph's logits on its ids equal the whole graph's; every other id is -inf, so argmax, sampling
+    and the drafter only ever pick kept ids; the runtime checks the ids file it is given."""
+    import numpy as np
+
+    from edge.errors import BundleError
+    from edge.io_contract import FUSED_IO
+    from edge.ort_decoder import OrtDecoder, _logit_ids
+    from export import draft, fused_graph, load
+    from export.load import model_dims
+    from export.model_source import resolve
+
+    src = make_tiny_model(tmp_path / "src", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=3)
+    load.run(resolve(str(src)), tmp_path / "hf")
+    fused_graph.write(tmp_path / "hf", tmp_path / "full")
+    (tmp_path / "cut").mkdir()
+    with pytest.raises(RecipeError, match="draft head_tokens=120 must lie between 259"):
+        draft.cut_head(tmp_path / "full", tmp_path / "cut", tmp_path / "hf", 120)
+    m = draft.cut_head(tmp_path / "full", tmp_path / "cut", tmp_path / "hf", 300)
+    ids = np.load(tmp_path / "cut" / draft.HEAD_IDS)
+    assert m["head_tokens"] == len(ids) == 300 and 0 < m["chat_token_coverage"] <= 1
+    dims = model_dims(tmp_path / "hf")
+    full = OrtDecoder(tmp_path / "full/model.onnx", dims, FUSED_IO, threads=1)
+    cut = OrtDecoder(tmp_path / "cut/model.onnx", dims, FUSED_IO, threads=1, logit_ids=ids.astype(np.int64))
+    prompt = [1, 5, 9, 200, 37, 399, 12]
+    a = full.forward(np.array([prompt]), full.new_cache(capacity=16), last_only=False)
+    b = cut.forward(np.array([prompt]), cut.new_cache(capacity=16), last_only=False)
+    assert a.shape == b.shape == (1, len(prompt), dims.vocab_size)
+    np.testing.assert_allclose(b[..., ids], a[..., ids], rtol=1e-5, atol=1e-5)
+    assert np.isneginf(np.delete(b, ids, axis=-1)).all()
+    assert set(b.argmax(-1).ravel().tolist()) <= set(ids.tolist())
+    with pytest.raises(Exception, match="LM head 300 columns != 299 ids"):
+        OrtDecoder(tmp_path / "cut/model.onnx", dims, FUSED_IO, threads=1, logit_ids=ids[:-1].astype(np.int64))
+
+    class Fake:  # a bundle whose ids file is damaged in each way the runtime must refuse
+        def path(self, rel):
+            return tmp_path / rel
+
+    for bad in (np.array([1, 1, 2]), np.array([0, dims.vocab_size]), np.array([[1, 2]]), np.array([0.5, 1.0]),
+                np.array([], np.int64)):
+        np.save(tmp_path / "bad.npy", bad)
+        with pytest.raises(BundleError, match="distinct vocabulary ids"):
+            _logit_ids(Fake(), "bad.npy", dims.vocab_size)
+    (tmp_path / "junk.npy").write_bytes(b"not numpy")
+    with pytest.raises(BundleError, match="cannot read the LM head's ids junk.npy"):
+        _logit_ids(Fake(), "junk.npy", dims.vocab_size)
