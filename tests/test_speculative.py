@@ -210,7 +210,8 @@ def test_scheduler_speculative_step_same_answer(tiny_bundle, engine):
     assert gen.speculator.stats.calls > 0 and gen.speculator.stats.drafted > 0
 
 
-def test_scheduler_speculation_stays_off_when_sampling(fused_generator):
+def test_scheduler_speculation_stays_off_for_a_seeded_sampled_answer(fused_generator):
+    """A seeded answer must be the same whether or not the pacer (timing this machine) drafts: never drafted."""
     gen = fused_generator
     gen.speculative = True
     try:
@@ -219,6 +220,45 @@ def test_scheduler_speculation_stays_off_when_sampling(fused_generator):
         assert gen.speculator.stats.calls == 0
     finally:
         gen.speculative = False
+
+
+def test_scheduler_speculative_sampling_matches_the_target(fused_generator, monkeypatch):
+    """An unseeded sampled answer through the scheduler's speculative step (edge-chat's path, not
+    speculative_tokens): its second token, decided by accept/reject of a fixed draft token, follows the exact
+    marginal sum_t1 p(t1) p(t2 | t1) (chi-square over many answers; the generators are seeded here only so the
+    test is repeatable)."""
+    from edge import sampling
+
+    gen = fused_generator
+    d = gen.decoder
+    ids = gen.tokenizer.encode_chat(PROMPTS[1])
+    cfg = SamplingConfig(temperature=1.0, top_k=3, max_new_tokens=2, ignore_eos=True)
+    p1 = target_probs(d.prefill(ids, d.new_cache(capacity=len(ids) + 4))[0], cfg)
+    marginal = np.zeros_like(p1)
+    for t1 in np.flatnonzero(p1):
+        marginal += p1[t1] * target_probs(d.prefill(ids + [int(t1)], d.new_cache(capacity=len(ids) + 4))[0], cfg)
+    common = int(np.argmax(marginal))
+    seeds = iter(range(10**6))
+    init = sampling.Sampler.__init__
+
+    def seeded(self, c):
+        init(self, c)
+        self.rng = np.random.default_rng(next(seeds))
+
+    monkeypatch.setattr(sampling.Sampler, "__init__", seeded)
+    gen.drafter, gen.speculative = (lambda seq, k: [common]), True
+    try:
+        seconds, calls = [], 0
+        for _ in range(1500):
+            seconds.append(list(gen.stream(ids, cfg))[-1].token_ids[1])
+            calls += gen.speculator.stats.calls
+    finally:
+        gen.drafter, gen.speculative = None, False
+    assert calls == 1500  # every second token was a checked draft
+    counts = np.bincount(seconds, minlength=p1.size)
+    assert 0 < counts[common] < 1500  # kept and replaced both happened
+    stat, crit = chi_square_ok(counts, marginal, 1500)
+    assert stat < crit, f"chi-square {stat:.1f} >= {crit:.1f}"
 
 
 def test_cli_speculative_flag_same_answer(tiny_bundle):
