@@ -28,8 +28,8 @@ PRECISIONS = (INT8_DYNAMIC, INT4_WEIGHT)  # fused-graph engines: what the draft'
 
 def default_distill() -> DistillOptions:
     """Mostly the target's own answers to questions it wrote (what the draft will be checked against)."""
-    return DistillOptions(steps=200, batch_size=4, seq_len=256, lr=5e-4, warmup=10, temperature=1.0,
-                          mixture={"teacher": 0.7, "chat": 0.3}, teacher_answers=300, teacher_prompts="teacher",
+    return DistillOptions(steps=600, batch_size=4, seq_len=256, lr=5e-4, warmup=20, temperature=1.0,
+                          mixture={"teacher": 0.7, "chat": 0.3}, teacher_answers=1000, teacher_prompts="teacher",
                           answer_tokens=256, teacher_topk=64, seq_kd=0.5, max_minutes=90, checkpoint_every=25)
 
 
