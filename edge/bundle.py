@@ -46,6 +46,12 @@ SCHEMA_VERSION = 6
 # manifest may carry `draft` (a draft model's bundle inside this one).
 READS_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
 MANIFEST = "manifest.json"
+
+
+def schema_needed(draft: dict, engines: list) -> int:
+    """The oldest schema that says what a manifest holds, so an older runtime still serves a bundle that uses
+    nothing newer (a draft or a cut LM head needs 6)."""
+    return 6 if draft or any(e.io.get("logit_ids") for e in engines) else 5
 PARTIAL_TAG = ".partial-"
 
 Verify = Literal["none", "size", "stamp", "full"]
@@ -232,7 +238,7 @@ class Manifest:
                         file=_req(e, "file", str),
                         fingerprint=_build(Fingerprint, _req(e, "fingerprint", dict), f"engines[{i}].fingerprint"),
                         quality=e.get("quality", {}),
-                        io=e.get("io", {}),
+                        io=_engine_io(e.get("io", {}), i),
                     )
                     for i, e in enumerate(_req(d, "engines", list))
                 ],
@@ -248,6 +254,14 @@ class Manifest:
             raise ManifestError(f"manifest.json does not follow schema {SCHEMA_VERSION}: {e}") from None
 
 
+def _engine_io(io: Any, i: int) -> dict:
+    if not isinstance(io, dict):
+        raise ManifestError(f"manifest 'engines[{i}].io' must be an object")
+    if "logit_ids" in io and not isinstance(io["logit_ids"], str):
+        raise ManifestError(f"manifest 'engines[{i}].io.logit_ids' must be a file path in the bundle")
+    return io
+
+
 def _draft_record(d: Any) -> dict:
     """The `draft` entry: {} or an object naming the draft bundle's folder (inside this one) and its engine."""
     if not isinstance(d, dict):
@@ -260,6 +274,10 @@ def _draft_record(d: Any) -> dict:
     parts = Path(d["path"]).parts
     if Path(d["path"]).is_absolute() or not parts or ".." in parts:
         raise ManifestError(f"manifest 'draft' path {d['path']!r} must be a folder inside the bundle")
+    for key, kind in (("acceptance", dict), ("num_parameters", int), ("num_layers", int), ("bytes", int),
+                      ("head_tokens", int), ("target_engine", str), ("bundle_id", str)):
+        if key in d and (not isinstance(d[key], kind) or isinstance(d[key], bool)):
+            raise ManifestError(f"manifest 'draft' {key} must be a {kind.__name__}; the bundle is damaged, rebuild it")
     return d
 
 

@@ -39,10 +39,9 @@ def _gen(args: argparse.Namespace, spin: bool = True):
     # commands without --no-draft (golden re-checks) never draft
     if draft is None and bundle.manifest.draft and not getattr(args, "no_draft", True):
         if can_verify:  # the bundle's own draft (edge-export build --draft): on by default
-            draft, draft_engine = bundle.draft_bundle(), bundle.manifest.draft["engine"]
-        else:
-            log.info("the bundle's draft model is not used: engine %s cannot verify drafts here (a fused graph on "
-                     "CPU can: int8-dynamic or int4-weight)", engine_name)
+            return _own_draft(gen, bundle, args.threads)
+        log.info("the bundle's draft model is not used: engine %s cannot verify drafts here (a fused graph on "
+                 "CPU can: int8-dynamic or int4-weight)", engine_name)
     if draft is not None:
         if not can_verify:
             raise EdgeChatError(f"--draft: engine {engine_name} cannot verify drafts here (speculative steps "
@@ -53,7 +52,25 @@ def _gen(args: argparse.Namespace, spin: bool = True):
             raise EdgeChatError(f"--draft: the draft is the target itself ({gen.decoder.name}): it would agree "
                                 "always and cost a second step per token; give a smaller model or --draft-engine")
         gen.use_draft(dgen)
-        log.info("drafting with %s (%s)", args.draft or "the bundle's draft", gen.draft_name)
+        log.info("drafting with %s (%s)", args.draft, gen.draft_name)
+    return gen
+
+
+def _own_draft(gen, bundle, threads: int | None):
+    """Draft with the model the bundle ships; one that does not load is a warning, not a failed start (the
+    user did not ask for it: the target answers without it)."""
+    from edge.generate import Generator
+
+    log = logging.getLogger("edgechat")
+    try:
+        dgen = Generator.from_bundle(bundle.draft_bundle(), engine=bundle.manifest.draft["engine"], threads=threads,
+                                     spin=False)
+        gen.use_draft(dgen)
+    except EdgeChatError as e:
+        log.warning("the bundle's draft model is not used: %s (the model answers without it, only without "
+                    "drafting; --no-draft hides this warning)", e)
+        return gen
+    log.info("drafting with the bundle's draft (%s)", gen.draft_name)
     return gen
 
 

@@ -63,7 +63,10 @@ class DecoderIO:
         return [self.logits, *self.present_names(num_layers)]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d["logit_ids"]:  # absent unless used: a schema-5 reader refuses keys it does not know
+            del d["logit_ids"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "DecoderIO":

@@ -218,7 +218,7 @@ def _logit_ids(bundle: Bundle, rel: str, vocab: int) -> np.ndarray:
         ids = np.load(bundle.path(rel), allow_pickle=False)
     except (OSError, ValueError) as e:
         raise BundleError(f"cannot read the LM head's ids {rel} ({e}): the bundle is damaged, rebuild it") from None
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or not len(ids) \
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or not len(ids) \
             or ids.min() < 0 or ids.max() >= vocab or len(np.unique(ids)) != len(ids):
         raise BundleError(f"{rel} must hold distinct vocabulary ids (0..{vocab - 1}) in one row: the bundle is "
                           "damaged, rebuild it")

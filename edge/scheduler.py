@@ -482,15 +482,14 @@ class Scheduler:
         self.cache.add_side()
         self._joined(p.row, logits, p.cached)
 
-    def _accept(self, row: _Row, logits: np.ndarray, length: int, token: int | None = None) -> bool:
-        """Sample the row's next token (or take `token`, which speculative sampling drew) and emit it; False
-        when the answer is finished (and closed). An error here (in the logits processors, the sampler, the
-        detokenizer, the consumer) fails this row only."""
+    def _accept(self, row: _Row, logits: np.ndarray, length: int) -> bool:
+        """Sample the row's next token and emit it; False when the answer is finished (and closed). An error
+        here (in the logits processors, the sampler, the detokenizer, the consumer) fails this row only."""
         cfg = row.req.cfg
         lg = row.logits
         try:
             x = lg.process(logits) if lg is not None else logits
-            tok = token if token is not None else row.sampler(x, np.asarray(row.seen) if cfg.repetition_penalty != 1.0 else None)
+            tok = row.sampler(x, np.asarray(row.seen) if cfg.repetition_penalty != 1.0 else None)
             if (tok in self.gen.tokenizer.eos_ids and not cfg.ignore_eos) or (lg is not None and tok in lg.stop_ids):
                 self._emit_final(row.req, row.text, "stop", lps=row.lps)
                 return False

@@ -366,9 +366,10 @@ class RowSpeculator:
     target call check the draft, when speculating has been measured to pay (Pacer).
     Each checked token goes through the scheduler's own `_accept` (EOS, stop strings, limits, events), so an
     answer ends exactly as a plain step would end it. With a second user, a long prompt waiting, or logits
-    processors (grammar, logprobs) it steps no differently from the plain loop. A sampled row speculates
-    by speculative sampling (`_judge`: its tokens are distributed exactly as the target's), unless it has a
-    seed: a seeded answer must not depend on whether the pacer, timing this machine, chose to draft."""
+    processors (grammar, logprobs) it steps no differently from the plain loop. Sampled rows speculate too
+    (speculative sampling, see `step`). A row with a seed never does: a verify call's logits differ in the
+    last bits from a single step's on quantized engines, and a seeded answer must not depend on whether the
+    pacer, timing this machine, chose to draft."""
 
     def __init__(self, drafter: Drafter = lookup_draft, policy: AdaptiveK | None = None,
                  pacer: Pacer | None = None) -> None:
@@ -387,7 +388,7 @@ class RowSpeculator:
         """One speculative step of the scheduler's single row; False (nothing done) when it does not apply."""
         row = sched.rows[0] if len(sched.rows) == 1 else None
         if row is None or sched.prefilling is not None or not hasattr(sched.cache, "verify") \
-                or row.logits is not None or not (row.req.cfg.greedy or row.req.cfg.seed is None):
+                or row.logits is not None or row.req.cfg.seed is not None:
             self.pacer.record(None)
             self._drafted_for = None  # a draft model falls behind while others share the steps
             return False
@@ -423,10 +424,11 @@ class RowSpeculator:
             n = len(draft)
             self.policy.costs(((clock() - t1) / plain - 1) / n, (t1 - t0 - catch_up) / plain / n)
         self.stats.calls += 1
+        # The row's own sampler picks each position's token and a draft token is kept when it is the pick: for a
+        # point-mass draft this is speculative sampling (x kept with probability p(x); otherwise the pick is
+        # distributed as p without x), so sampled tokens follow exactly the sampler's distribution.
         for i in range(len(draft) + 1):
-            # greedy: the sampler's argmax; sampled: accept or replace the draft (the bonus token: the sampler)
-            tok = None if cfg.greedy or i == len(draft) else self._judge(row, logits[i], draft[i])
-            if not sched._accept(row, logits[i], base + i + 1, tok):  # the answer ended at this token
+            if not sched._accept(row, logits[i], base + i + 1):  # the answer ended at this token
                 sched.cache.rollback(base + i + 1)
                 sched._leave([0])
                 break
@@ -438,16 +440,3 @@ class RowSpeculator:
         self.stats.drafted += len(draft)
         self.stats.accepted += i
         return True
-
-    @staticmethod
-    def _judge(row, logits: np.ndarray, x: int) -> int:
-        """Speculative sampling of one drafted token x (a point-mass draft): keep it with probability p(x),
-        else draw from p without x (accept_sampled's rule), with the row's own generator."""
-        cfg = row.req.cfg
-        p = target_probs(logits, cfg, np.asarray(row.seen) if cfg.repetition_penalty != 1.0 else None)
-        rng = row.sampler.rng
-        if rng.random() < p[x]:
-            return x
-        p[x] = 0.0
-        total = p.sum()
-        return x if total <= 0 else int(min(np.searchsorted(np.cumsum(p), rng.random() * total, side="right"), p.size - 1))

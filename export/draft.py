@@ -26,6 +26,10 @@ DRAFT_DIR = "draft"  # the draft bundle's folder inside the target's bundle
 PRECISIONS = (INT8_DYNAMIC, INT4_WEIGHT)  # fused-graph engines: what the draft's KV cache rolls back on
 
 
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # TOML's true is not a count
+
+
 def default_distill() -> DistillOptions:
     """Mostly the target's own answers to questions it wrote (what the draft will be checked against)."""
     return DistillOptions(steps=600, batch_size=4, seq_len=256, lr=5e-4, warmup=20, temperature=1.0,
@@ -48,16 +52,16 @@ class DraftOptions:
     head_tokens: int = 8192
 
     def __post_init__(self) -> None:
-        if self.layers is not None and (not isinstance(self.layers, int) or self.layers < 1):
+        if self.layers is not None and (not _whole(self.layers) or self.layers < 1):
             raise RecipeError(f"draft layers must be a whole number >= 1 (blocks the draft keeps), got {self.layers!r}")
         if self.precision not in PRECISIONS:
             raise RecipeError(f"draft precision must be one of {', '.join(PRECISIONS)} (a fused CPU engine, whose KV "
                               f"cache rolls back after a rejected draft), got {self.precision!r}")
         for name in ("samples", "acceptance_chats", "acceptance_tokens", "k"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not _whole(v) or v < 1:
                 raise RecipeError(f"draft {name} must be a whole number >= 1, got {v!r}")
-        if not isinstance(self.head_tokens, int) or self.head_tokens < 0:
+        if not _whole(self.head_tokens) or self.head_tokens < 0:
             raise RecipeError(f"draft head_tokens must be a whole number >= 0 (0: the whole vocabulary), got {self.head_tokens!r}")
         if self.k > 16:
             raise RecipeError(f"draft k must be <= 16 (tokens drafted per check), got {self.k}")
@@ -93,6 +97,32 @@ class DraftOptions:
 HEAD_IDS = "logit_ids.npy"
 
 
+def check(opts: DraftOptions, hf_dir: Path, prune: PruneOptions | None) -> None:
+    """Refuse before the build what the draft's stages would refuse after it: too many layers for the model,
+    a head too small for the tokens always kept. (`hf_dir`: the loaded model; a prune keeps its vocabulary
+    unless it prunes that too.)"""
+    if prune is not None and prune.drop_layers:
+        opts.prune_options(target_layers(hf_dir) - prune.drop_layers)
+    else:
+        opts.prune_options(target_layers(hf_dir))
+    if prune is not None and prune.vocab_size is not None:
+        return  # the shipped model's tokens are chosen later; cut_head checks the head then
+    if 0 < opts.head_tokens < vocab_size(hf_dir):
+        from collections import Counter
+
+        _head_ids(json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8")), Counter(), opts.head_tokens)
+
+
+def _head_ids(tok_json: dict, counts, tokens: int) -> np.ndarray:
+    """The ids a head of `tokens` keeps (export/vocab.py's choice), its bounds said in the draft's words."""
+    from export import vocab
+
+    try:
+        return np.asarray(vocab.choose(tok_json, counts, tokens), np.int32)
+    except RecipeError as e:
+        raise RecipeError(str(e).replace("prune vocab_size", "draft head_tokens")) from None
+
+
 def cut_head(src: Path, dst: Path, hf_dir: Path, tokens: int, calibration: str | None = None) -> dict:
     """Write the fp32 graph in src with its LM head cut to the `tokens` ids chat text uses most (export/vocab.py
     chooses them as for vocabulary pruning: special tokens and base alphabet always), and those ids to
@@ -104,10 +134,7 @@ def cut_head(src: Path, dst: Path, hf_dir: Path, tokens: int, calibration: str |
 
     tok_json = json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))
     counts = vocab.token_counts(hf_dir, calibration)
-    try:
-        ids = np.asarray(vocab.choose(tok_json, counts, tokens), np.int32)
-    except RecipeError as e:  # its bounds, in the draft's words
-        raise RecipeError(str(e).replace("prune vocab_size", "draft head_tokens")) from None
+    ids = _head_ids(tok_json, counts, tokens)
     gw = GraphWeights(src / "model.onnx")
     model = gw.model
     producers = {o: n for n in model.graph.node for o in n.output}

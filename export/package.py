@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge import precisions
-from edge.bundle import Bundle, BundleWriter, EngineEntry, Fingerprint, Manifest, StageRecord
+from edge.bundle import Bundle, BundleWriter, EngineEntry, Fingerprint, Manifest, StageRecord, schema_needed
 from edge.io_contract import DecoderIO, io_for_variant
 from export import trt_compat
 from export.load import META, model_dims, tokenizer_spec
@@ -114,6 +114,6 @@ def run(hf_dir: Path, engines: list[EngineArtifact], stages: list[StageRecord], 
         manifest = Manifest(
             bundle_id=f"{slug}-{digest}", model_name=src["name"], source=src["source"], model=dims, tokenizer=spec,
             io=DecoderIO().to_dict(), engines=entries, stages=stages, generation=gen, golden=golden or [],
-            draft=draft_entry,
+            draft=draft_entry, schema_version=schema_needed(draft_entry, entries),
         )
         return w.commit(manifest)

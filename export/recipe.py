@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +97,9 @@ class BuildOptions:
             raise RecipeError(f"int8_rounding must be 'gptq' or 'minmax', got {self.int8_rounding!r}")
         if not isinstance(self.gptq_samples, int) or self.gptq_samples < 1:
             raise RecipeError(f"gptq_samples must be a whole number >= 1 (calibration texts for GPTQ), got {self.gptq_samples!r}")
+        for name, kind in (("prune", PruneOptions), ("distill", DistillOptions), ("draft", DraftOptions)):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), kind):
+                raise RecipeError(f"{name} must be a [{name}] table of options in a recipe, got {getattr(self, name)!r}")
         if self.draft is not None and not (self.fused and any(p in FROM_FUSED for p in self.precisions)):
             raise RecipeError("a draft model is checked by a fused CPU engine (int8-dynamic or int4-weight), which this "
                               f"build does not make (it builds {', '.join(self.precisions)}"
@@ -214,6 +220,10 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
     hf_dir, rec = stage("load", {"model": f"{ref.kind}:{ref.location}:{ref.gguf_file}"},
                             lambda d: load.run(ref, d, online=opts.online))
     records.append(rec)
+    if opts.draft is not None:  # what would fail after hours of building fails now
+        from export import draft as dm
+
+        dm.check(opts.draft, hf_dir, opts.prune)
     eopts = onnx_export.ExportOptions(opset=opts.opset, parity_atol=opts.parity_atol, fused=opts.fused)
     lineage_eopts = dataclasses.replace(eopts, fused=False)  # teacher / pruned-only: measured in fp32 only
     lineage: list = []  # teacher and pruned-only graphs: measured for the report, not shipped
@@ -254,8 +264,11 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
     fused_dir = fp32_dir / onnx_export.FUSED_DIR
     has_fused = opts.fused and (fused_dir / "model.onnx").is_file()
     if opts.fused and not has_fused:
-        log(f"[export] no fused graph: {rec.metrics.get('fused', {}).get('reason', 'not written')}; "
-            "the ONNX Runtime engines use the plain graph")
+        why = rec.metrics.get('fused', {}).get('reason', 'not written')
+        if opts.draft is not None:
+            raise RecipeError(f"a draft needs a fused graph of the model to check it, and none was written ({why}): "
+                              "build without --draft")
+        log(f"[export] no fused graph: {why}; the ONNX Runtime engines use the plain graph")
 
     stamps: dict[str, str] = {}  # each quantized engine's stage stamp (what a later stage was measured on)
     for precision in opts.precisions:
@@ -332,9 +345,14 @@ def _distill_stages(stage, teacher_dir: Path, student_dir: Path, after: dict, te
         log(f"[{prefix}teacher-answers] {arec.metrics['kept']} of {arec.metrics['asked']} answers kept "
             f"({arec.metrics['answer_tokens']} tokens)")
         answers, inputs = a_dir / teacher_answers.ANSWERS, inputs | {"answers": arec.finished}
+    # the checkpoint is resumed only by a run of the same student and teacher's answers (its own check covers
+    # the options): a rebuild after a new prune or new answers must not load another student's weights
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:12]
     out_dir, rec = stage(f"{prefix}distill", dataclasses.asdict(dopts) | inputs,
-                         lambda d: distill.run(teacher_dir, student_dir, d, dopts, ckpt_dir=ckpt, answers=answers))
+                         lambda d: distill.run(teacher_dir, student_dir, d, dopts, ckpt_dir=ckpt / key, answers=answers))
     records.append(rec)
+    if not rec.metrics.get("stopped_early"):  # finished: nothing left to resume (a cut-short run keeps it)
+        shutil.rmtree(ckpt, ignore_errors=True)
     log(f"[{prefix}distill] {rec.metrics['steps']} steps, {rec.metrics['tokens_seen']} tokens "
         f"({rec.metrics.get('text', 'chat text')}), loss {rec.metrics['loss_first']:.3f} -> "
         f"{rec.metrics['loss_last']:.3f}")
@@ -391,18 +409,18 @@ def _draft_stages(stage, opts: BuildOptions, target_dir: Path, target_from: str,
         log(f"[draft-head] LM head cut to {hrec.metrics['head_tokens']} of {hrec.metrics['vocab']} tokens "
             f"({100 * hrec.metrics['chat_token_coverage']:.1f}% of the chat data's tokens)")
     # rounded to nearest: a draft's quality shows in its acceptance, not worth GPTQ's minutes (or its plain graph)
-    qopts = dataclasses.replace(_quantize_options(opts, d.precision), int8_rounding="minmax", int4_rounding="minmax",
-                                int4_budget_mb=None, int4_extra_ratio=0.0)
+    qopts = quantize.QuantizeOptions(mode=d.precision, calibration=opts.calibration, samples=opts.calibration_samples,
+                                     smoothquant_alpha=opts.smoothquant_alpha, **(
+                                         {"int4_rounding": "minmax", "int4_block_size": opts.int4_block_size,
+                                          "int4_lm_head_bits": opts.int4_lm_head_bits}
+                                         if d.precision == INT4_WEIGHT else {"int8_rounding": "minmax"}))
     q_dir, qrec = stage(f"draft-quantize-{d.precision}", dataclasses.asdict(qopts) | {"graph": records[-1].finished},
                         lambda dst: quantize.run(graph, d_hf, dst, qopts))
     records.append(qrec)
     draft_root = work / "draft.bundle"
     package.run(d_hf, [package.EngineArtifact(d.precision, q_dir, d.precision, variant="fused", logit_ids=ids)],
                 records, draft_root, opts.max_context)
-    target = next((e for p in dm.PRECISIONS for e in engines if e.precision == p and e.variant == "fused"), None)
-    if target is None:
-        raise RecipeError("the draft needs a fused int8-dynamic or int4-weight engine of the model to check it, and "
-                          "this build has none (its fused graph was not written: see the export stage's log)")
+    target = next(e for p in dm.PRECISIONS for e in engines if e.precision == p and e.variant == "fused")  # checked
     aparams = dataclasses.asdict(d) | {"draft": qrec.finished, "target_engine": target.name, "target": stamps[target.name]}
     arec_dir, arec = stage("draft-acceptance", aparams,
                            lambda dst: dm.measure(target.folder / "model.onnx", target.variant, target_dir, draft_root, dst, d,

@@ -106,6 +106,35 @@ def test_edge_chat_drafts_with_the_bundles_draft_unless_told_not_to(built):
     assert info.returncode == 0 and "draft    draft/ int8-dynamic: 1 layers" in info.stdout, info.stdout
 
 
+def test_the_bundles_draft_really_drafts_and_golden_rechecks_never_draft(built):
+    """Through edge-chat's own loader: the answer's steps were drafted and checked (not just a log line); the
+    golden re-check (answers compared with the recorded ones) loads no draft."""
+    from edge.cli import _gen, make_parser
+    from edge.sampling import SamplingConfig
+
+    b, _, _ = built
+    gen = _gen(make_parser().parse_args(["run", str(b.root), "Hi", "--engine", "int8-dynamic", "--threads", "1"]))
+    assert gen.drafter is not None and "the bundle's own" in gen.draft_source
+    list(gen.stream(gen.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]),
+                    SamplingConfig(max_new_tokens=24, ignore_eos=True)))
+    assert gen.speculator.stats.drafted > 0 and gen.speculator.stats.accepted > 0
+    golden = _gen(make_parser().parse_args(["golden", str(b.root), "--engine", "int8-dynamic", "--threads", "1"]))
+    assert golden.drafter is None and not golden.speculative
+
+
+def test_a_draft_that_does_not_load_is_a_warning_not_a_failed_start(built, tmp_path):
+    b, _, _ = built
+    copy = tmp_path / "c.bundle"
+    shutil.copytree(b.root, copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    m["draft"]["engine"] = "int4-weight"  # the draft has no such engine
+    (copy / "manifest.json").write_text(json.dumps(m))
+    out = run_cli("edge.cli", "run", str(copy), "Hi", "--engine", "int8-dynamic", "--threads", "1",
+                  "--max-new-tokens", "4", "--no-verify")
+    assert out.returncode == 0 and "the bundle's draft model is not used: bundle has no engine named 'int4-weight'" \
+        in out.stderr, out.stderr
+
+
 def test_the_server_says_it_drafts_with_the_bundles_draft(built):
     from conftest import ServerProcess
 
@@ -133,7 +162,11 @@ def test_a_changed_draft_file_fails_the_bundles_verification(built, tmp_path):
         Bundle.open(copy, verify="size")
 
 
-def test_a_rebuild_reuses_the_drafts_stages(built):
+def test_a_rebuild_reuses_the_drafts_stages_and_a_new_shape_rebuilds_them(built):
+    """Same options: every draft stage reused. Two layers instead of one: the draft is pruned, distilled and
+    measured again (the distillation does not resume another student's checkpoint), the model's stages kept."""
+    import dataclasses
+
     from export.recipe import build
 
     b, opts, _ = built
@@ -142,9 +175,19 @@ def test_a_rebuild_reuses_the_drafts_stages(built):
     for name in STAGES:
         assert any(line.startswith(f"[{name}] done earlier") for line in lines), (name, lines)
     assert again.manifest.draft["acceptance"] == b.manifest.draft["acceptance"]
+    assert not (opts.work / ".draft-distill-checkpoint").exists()  # a finished distillation leaves none
+    lines = []
+    two = build(dataclasses.replace(opts, draft=_draft_opts(layers=2)), log=lines.append)
+    assert two.manifest.draft["num_layers"] == 2
+    assert any(line.startswith("[quantize-int8-dynamic] done earlier") for line in lines)
+    assert not any(line.startswith(f"[{n}] done earlier") for n in ("draft-prune", "draft-distill", "draft-acceptance")
+                   for line in lines), lines
+    build(opts, log=lambda s: None)  # back to one layer for the other tests
 
 
 @pytest.mark.parametrize("draft, match", [
+    ({"path": "draft", "engine": "int8-dynamic", "acceptance": "high"}, "'draft' acceptance must be a dict"),
+    ({"path": "draft", "engine": "int8-dynamic", "num_parameters": "46M"}, "'draft' num_parameters must be a int"),
     ({"path": "../x", "engine": "int8-dynamic"}, "must be a folder inside the bundle"),
     ({"path": "/abs", "engine": "int8-dynamic"}, "must be a folder inside the bundle"),
     ({"path": "draft"}, "needs 'engine'"),
@@ -181,6 +224,12 @@ def test_draft_options_and_recipe_section(tmp_path):
                        (dict(k=17), "k must be <= 16"), (dict(acceptance_chats=0), "acceptance_chats")):
         with pytest.raises(RecipeError, match=match):
             DraftOptions(**bad)
+    for text, match in (('draft = true\n', "draft must be a \\[draft\\] table"),
+                        ('[draft]\nlayers = true\n', "layers must be a whole number"),
+                        ('[draft]\nhead_tokens = -1\n', "head_tokens must be a whole number >= 0")):
+        r.write_text(text)
+        with pytest.raises(RecipeError, match=match):
+            BuildOptions.from_toml(r, output="x.bundle")
     r.write_text('[draft]\nlayer = 3\n')
     with pytest.raises(RecipeError, match=r"\[draft\] has unknown options \['layer'\]"):
         BuildOptions.from_toml(r, output="x.bundle")
@@ -251,3 +300,16 @@ def test_a_cut_head_scores_its_tokens_as_the_whole_head_does(tmp_path):
     (tmp_path / "junk.npy").write_bytes(b"not numpy")
     with pytest.raises(BundleError, match="cannot read the LM head's ids junk.npy"):
         _logit_ids(Fake(), "junk.npy", dims.vocab_size)
+
+
+def test_a_draft_that_cannot_be_built_fails_before_the_model_is_built(tmp_path):
+    """Too many layers, or a head smaller than the tokens always kept: refused right after the load stage."""
+    from export.recipe import BuildOptions, build
+
+    src = make_tiny_model(tmp_path / "src", layers=2, hidden=32, heads=2, kv_heads=1, intermediate=64, seed=5)
+    for kw, match in ((dict(layers=2), "draft layers = 2, but the target has 2 blocks"),
+                      (dict(head_tokens=100), "draft head_tokens=100 must lie between 259")):
+        opts = BuildOptions(output=tmp_path / "x.bundle", model=str(src), skip_eval=True, draft=_draft_opts(**kw))
+        with pytest.raises(RecipeError, match=match):
+            build(opts, log=lambda s: None)
+        assert not (opts.work / "export").exists()

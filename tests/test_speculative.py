@@ -210,14 +210,18 @@ def test_scheduler_speculative_step_same_answer(tiny_bundle, engine):
     assert gen.speculator.stats.calls > 0 and gen.speculator.stats.drafted > 0
 
 
-def test_scheduler_speculation_stays_off_for_a_seeded_sampled_answer(fused_generator):
-    """A seeded answer must be the same whether or not the pacer (timing this machine) drafts: never drafted."""
+def test_scheduler_speculation_stays_off_for_a_seeded_answer(fused_generator):
+    """A seeded answer (sampled or greedy) must be the same whether or not the pacer (timing this machine)
+    drafts: never drafted. The same answer without a seed is."""
     gen = fused_generator
     gen.speculative = True
     try:
         ids = gen.tokenizer.encode_chat(PROMPTS[1])
-        list(gen.stream(ids, SamplingConfig(max_new_tokens=30, temperature=0.8, seed=1)))
-        assert gen.speculator.stats.calls == 0
+        for cfg in (SamplingConfig(max_new_tokens=30, temperature=0.8, seed=1), SamplingConfig(max_new_tokens=30, seed=1)):
+            list(gen.stream(ids, cfg))
+            assert gen.speculator.stats.calls == 0
+        list(gen.stream(ids, SamplingConfig(max_new_tokens=30, ignore_eos=True)))
+        assert gen.speculator.stats.calls > 0
     finally:
         gen.speculative = False
 
