@@ -324,7 +324,7 @@ def _add_gen_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_speculative_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", action="store_true",
-                   help="prompt-lookup speculative decoding for greedy answers while one user is decoding (helps when "
+                   help="prompt-lookup speculative decoding while one answer without a seed is decoding (helps when "
                         "answers repeat their input; see docs/speed.md for what it gains and costs)")
     p.add_argument("--draft", metavar="BUNDLE",
                    help="a smaller model's bundle with the same tokenizer drafts instead of prompt lookup (turns "
@@ -333,7 +333,7 @@ def _add_speculative_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-engine", help="engine of the --draft bundle (default: fastest for this machine)")
     p.add_argument("--no-draft", action="store_true",
                    help="do not draft with the model the bundle ships (edge-export build --draft); by default it "
-                        "drafts while one greedy answer decodes, and stops where drafting does not pay")
+                        "drafts while one answer without a seed decodes, and stops where drafting does not pay")
 
 
 def _add_load_flags(p: argparse.ArgumentParser) -> None:

@@ -28,7 +28,7 @@ class Generator:
         self.defaults = defaults or {}
         self.bundle = bundle
         self.choice = None  # edge.backends.Choice: which backend runs, and why the others did not
-        self.speculative = False  # speculative decoding for greedy answers (edge.speculative)
+        self.speculative = False  # speculative decoding for answers without a seed (edge.speculative)
         self.drafter = None  # edge.speculative.ModelDrafter (use_draft); None: prompt lookup drafts
         self.draft_name = ""  # the draft's model and engine, for the server's start line and logs
         self.draft_source = ""  # where the draft came from: "--draft", or the bundle's own with its acceptance

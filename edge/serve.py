@@ -63,7 +63,7 @@ def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: 
                     print(f"  bundle      {len(b.manifest.files)} files checked, {len(b.hashed)} hashed now (SHA-256)",
                           flush=True)
                 if gen.drafter is not None:
-                    print(f"  draft       {gen.draft_name} drafts while one greedy answer decodes, where it pays "
+                    print(f"  draft       {gen.draft_name} drafts while one answer (no seed) decodes, where it pays "
                           f"({gen.draft_source})", flush=True)
                 print("  Ctrl-C to stop", flush=True)
 

@@ -346,7 +346,7 @@ def serve_rows(bundle: str, engines: list[str], users: int, threads: int, draft:
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_serve
 
-    configs = [(e, e, ()) for e in engines]
+    configs = [(e, e, ("--no-draft",)) for e in engines]  # plain: not even the bundle's own draft
     if draft:
         configs += [(f"{e} + draft {draft_engine}", e, ("--draft", draft, "--draft-engine", draft_engine))
                     for e in engines]
