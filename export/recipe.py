@@ -426,6 +426,10 @@ def _draft_stages(stage, opts: BuildOptions, target_dir: Path, target_from: str,
                            lambda dst: dm.measure(target.folder / "model.onnx", target.variant, target_dir, draft_root, dst, d,
                                                   opts.max_context, opts.threads))
     log(f"[draft] {dm.describe(arec.metrics)}")
+    if (arec.metrics.get("speedup_here") or 0) < 1:
+        log(f"[draft] WARNING: drafting was slower than plain decoding here ({arec.metrics['speedup_here']:.2f}x at "
+            f"k={d.k}): edge-chat's pacing keeps the cost to a few tries per answer, --no-draft turns it off; a draft "
+            "pays when more of its tokens are kept (more layers, longer distillation: docs/speed.md)")
     return package.DraftArtifact(draft_root, d.precision, target.name, records + [arec], arec.metrics)
 
 
