@@ -178,7 +178,7 @@ def vocab_size(hf_dir: Path) -> int:
 
 
 def measure(target_onnx: Path, target_variant: str, hf_dir: Path, draft_root: Path, dst: Path, opts: DraftOptions,
-            max_context: int, threads: int | None = None) -> dict:
+            max_context: int, threads: int | None = None, data: str | None = None) -> dict:
     """Greedy answers to held-out chats, each twice on the target's engine: plainly and checking the draft's
     k tokens per call, interleaved. Acceptance (accepted / drafted), tokens per target call, both speeds here,
     and whether the answers were the same (a quantized target's checked logits differ slightly from a single
@@ -199,7 +199,7 @@ def measure(target_onnx: Path, target_variant: str, hf_dir: Path, draft_root: Pa
                         name="target")
     draft = Bundle.open(draft_root, verify="full")
     draft_dec, _ = load_decoder(draft, opts.precision, threads, providers=["CPUExecutionProvider"], spin=False)
-    chats = load_chats(None, "evaluation", opts.acceptance_chats)
+    chats = load_chats(data, "evaluation", opts.acceptance_chats)  # held out: the user's chats if given
     cfg = SamplingConfig(max_new_tokens=opts.acceptance_tokens)
     stats = SpecStats()
     seconds = {"plain": 0.0, "draft": 0.0}

@@ -421,10 +421,11 @@ def _draft_stages(stage, opts: BuildOptions, target_dir: Path, target_from: str,
     package.run(d_hf, [package.EngineArtifact(d.precision, q_dir, d.precision, variant="fused", logit_ids=ids)],
                 records, draft_root, opts.max_context)
     target = next(e for p in dm.PRECISIONS for e in engines if e.precision == p and e.variant == "fused")  # checked
-    aparams = dataclasses.asdict(d) | {"draft": qrec.finished, "target_engine": target.name, "target": stamps[target.name]}
+    aparams = dataclasses.asdict(d) | {"draft": qrec.finished, "target_engine": target.name, "target": stamps[target.name],
+                                       "data": opts.calibration}
     arec_dir, arec = stage("draft-acceptance", aparams,
                            lambda dst: dm.measure(target.folder / "model.onnx", target.variant, target_dir, draft_root, dst, d,
-                                                  opts.max_context, opts.threads))
+                                                  opts.max_context, opts.threads, opts.calibration))
     log(f"[draft] {dm.describe(arec.metrics)}")
     if (arec.metrics.get("speedup_here") or 0) < 1:
         log(f"[draft] WARNING: drafting was slower than plain decoding here ({arec.metrics['speedup_here']:.2f}x at "
