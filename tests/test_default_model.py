@@ -210,3 +210,36 @@ def test_draft_model_greedy_equals_plain_greedy(smol_bundle):
                                       drafter=drafter, policy=FixedK(k), stats=stats))
         assert got == want, f"k={k}: first difference at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
     assert 0 < stats.accepted < stats.drafted
+
+
+def test_a_draft_cut_from_the_default_model_scores_its_head_tokens_as_the_whole_head(smol_bundle, tmp_path):
+    """The real model's 2 most important blocks with its tied 49,152-token head cut to 8192 (export/draft.py):
+    the chat data's tokens are covered, the cut graph's logits on its ids equal the whole graph's, and what
+    the draft picks (its argmax) is always a kept id."""
+    import numpy as np
+
+    from edge.io_contract import FUSED_IO
+    from edge.ort_decoder import OrtDecoder
+    from export import draft, fused_graph, prune
+    from export.load import chat_tokenizer, model_dims
+
+    hf = smol_bundle.root.with_name(smol_bundle.root.name + ".work") / "load"
+    prune.run(hf, tmp_path / "draft", draft.DraftOptions(layers=2, samples=8).prune_options(draft.target_layers(hf)))
+    fused_graph.write(tmp_path / "draft", tmp_path / "full")
+    (tmp_path / "cut").mkdir()
+    m = draft.cut_head(tmp_path / "full", tmp_path / "cut", tmp_path / "draft", 8192)
+    assert m["head_tokens"] == 8192 and m["vocab"] == 49152 and m["chat_token_coverage"] > 0.95
+    ids = np.load(tmp_path / "cut" / draft.HEAD_IDS).astype(np.int64)
+    dims = model_dims(tmp_path / "draft")
+    full = OrtDecoder(tmp_path / "full/model.onnx", dims, FUSED_IO, threads=2)
+    cut = OrtDecoder(tmp_path / "cut/model.onnx", dims, FUSED_IO, threads=2, logit_ids=ids)
+    prompt = chat_tokenizer(hf).encode_chat([{"role": "user", "content": "What is the capital of Japan?"}])
+    a = full.forward(np.array([prompt]), full.new_cache(capacity=64), last_only=False)
+    b = cut.forward(np.array([prompt]), cut.new_cache(capacity=64), last_only=False)
+    np.testing.assert_allclose(b[..., ids], a[..., ids], rtol=1e-4, atol=1e-4)
+    assert set(b.argmax(-1).ravel().tolist()) <= set(ids.tolist())
+    import onnx
+
+    g = onnx.load(str(tmp_path / "cut/model.onnx"), load_external_data=False).graph
+    assert not any(n.op_type == "Transpose" and n.name == "/lm_head/Transpose" for n in g.node)  # the tie is cut
+    assert [list(i.dims) for i in g.initializer if i.name == "lm_head.weight_cut"] == [[576, 8192]]
