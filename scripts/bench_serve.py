@@ -157,6 +157,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="with --llama-server: ours, theirs, ours, theirs ... per level")
     ap.add_argument("--llama-poll", type=int, help="llama-server --poll (0: workers sleep instead of spinning, as our "
                     "server's do; fairer on a loaded machine; default: llama.cpp's own)")
+    ap.add_argument("--no-draft", action="store_true", help="serve without the bundle's own draft model (edge-chat "
+                    "serve --no-draft; by default a bundle built with --draft drafts while one answer decodes)")
     ap.add_argument("--json", default="bench-results/serve.json")
     args = ap.parse_args()
     if args.llama_server:
@@ -166,7 +168,8 @@ def main() -> int:
     caches = [float(x) for x in args.prompt_cache_mb.split(",")] if args.prompt_cache_mb else [None]
     rows = []
     for mb in caches:
-        proc, url = start_server(args.bundle, args.engine, max(levels), args.threads, mb)
+        proc, url = start_server(args.bundle, args.engine, max(levels), args.threads, mb,
+                                 extra=("--no-draft",) if args.no_draft else ())
         try:
             health = json.loads(urllib.request.urlopen(url + "/health").read())
             one_request(url, "Hello!", 8)  # warm-up
@@ -202,7 +205,8 @@ def versus_llama_server(args) -> int:
     """Ours and llama-server up at once (each idle while the other is measured), each level run by both in
     turn, `--rounds` times; medians and per-round ratios."""
     levels = [int(x) for x in args.users.split(",")]
-    ours, url = start_server(args.bundle, args.engine, max(levels), args.threads)
+    ours, url = start_server(args.bundle, args.engine, max(levels), args.threads,
+                             extra=("--no-draft",) if args.no_draft else ())
     theirs, lurl = start_llama_server(args.llama_server, max(levels), args.threads, poll=args.llama_poll)
     rows: dict = {}
     try:
