@@ -46,12 +46,6 @@ SCHEMA_VERSION = 6
 # manifest may carry `draft` (a draft model's bundle inside this one).
 READS_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
 MANIFEST = "manifest.json"
-
-
-def schema_needed(draft: dict, engines: list) -> int:
-    """The oldest schema that says what a manifest holds, so an older runtime still serves a bundle that uses
-    nothing newer (a draft or a cut LM head needs 6)."""
-    return 6 if draft or any(e.io.get("logit_ids") for e in engines) else 5
 PARTIAL_TAG = ".partial-"
 
 Verify = Literal["none", "size", "stamp", "full"]
@@ -59,6 +53,12 @@ Verify = Literal["none", "size", "stamp", "full"]
 # a state file (verified_stamp_path); later loads re-hash only files whose stat no longer matches their stamp,
 # so a restart stays fast and a changed byte (which changes mtime and ctime) is still caught.
 STATE_DIR_ENV = "EDGECHAT_STATE_DIR"
+
+
+def schema_needed(draft: dict, engines: list) -> int:
+    """The oldest schema that says what a manifest holds, so an older runtime still serves a bundle that uses
+    nothing newer (a draft or a cut LM head needs 6)."""
+    return 6 if draft or any(e.io.get("logit_ids") for e in engines) else 5
 
 
 def verified_stamp_path(root: Path) -> Path:

@@ -62,10 +62,13 @@ def _own_draft(gen, bundle, threads: int | None):
     from edge.generate import Generator
 
     log = logging.getLogger("edgechat")
+    acc = bundle.manifest.draft.get("acceptance", {}).get("acceptance")
+    source = "the bundle's own; --no-draft turns it off" + (
+        f"; acceptance {acc:.2f} measured at build" if isinstance(acc, (int, float)) else "")
     try:
         dgen = Generator.from_bundle(bundle.draft_bundle(), engine=bundle.manifest.draft["engine"], threads=threads,
                                      spin=False)
-        gen.use_draft(dgen)
+        gen.use_draft(dgen, source)
     except EdgeChatError as e:
         log.warning("the bundle's draft model is not used: %s (the model answers without it, only without "
                     "drafting; --no-draft hides this warning)", e)

@@ -60,8 +60,9 @@ class Generator:
         sched.speculator = self.speculator = self.make_speculator()
         yield from sched.generate(prompt_ids, cfg, cancel)
 
-    def use_draft(self, draft: "Generator") -> None:
-        """Draft with a smaller model of the same tokenizer (turns speculation on)."""
+    def use_draft(self, draft: "Generator", source: str = "--draft") -> None:
+        """Draft with a smaller model of the same tokenizer (turns speculation on). `source`: where it came
+        from, for the server's start line."""
         from edge.speculative import ModelDrafter, same_vocabulary
 
         same_vocabulary(self.tokenizer, draft.tokenizer)
@@ -70,12 +71,7 @@ class Generator:
         engine = getattr(draft.decoder, "engine", None)
         model = draft.bundle.manifest.model_name.split("/")[-1] if draft.bundle is not None else "draft"
         self.draft_name = f"{model} {engine.name if engine is not None else draft.decoder.name}"
-        self.draft_source = "--draft"
-        own = self.bundle.manifest.draft if self.bundle is not None else {}
-        if own and draft.bundle is not None and draft.bundle.root == self.bundle.root / own["path"]:
-            acc = own.get("acceptance", {}).get("acceptance")
-            self.draft_source = "the bundle's own; --no-draft turns it off" + (
-                f"; acceptance {acc:.2f} measured at build" if isinstance(acc, (int, float)) else "")
+        self.draft_source = source
 
     def make_speculator(self):
         """The scheduler's speculative step (edge.speculative.RowSpeculator), or None when speculation is off."""

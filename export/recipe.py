@@ -366,17 +366,24 @@ def _distill_stages(stage, teacher_dir: Path, student_dir: Path, after: dict, te
     return out_dir, records
 
 
-def _quantize_options(opts: BuildOptions, precision: str):
+def _quantize_options(opts: BuildOptions, precision: str, nearest: bool = False):
+    """The build's options for one precision's quantize stage. `nearest` (a draft's): round to nearest, no int4
+    budget and no GPTQ settings (so they are not in its stage key): a draft's quality shows in its acceptance,
+    not worth GPTQ's minutes (or its plain graph)."""
     from export import quantize
 
-    return quantize.QuantizeOptions(mode=precision, calibration=opts.calibration,
-                                    samples=opts.calibration_samples, smoothquant_alpha=opts.smoothquant_alpha,
-                                    **({"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio,
-                                        "int4_rounding": opts.int4_rounding, "int4_block_size": opts.int4_block_size,
-                                        "int4_lm_head_bits": opts.int4_lm_head_bits}
-                                       if precision == INT4_WEIGHT else {}),
-                                    **({"int8_rounding": opts.int8_rounding} if precision == INT8_DYNAMIC else {}),
-                                    gptq_samples=opts.gptq_samples)
+    extra: dict = {}
+    if precision == INT4_WEIGHT:
+        extra = {"int4_rounding": "minmax" if nearest else opts.int4_rounding, "int4_block_size": opts.int4_block_size,
+                 "int4_lm_head_bits": opts.int4_lm_head_bits}
+        if not nearest:
+            extra |= {"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio}
+    elif precision == INT8_DYNAMIC:
+        extra = {"int8_rounding": "minmax" if nearest else opts.int8_rounding}
+    if not nearest:
+        extra["gptq_samples"] = opts.gptq_samples
+    return quantize.QuantizeOptions(mode=precision, calibration=opts.calibration, samples=opts.calibration_samples,
+                                    smoothquant_alpha=opts.smoothquant_alpha, **extra)
 
 
 def _draft_stages(stage, opts: BuildOptions, target_dir: Path, target_from: str, engines: list, stamps: dict,
@@ -408,12 +415,7 @@ def _draft_stages(stage, opts: BuildOptions, target_dir: Path, target_from: str,
         ids = graph / dm.HEAD_IDS
         log(f"[draft-head] LM head cut to {hrec.metrics['head_tokens']} of {hrec.metrics['vocab']} tokens "
             f"({100 * hrec.metrics['chat_token_coverage']:.1f}% of the chat data's tokens)")
-    # rounded to nearest: a draft's quality shows in its acceptance, not worth GPTQ's minutes (or its plain graph)
-    qopts = quantize.QuantizeOptions(mode=d.precision, calibration=opts.calibration, samples=opts.calibration_samples,
-                                     smoothquant_alpha=opts.smoothquant_alpha, **(
-                                         {"int4_rounding": "minmax", "int4_block_size": opts.int4_block_size,
-                                          "int4_lm_head_bits": opts.int4_lm_head_bits}
-                                         if d.precision == INT4_WEIGHT else {"int8_rounding": "minmax"}))
+    qopts = _quantize_options(opts, d.precision, nearest=True)
     q_dir, qrec = stage(f"draft-quantize-{d.precision}", dataclasses.asdict(qopts) | {"graph": records[-1].finished},
                         lambda dst: quantize.run(graph, d_hf, dst, qopts))
     records.append(qrec)
