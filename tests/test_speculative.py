@@ -454,25 +454,31 @@ def test_pacer_uses_the_faster_mode_and_keeps_measuring():
 @pytest.mark.parametrize("slow", [True, False])
 def test_speculation_backs_off_when_drafting_costs_more_than_it_gives(fused_generator, slow):
     """Through the scheduler: a draft that is slow and always wrong ends up mostly plain steps; one that is
-    cheap and always right keeps speculating. The answer is the plain one either way."""
-    import time as _time
-
+    cheap and always right keeps speculating. The answer is the plain one either way. The pacer reads a clock
+    that moves one unit per reading (a plain step costs 1, a checked draft about 4 whatever its length) plus
+    what the drafter costs: the same decisions on any machine (the wall clock made this test flaky: a
+    millisecond hiccup in a tiny model's step flipped the ranking)."""
     from edge.scheduler import Scheduler
-    from edge.speculative import RowSpeculator
+    from edge.speculative import Pacer, RowSpeculator
 
     gen = fused_generator
     ids = gen.tokenizer.encode_chat(PROMPTS[1])
     cfg = SamplingConfig(max_new_tokens=120, ignore_eos=True)
     want = plain(gen, ids, cfg)
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
 
     def drafter(seq: list[int], k: int) -> list[int]:
         if slow:
-            _time.sleep(0.03)  # ~30 plain steps of this tiny model
+            now[0] += 30.0  # a draft that costs ~30 plain steps
             return [(t + 1) % 300 for t in want[len(seq) - len(ids):][:k]] or [1]
         return want[len(seq) - len(ids):][:k]
 
     sched = Scheduler(gen, max_batch=1).start()
-    sched.speculator = spec = RowSpeculator(drafter)
+    sched.speculator = spec = RowSpeculator(drafter, pacer=Pacer(clock=clock))
     try:
         assert sched.submit(ids, cfg).answer(timeout=60)[1].token_ids == want
     finally:
