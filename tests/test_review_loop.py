@@ -255,7 +255,7 @@ def test_an_engine_that_fails_to_load_in_any_way_falls_back(trt_bundle, monkeypa
     from edge.tensorrt.runtime import TensorRTDecoder
 
     path, entry = trt_bundle
-    monkeypatch.setattr(fake_tensorrt.ICudaEngine, "create_execution_context", lambda self: None)
+    monkeypatch.setattr(fake_tensorrt.ICudaEngine, "create_execution_context", lambda self, *a: None)
     gen = Generator.from_bundle(Bundle.open(path))
     assert gen.choice.backend == "onnxruntime-cpu" and not isinstance(gen.decoder, TensorRTDecoder)
     assert gen.choice.skipped[0].startswith(f"TensorRT '{entry.name}': it did not load here")

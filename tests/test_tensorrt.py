@@ -52,9 +52,10 @@ def test_builder_settings_per_device(device, tmp_path):
     assert s.timing_cache == str(tmp_path / "tensorrt" / f"timing-sm{s.gpu_sm.replace('.', '')}-trt{trt}.cache")
     prefill, decode = s.profiles
     k = IO.past_key.format(i=0)
-    assert prefill.shapes[IO.input_ids] == ((1, 1), (1, 128), (1, 512))
-    assert prefill.shapes[IO.attention_mask] == ((1, 1), (1, 128), (1, ctx))
-    assert prefill.shapes[k] == ((1, 3, 0, 64), (1, 3, 0, 64), (1, 3, ctx - 1, 64))  # a last chunk starts below ctx
+    assert prefill.shapes[IO.input_ids] == ((1, 1), (1, 512), (1, 512))  # opt: a full chunk
+    # each point consistent (mask = past + tokens: TensorRT shape-checks min, opt and max), opt past not empty
+    assert prefill.shapes[IO.attention_mask] == ((1, 1), (1, ctx // 4 + 512), (1, ctx - 1 + 512))
+    assert prefill.shapes[k] == ((1, 3, 0, 64), (1, 3, ctx // 4, 64), (1, 3, ctx - 1, 64))  # a last chunk starts below ctx
     assert decode.shapes[IO.input_ids] == ((1, 1), (batch // 2, 1), (batch, 1))
     assert decode.shapes[IO.attention_mask] == ((1, 2), (batch // 2, ctx // 4 + 1), (batch, ctx))
     assert decode.shapes[k] == ((1, 3, 1, 64), (batch // 2, 3, ctx // 4, 64), (batch, 3, ctx - 1, 64))

@@ -87,7 +87,11 @@ def test_build_engine_cli_writes_engine_fingerprint_manifest_and_golden(fake_gpu
     blob = b.path(e.file).read_bytes()
     header = _json.loads(blob[16:16 + int.from_bytes(blob[8:16], "little")])
     assert header["flags"] == ([flags] if flags else [])
-    assert header["profiles"][0]["input_ids"] == [[1, 1], [1, 64], [1, 256]]
+    # prefill opt: a full chunk; every point's mask is past + tokens long (TensorRT checks each point)
+    assert header["profiles"][0]["input_ids"] == [[1, 1], [1, 256], [1, 256]]
+    for prof in header["profiles"]:
+        past = next(v for k, v in prof.items() if k.startswith("past_key_values"))
+        assert [m[1] for m in prof["attention_mask"]] == [p[2] + t[1] for p, t in zip(past, prof["input_ids"])]
     assert not _errors(), fake_tensorrt.LOG
 
 
@@ -346,9 +350,10 @@ def test_pycuda_backend_where_only_pycuda_is_installed(fake_gpu, bundle_copy, mo
 
     from fake_tensorrt import cuda as fcuda
 
-    for name, mod in (("pycuda", fcuda.pycuda), ("pycuda.driver", fcuda.pycuda_driver),
-                      ("pycuda.autoinit", fcuda.pycuda_autoinit)):
+    for name, mod in (("pycuda", fcuda.pycuda), ("pycuda.driver", fcuda.pycuda_driver)):
         monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delitem(sys.modules, "pycuda.autoinit", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [fcuda.PycudaAutoinit(), *sys.meta_path])  # what importing it does
     real_find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cuda" else
                         (object() if name == "pycuda" else real_find(name, *a)))

@@ -87,12 +87,14 @@ def shape_profiles(dims: ModelDims, io: DecoderIO, max_batch: int, max_context: 
 
     # a prompt's chunks start at multiples of the chunk, so the last one can start anywhere below the
     # context (at 240 of 256 with 24-token chunks): past up to context - 1; past + tokens <= context is the
-    # runtime's to keep (the mask's max), a profile cannot express it
-    pb, pp = (1, 1, 1), (0, 0, max_context - 1)
-    ps = (1, chunk // 4 or 1, chunk)
+    # runtime's to keep. TensorRT shape-checks the network at each of min, opt and max, so each point is one
+    # the graph can run: the mask is always past + tokens long (at max, past + chunk, beyond any real call).
+    # opt: a full chunk after a quarter of the context (where a chat's later chunks land), not an empty past.
+    pb, ps = (1, 1, 1), (1, chunk, chunk)
+    pp = (0, min(max_context // 4, max_context - 1), max_context - 1)
     prefill = {io.input_ids: tuple((b, s) for b, s in zip(pb, ps)),
                io.position_ids: tuple((b, s) for b, s in zip(pb, ps)),
-               io.attention_mask: tuple((b, min(p + s, max_context)) for b, p, s in zip(pb, pp, ps))}
+               io.attention_mask: tuple((b, p + s) for b, p, s in zip(pb, pp, ps))}
     db = (1, max(1, max_batch // 2), max_batch)
     dp = (1, max_context // 4, max_context - 1)
     decode = {io.input_ids: tuple((b, 1) for b in db), io.position_ids: tuple((b, 1) for b in db),

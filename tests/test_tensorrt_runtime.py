@@ -1,0 +1,223 @@
+"""The TensorRT runtime where the stand-in is as strict as the GPU: TensorRT 11's strong typing, version-compatible
+plans, one activation block for both contexts, buffers reused across tokens, a driver older than the CUDA
+bindings, and decoding on the server's scheduler thread (CUDA contexts are per thread; pycuda's are not the
+runtime's). Each test here failed on the runtime before these rules were kept (see docs/tensorrt.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from edge.bundle import Bundle
+from edge.errors import BundleError
+
+PROFILE = "orin-nano-8gb"
+
+
+@pytest.fixture
+def bundle_copy(tiny_bundle, tmp_path):
+    dst = tmp_path / "b.bundle"
+    shutil.copytree(tiny_bundle.root, dst)
+    return dst
+
+
+def _build(path, precision: str = "fp32", recheck: bool = False, **kw):
+    from edge.machine import detect
+    from edge.tensorrt.builder import build_engine, plan_build
+
+    here = detect()
+    return build_engine(plan_build(Bundle.open(path), PROFILE, precision, tensorrt_version=here.tensorrt,
+                                   available_gb=8.0, **kw), here, recheck_golden=recheck)
+
+
+def _header(path) -> dict:
+    import json
+
+    blob = path.read_bytes()
+    return json.loads(blob[16:16 + int.from_bytes(blob[8:16], "little")])
+
+
+def _errors() -> list[str]:
+    import fake_tensorrt
+
+    return [m for s, m in fake_tensorrt.LOG if s <= fake_tensorrt.Logger.ERROR]
+
+
+# ----------------------------------------------------------------------------- TensorRT 11
+
+
+def test_tensorrt11_has_no_precision_flags_and_builds_strongly_typed(fake_gpu, bundle_copy, monkeypatch):
+    import fake_tensorrt
+    import tensorrt as trt
+
+    from edge.tensorrt.builder import plan_build
+    from edge.tensorrt.settings import BuildSettingsError
+
+    monkeypatch.setattr(fake_tensorrt, "__version__", "11.4.0")
+    assert not hasattr(trt.BuilderFlag, "FP16") and not hasattr(trt.BuilderFlag, "INT8")
+    assert hasattr(trt.BuilderFlag, "VERSION_COMPATIBLE")
+    with pytest.raises(BuildSettingsError, match="builds only strongly typed networks"):
+        plan_build(Bundle.open(bundle_copy), PROFILE, "fp16", tensorrt_version="11.4.0", available_gb=8.0)
+    entry = _build(bundle_copy, "fp32", recheck=True)
+    assert _header(Bundle.open(bundle_copy).path(entry.file))["strongly_typed"]
+    same, asked = entry.quality["golden_same_as_source"].split("/")
+    assert same == asked
+
+
+# ----------------------------------------------------------------------------- version-compatible plans
+
+
+def test_version_compatible_plan_loads_with_host_code_allowed(fake_gpu, bundle_copy, monkeypatch):
+    """TensorRT refuses a version-compatible plan unless the runtime allows engine host code; the decoder allows
+    it exactly when the bundle's fingerprint says the engine was built version-compatible."""
+    import fake_tensorrt
+    import tensorrt as trt
+
+    from edge.tensorrt.runtime import TensorRTDecoder
+
+    entry = _build(bundle_copy, version_compatible=True)
+    b = Bundle.open(bundle_copy)
+    assert entry.fingerprint.version_compatible
+    plan = b.path(entry.file).read_bytes()
+    assert trt.Runtime(trt.Logger()).deserialize_cuda_engine(plan) is None
+    assert "setEngineHostCodeAllowed" in _errors()[-1]
+    monkeypatch.setattr(fake_tensorrt, "__version__", "10.8.0")  # a later 10.x runs it
+    dec = TensorRTDecoder.from_entry(b, entry)
+    assert dec.prefill([5, 6, 7], dec.new_cache()).shape == (1, dec.dims.vocab_size)
+    m = b.manifest
+    from edge.io_contract import DecoderIO
+
+    with pytest.raises(BundleError, match="could not load"):  # the same plan, not declared version-compatible
+        TensorRTDecoder(b.path(entry.file), m.model, DecoderIO.from_dict(m.engine_io(entry)))
+
+
+# ----------------------------------------------------------------------------- device memory
+
+
+def test_both_contexts_share_one_activation_block(fake_gpu, bundle_copy):
+    from edge.tensorrt.runtime import TensorRTDecoder
+
+    entry = _build(bundle_copy)
+    before = fake_gpu.used
+    dec = TensorRTDecoder.from_entry(Bundle.open(bundle_copy), entry)
+    block = dec.engine_.device_memory_size_v2
+    assert len(dec.contexts) == 2 and {c.memory for c in dec.contexts} == {(dec.activations.ptr, block)}
+    assert fake_gpu.used - before < 2 * block  # one block (+ the stream's nothing), not one per context
+    dec.prefill([5, 6, 7, 8], dec.new_cache())  # and it runs in it
+
+
+def test_a_decode_step_allocates_only_its_kv_cache(fake_gpu, bundle_copy, monkeypatch):
+    """Inputs and logits go to device buffers reused across tokens: each step's cudaMalloc calls are the
+    present K/V it returns (they become the next past), nothing else."""
+    from fake_tensorrt import cuda as fcuda
+
+    from edge.tensorrt.runtime import TensorRTDecoder
+
+    dec = TensorRTDecoder.from_entry(Bundle.open(bundle_copy), _build(bundle_copy))
+    cache = dec.new_cache()
+    dec.prefill([5, 6, 7, 8], cache)
+    dec.forward(np.array([[9]]), cache)  # the decode profile's scratch views exist from here on
+    calls = []
+    real = fcuda.runtime.cudaMalloc
+    monkeypatch.setattr(fcuda.runtime, "cudaMalloc", lambda n: (calls.append(n), real(n))[1])
+    for t in range(10):
+        dec.forward(np.array([[10 + t]]), cache)
+    assert len(calls) == 10 * len(dec.present_names)
+
+
+# ----------------------------------------------------------------------------- driver and bindings
+
+
+def test_bindings_newer_than_the_driver_say_which_cuda_python_to_install(fake_gpu, monkeypatch):
+    """cuda-python 13 on a CUDA 12 driver (JetPack 6, most T4/L4 clouds) answers cudaErrorInsufficientDriver to
+    everything: say what to install instead."""
+    from fake_tensorrt import cuda as fcuda
+
+    from edge.tensorrt.cuda_mem import CudaError, open_cuda
+
+    monkeypatch.setattr(fcuda.runtime, "BINDINGS_CUDA", "13.0")
+    fake_gpu.driver_cuda = "12.6"
+    with pytest.raises(CudaError, match=r"built for CUDA 13, but this NVIDIA driver runs CUDA 12.6 at most: "
+                                        r"pip install 'cuda-python>=12.0,<13'"):
+        open_cuda()
+    fake_gpu.driver_cuda = "13.0"
+    assert open_cuda().stream_handle
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+def _pycuda_only(monkeypatch) -> None:
+    """pycuda and no cuda-python (older Jetson images); `import pycuda.autoinit` does what the real one does."""
+    from fake_tensorrt import cuda as fcuda
+
+    for name, mod in (("pycuda", fcuda.pycuda), ("pycuda.driver", fcuda.pycuda_driver)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delitem(sys.modules, "pycuda.autoinit", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [fcuda.PycudaAutoinit(), *sys.meta_path])
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cuda" else
+                        (object() if name == "pycuda" else real_find(name, *a)))
+
+
+@pytest.mark.parametrize("bindings", ["cuda-python", "pycuda"])
+def test_the_server_decodes_on_its_scheduler_thread(fake_gpu, bundle_copy, monkeypatch, bindings):
+    """`edge-chat serve` loads the engine on the main thread and decodes on the scheduler's: the CUDA context
+    must be current there (pycuda's autoinit context is current only where it was imported)."""
+    from edge.generate import Generator
+    from edge.scheduler import Scheduler
+
+    if bindings == "pycuda":
+        _pycuda_only(monkeypatch)
+    _build(bundle_copy)
+    gen = Generator.from_bundle(Bundle.open(bundle_copy))
+    assert gen.choice.backend == "tensorrt" and type(gen.decoder.cuda).__name__ == \
+        ("PyCuda" if bindings == "pycuda" else "CudaPython")
+    ids = gen.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of Japan?"}])
+    cfg = gen.sampling(max_new_tokens=8, temperature=0)
+    alone = "".join(ev.text for ev in gen.stream(ids, cfg))
+    sched = Scheduler(gen, max_batch=2).start()
+    try:
+        text, last = sched.submit(ids, cfg).answer(timeout=60)
+    finally:
+        sched.stop()
+    assert last.finish_reason in ("stop", "length"), last.stats
+    assert text == alone
+
+
+# ----------------------------------------------------------------------------- the stand-in itself
+
+
+def test_the_stand_in_runs_an_engine_at_stream_synchronization(fake_gpu, bundle_copy):
+    """Work queued on a stream has not run until the stream is synchronized (what makes buffer-lifetime
+    bugs show): the logits buffer is untouched after enqueue, filled after the sync."""
+    from edge.tensorrt.cuda_mem import DeviceArray
+    from edge.tensorrt.runtime import TensorRTDecoder
+
+    dec = TensorRTDecoder.from_entry(Bundle.open(bundle_copy), _build(bundle_copy))
+    ctx = dec.contexts[0]
+    io = dec.io
+    with dec.cuda.active():
+        for name, arr in ((io.input_ids, np.array([[5, 6]])), (io.attention_mask, np.ones((1, 2))),
+                          (io.position_ids, np.array([[0, 1]]))):
+            d = DeviceArray.from_numpy(dec.cuda, arr.astype(dec._in_dtype[name]))
+            dec._bind_input(ctx, name, d, 1, 2, 0)
+            ctx.keep = [*getattr(ctx, "keep", []), d]
+        for name, val in zip(dec.past_names, dec.new_cache().values):
+            dec._bind_input(ctx, name, val, 1, 2, 0)
+        logits = DeviceArray.from_numpy(dec.cuda, np.full((1, 2, dec.dims.vocab_size), 7, np.float32))
+        ctx.set_tensor_address(io.logits, logits.ptr)
+        dec.cuda.sync()  # the copies above are queued too
+        present = [DeviceArray(dec.cuda, tuple(int(x) for x in ctx.get_tensor_shape(n)), dec._kv_dtype)
+                   for n in dec.present_names]
+        for n, d in zip(dec.present_names, present):
+            ctx.set_tensor_address(n, d.ptr)
+        assert ctx.execute_async_v3(dec.cuda.stream_handle)
+        view = fake_gpu.view(logits.ptr, logits.nbytes)
+        assert (view.view(np.float32) == 7).all()  # queued, not run
+        dec.cuda.sync()
+        assert not (view.view(np.float32) == 7).all()
