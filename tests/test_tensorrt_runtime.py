@@ -221,3 +221,20 @@ def test_the_stand_in_runs_an_engine_at_stream_synchronization(fake_gpu, bundle_
         assert (view.view(np.float32) == 7).all()  # queued, not run
         dec.cuda.sync()
         assert not (view.view(np.float32) == 7).all()
+
+
+# ----------------------------------------------------------------------------- the bundle changes last
+
+
+def test_an_engine_that_fails_its_golden_recheck_leaves_the_bundle_unchanged(fake_gpu, bundle_copy, monkeypatch):
+    """The engine is asked the golden prompts before it is renamed into place and the manifest names it: one
+    that does not load (here: no context, as with too little GPU memory) leaves no trace in the bundle."""
+    import fake_tensorrt
+
+    before = (bundle_copy / "manifest.json").read_bytes()
+    monkeypatch.setattr(fake_tensorrt.ICudaEngine, "create_execution_context", lambda self, *a: None)
+    with pytest.raises(BundleError, match="did not pass its golden re-check .*the bundle is unchanged"):
+        _build(bundle_copy, recheck=True)
+    assert (bundle_copy / "manifest.json").read_bytes() == before
+    assert not list((bundle_copy / "engines").glob("trt-*/*"))
+    Bundle.open(bundle_copy, verify="full")

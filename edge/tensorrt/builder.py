@@ -3,8 +3,9 @@
 Lives in `edge/` because Jetson engines are built on the Jetson (TensorRT cannot cross-build for it).
 Everything decided before TensorRT is called is in `edge.tensorrt.settings` (pure, tested everywhere);
 `plan_build` gathers it and refuses early (wrong precision, not enough RAM). `build_engine` is the thin
-part that calls TensorRT, writes the engine into the bundle (temp file, fsync, rename, then the
-manifest), records its fingerprint and re-asks the golden prompts with it.
+part that calls TensorRT, writes the engine beside the bundle's files (temp file, fsync), re-asks the
+golden prompts with it, and only then renames it into place and records it in the manifest: an engine
+that does not load or answer leaves the bundle as it was (a deploy then keeps the previous release).
 """
 
 from __future__ import annotations
@@ -158,7 +159,6 @@ def build_engine(plan: BuildPlan, machine: Machine, recheck_golden: bool = True)
         f.write(memoryview(blob))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, dst)
     fp = Fingerprint(format="tensorrt", precision=s.precision, opset=plan.source.fingerprint.opset,
                      variant="plain", providers=[], tensorrt_version=trt.__version__, cuda_version=machine.cuda,
                      gpu_sm=machine.gpu_sm or s.gpu_sm, gpu_name=machine.gpu_name,
@@ -166,17 +166,27 @@ def build_engine(plan: BuildPlan, machine: Machine, recheck_golden: bool = True)
                      version_compatible=s.version_compatible)
     entry = EngineEntry(name=plan.engine_name, file=rel, fingerprint=fp,
                         quality={"build_seconds": round(seconds, 1), "built_from": plan.source.name,
-                                 "device_profile": plan.profile.id, "size_bytes": dst.stat().st_size})
+                                 "device_profile": plan.profile.id, "size_bytes": tmp.stat().st_size})
+    if recheck_golden:
+        try:
+            entry = dataclasses.replace(entry, quality=entry.quality | _recheck(plan, entry, tmp))
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise BundleError(f"the new engine {plan.engine_name} did not pass its golden re-check ({type(e).__name__}: "
+                              f"{e}); the bundle is unchanged") from e
+    os.replace(tmp, dst)
     m = plan.bundle.manifest
     files = dict(m.files) | {rel: FileEntry(dst.stat().st_size, sha256_file(dst))}
     engines = [e for e in m.engines if e.name != entry.name] + [entry]
     plan.bundle.update_manifest(dataclasses.replace(m, engines=engines, files=files))
-    if recheck_golden:
-        entry = _recheck(plan, entry)
     return entry
 
 
-def _recheck(plan: BuildPlan, entry: EngineEntry) -> EngineEntry:
+def _recheck(plan: BuildPlan, entry: EngineEntry, engine_file: Path) -> dict:
+    """The golden prompts asked of the engine file not yet in the manifest: how many answers equal the source
+    graph's, and how many pass their keywords."""
     from edge.golden import recheck
     from edge.generate import Generator
     from edge.tokenizer import ChatTokenizer
@@ -184,11 +194,9 @@ def _recheck(plan: BuildPlan, entry: EngineEntry) -> EngineEntry:
 
     b = plan.bundle
     m = b.manifest
-    gen = Generator(ChatTokenizer(b.path(m.tokenizer.file), m.tokenizer), TensorRTDecoder.from_entry(b, entry),
-                    m.generation, b)
+    dec = TensorRTDecoder(engine_file, m.model, DecoderIO.from_dict(m.engine_io(plan.source)), name=entry.file,
+                          version_compatible=entry.fingerprint.version_compatible)
+    dec.engine = entry
+    gen = Generator(ChatTokenizer(b.path(m.tokenizer.file), m.tokenizer), dec, m.generation, b)
     result = recheck(gen, m, reference=plan.source.name)
-    entry = dataclasses.replace(entry, quality=entry.quality | {
-        "golden_same_as_source": result["same_as_reference"], "golden_passed": result["golden_passed"]})
-    engines = [entry if e.name == entry.name else e for e in m.engines]
-    b.update_manifest(dataclasses.replace(m, engines=engines))
-    return entry
+    return {"golden_same_as_source": result["same_as_reference"], "golden_passed": result["golden_passed"]}
