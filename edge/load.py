@@ -15,9 +15,10 @@ from edge.backends import Choice, decide, first_engine
 from edge.bundle import Bundle, EngineEntry
 from edge.decoder import Decoder
 from edge.errors import BundleError, EdgeChatError
-from edge.machine import detect
+from edge.machine import Machine, detect
 
 log = logging.getLogger("edgechat")
+DEFAULT_EP_BATCH = 8  # the TensorRT EP's decode profile where no device profile matches this GPU
 
 
 def pick_engine(bundle: Bundle, name: str | None = None, prefer_gpu: bool = False,
@@ -41,11 +42,32 @@ def pick_engine(bundle: Bundle, name: str | None = None, prefer_gpu: bool = Fals
     return onnx[0]  # no precision the table ranks: the bundle's first (ONNX Runtime says if it cannot run it)
 
 
+TRT_EP = "TensorrtExecutionProvider"
+
+
 def _ort_decoder(bundle: Bundle, entry: EngineEntry, threads: int | None, providers: list[str] | None,
-                 spin: bool) -> Decoder:
+                 spin: bool, here: Machine | None = None) -> Decoder:
     from edge.ort_decoder import OrtDecoder
 
-    return OrtDecoder.from_entry(bundle, entry, threads, providers, spin)
+    asked: list | None = list(providers) if providers is not None else None
+    if asked and TRT_EP in asked:  # the EP gets the engine's shape profiles, or it rebuilds as the past grows
+        asked[asked.index(TRT_EP)] = (TRT_EP, tensorrt_ep_options(bundle, entry, here or detect()))
+    return OrtDecoder.from_entry(bundle, entry, threads, asked, spin)
+
+
+def tensorrt_ep_options(bundle: Bundle, entry: EngineEntry, here: Machine) -> dict[str, str]:
+    """The TensorRT EP's profiles for this machine's device profile (batch and context), else the model's
+    context and the default batch."""
+    from edge.io_contract import DecoderIO
+    from edge.profiles import load_profile
+    from edge.tensorrt.settings import ort_tensorrt_options
+
+    m = bundle.manifest
+    batch, context = DEFAULT_EP_BATCH, m.model.max_context
+    if here.profile:
+        prof = load_profile(here.profile)
+        batch, context = prof.max_batch, min(prof.max_context, context)
+    return ort_tensorrt_options(m.model, DecoderIO.from_dict(m.engine_io(entry)), batch, context)
 
 
 def _tensorrt_decoder(bundle: Bundle, entry: EngineEntry) -> Decoder:
@@ -84,5 +106,5 @@ def load_decoder(bundle: Bundle, engine: str | None = None, threads: int | None 
         (log.warning if line.startswith("TensorRT '") else log.info)("skipped %s", line)
     log.info("running %s", choice.describe())
     if dec is None:
-        dec = _ort_decoder(bundle, m.engine(choice.engine), threads, list(choice.providers), spin)
+        dec = _ort_decoder(bundle, m.engine(choice.engine), threads, list(choice.providers), spin, here)
     return dec, choice

@@ -35,15 +35,17 @@ class OrtDecoder(Decoder):
     """One ONNX decoder graph in an InferenceSession (from a bundle, or a bare file during export)."""
 
     def __init__(self, path: str | os.PathLike, dims: ModelDims, io: DecoderIO, threads: int | None = None,
-                 providers: list[str] | None = None, name: str | None = None, spin: bool = True,
+                 providers: list | None = None, name: str | None = None, spin: bool = True,
                  session_config: dict[str, str] | None = None, arena: bool = True,
                  logit_ids: np.ndarray | None = None) -> None:
-        """`session_config`: extra ONNX Runtime session config entries (scripts/sweep_ort.py measures them);
+        """`providers`: execution provider names, or (name, options) pairs; `session_config`: extra ONNX Runtime
+        session config entries (scripts/sweep_ort.py measures them);
         `arena`: ONNX Runtime's CPU memory arena; `logit_ids`: the vocabulary ids of a cut LM head's columns."""
         ort = _ort()
         super().__init__(dims, io, name or os.path.basename(str(path)))
         self.logit_ids = logit_ids
-        want_gpu = bool(providers and any("CUDA" in p or "Tensorrt" in p for p in providers))
+        names = [p if isinstance(p, str) else p[0] for p in providers or []]  # a provider or (name, options)
+        want_gpu = any("CUDA" in p or "Tensorrt" in p for p in names)
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.intra_op_num_threads = threads or physical_cores()
@@ -55,12 +57,14 @@ class OrtDecoder(Decoder):
         so.enable_cpu_mem_arena = arena
         so.log_severity_level = 3
         asked = providers or ["CPUExecutionProvider"]
-        missing = [p for p in asked if p not in ort.get_available_providers()]
+        self.asked_providers = list(asked)
+        missing = [n for n in (names or ["CPUExecutionProvider"]) if n not in ort.get_available_providers()]
         if missing:
             log.warning("execution providers %s are not in this onnxruntime build (%s); they will be skipped",
                         missing, ort.get_available_providers())
+        keep = [p for p in asked if (p if isinstance(p, str) else p[0]) not in missing] or ["CPUExecutionProvider"]
         try:
-            self.session = ort.InferenceSession(str(path), so, providers=[p for p in asked if p not in missing] or ["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(str(path), so, providers=keep)
         except Exception as e:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail...)
             if session_config:
                 try:  # the settings, or the file? the same file without them tells
@@ -82,7 +86,7 @@ class OrtDecoder(Decoder):
 
     @classmethod
     def from_entry(cls, bundle: Bundle, entry: EngineEntry, threads: int | None = None,
-                   providers: list[str] | None = None, spin: bool = True) -> "OrtDecoder":
+                   providers: list | None = None, spin: bool = True) -> "OrtDecoder":
         """The decoder for one ONNX engine of a bundle (edge.load picks which)."""
         m = bundle.manifest
         io = DecoderIO.from_dict(m.engine_io(entry))

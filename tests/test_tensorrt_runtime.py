@@ -238,3 +238,48 @@ def test_an_engine_that_fails_its_golden_recheck_leaves_the_bundle_unchanged(fak
     assert (bundle_copy / "manifest.json").read_bytes() == before
     assert not list((bundle_copy / "engines").glob("trt-*/*"))
     Bundle.open(bundle_copy, verify="full")
+
+
+# ----------------------------------------------------------------------------- ONNX Runtime's TensorRT EP
+
+
+def _parse_profiles(text: str) -> dict[str, list[tuple[int, ...]]]:
+    out: dict[str, list[tuple[int, ...]]] = {}
+    for item in text.split(","):
+        name, dims = item.rsplit(":", 1)
+        out.setdefault(name, []).append(tuple(int(d) for d in dims.split("x")))
+    return out
+
+
+def test_the_tensorrt_ep_gets_the_engines_profiles(tiny_bundle, monkeypatch):
+    """Chosen from the fallback chain, ONNX Runtime's TensorRT EP is given the prefill and decode profiles of the
+    I/O contract (each input once per profile), an engine cache and a timing cache: without them it rebuilds its
+    engine every time the growing past leaves the shapes it has seen."""
+    from edge import load
+    from edge.machine import Machine
+    from edge.tensorrt.settings import shape_profiles
+    from edge.io_contract import DecoderIO
+
+    here = Machine(arch="x86_64", python="3.11.7", tensorrt="10.13.0", tensorrt_source="python", gpu_name="NVIDIA L4",
+                   gpu_sm="8.9", onnxruntime="1.31.1", profile="l4", cuda_bindings="cuda-python",
+                   ort_providers=["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(load, "detect", lambda: here)
+    dec, choice = load.load_decoder(tiny_bundle)  # this onnxruntime has no TensorRT EP: it runs on CPU, saying so
+    assert choice.backend == "onnxruntime-tensorrt"
+    name, opts = dec.asked_providers[0]
+    assert name == "TensorrtExecutionProvider" and dec.asked_providers[1:] == ["CUDAExecutionProvider",
+                                                                              "CPUExecutionProvider"]
+    m = tiny_bundle.manifest
+    io = DecoderIO.from_dict(m.engine_io(m.engine(choice.engine)))
+    from edge.profiles import load_profile
+
+    l4 = load_profile("l4")
+    profiles = shape_profiles(m.model, io, l4.max_batch, min(l4.max_context, m.model.max_context))
+    for k, key in enumerate(("trt_profile_min_shapes", "trt_profile_opt_shapes", "trt_profile_max_shapes")):
+        parsed = _parse_profiles(opts[key])
+        assert parsed == {n: [p.shapes[n][k] for p in profiles] for n in profiles[0].shapes}
+    assert opts["trt_engine_cache_enable"] == "True" and opts["trt_engine_cache_path"]
+    # every decode step of a long answer is inside the decode profile: no rebuild as the past grows
+    _, decode = profiles
+    lo, _, hi = decode.shapes[io.attention_mask]
+    assert all(lo[1] <= past + 1 <= hi[1] for past in range(1, m.model.max_context))

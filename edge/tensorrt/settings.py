@@ -102,6 +102,27 @@ def shape_profiles(dims: ModelDims, io: DecoderIO, max_batch: int, max_context: 
     return (ShapeProfile("prefill", with_kv(prefill, pb, pp)), ShapeProfile("decode", with_kv(decode, db, dp)))
 
 
+def ort_tensorrt_options(dims: ModelDims, io: DecoderIO, max_batch: int, max_context: int,
+                         cache_root: str | os.PathLike | None = None) -> dict[str, str]:
+    """Provider options for ONNX Runtime's TensorRT execution provider from the same I/O contract and profiles
+    an EdgeChat engine is built with. Without explicit profiles the EP builds an engine for the shapes it has
+    seen and rebuilds whenever one leaves them, and a decoder's past grows every token (minutes per token);
+    with them it builds once, and the engine cache keeps that build across restarts. Each input is named
+    once per profile (ONNX Runtime reads repeated names as further profiles). Precision comes from the graph."""
+    profiles = shape_profiles(dims, io, max_batch, max_context)
+
+    def shapes(k: int) -> str:
+        return ",".join(f"{name}:{'x'.join(str(d) for d in dims_[k])}" for p in profiles
+                        for name, dims_ in p.shapes.items())
+
+    base = Path(cache_root) if cache_root else Path(os.environ.get("EDGECHAT_CACHE") or Path.home() / ".cache" / "edgechat")
+    cache = base / "ort-tensorrt"
+    return {"trt_profile_min_shapes": shapes(0), "trt_profile_opt_shapes": shapes(1),
+            "trt_profile_max_shapes": shapes(2), "trt_engine_cache_enable": "True",
+            "trt_engine_cache_path": str(cache), "trt_timing_cache_enable": "True",
+            "trt_timing_cache_path": str(cache)}
+
+
 def workspace_bytes(profile: DeviceProfile) -> int:
     """A quarter of the memory left after the runtime's own overhead, in [256 MiB, 4 GiB], whole MiB."""
     spare = (profile.usable_memory_gb - profile.facts.get("runtime_overhead_gb", 0.0)) * GiB
