@@ -8,7 +8,7 @@ import sys
 
 from edge.args import Bounded, Parser, guarded
 from edge.errors import EdgeChatError
-from edge.tensorrt.command import add_engine_flags, build_engine_command
+from edge.engine_command import add_engine_flags, build_engine_command
 
 
 def _verify_mode(args: argparse.Namespace) -> str:
@@ -21,7 +21,7 @@ def _verify_mode(args: argparse.Namespace) -> str:
 
 def _gen(args: argparse.Namespace, spin: bool = True):
     from edge.bundle import Bundle
-    from edge.generate import Generator
+    from edge.decode.generate import Generator
 
     draft = _draft_bundle(args)  # before the target loads: a bad --draft fails in a second
     bundle = Bundle.open(args.bundle, verify=_verify_mode(args))
@@ -59,7 +59,7 @@ def _gen(args: argparse.Namespace, spin: bool = True):
 def _own_draft(gen, bundle, threads: int | None):
     """Draft with the model the bundle ships; one that does not load is a warning, not a failed start (the
     user did not ask for it: the target answers without it)."""
-    from edge.generate import Generator
+    from edge.decode.generate import Generator
 
     log = logging.getLogger("edgechat")
     acc = bundle.manifest.draft.get("acceptance", {}).get("acceptance")
@@ -118,7 +118,7 @@ def _print_stream(events, show_stats: bool) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from edge.chat import Chat
+    from edge.decode.chat import Chat
 
     gen = _gen(args)
     chat = Chat(gen, system=args.system)
@@ -157,7 +157,7 @@ class _PipeLines:
 
 
 def _repl(args: argparse.Namespace) -> int:
-    from edge.chat import Chat
+    from edge.decode.chat import Chat
 
     gen = _gen(args)
     chat = Chat(gen, system=args.system)
@@ -227,8 +227,8 @@ def _info(args: argparse.Namespace) -> int:
               f"{dr.get('num_parameters', 0) / 1e6:.1f}M params, {dr.get('bytes', 0) / 1e6:.1f} MB; acceptance "
               f"{acc.get('acceptance', float('nan')):.2f} at k={acc.get('k', '?')} against {dr.get('target_engine', '?')} "
               f"(measured at build); edge-chat drafts with it unless --no-draft")
-    from edge.backends import decide
-    from edge.machine import detect
+    from edge.backends.choose import decide
+    from edge.device.machine import detect
 
     here = detect()
     gpu = f"{here.gpu_name} (SM {here.gpu_sm})" if here.has_gpu else f"no GPU ({here.gpu_error or 'none found'})"
@@ -261,7 +261,7 @@ def _serve(args: argparse.Namespace) -> int:
                             "the model; add --auth user:password, or --insecure if this network is trusted")
     if not 1 <= args.port <= 65535:
         raise EdgeChatError(f"--port must be 1-65535, got {args.port}")
-    from edge.serve import bind_socket, serve
+    from edge.serve.app import bind_socket, serve
 
     sock = bind_socket(args.host, args.port)  # before the model loads: a port in use fails in a second, not after
     try:
@@ -277,7 +277,7 @@ def _golden(args: argparse.Namespace) -> int:
     """Re-ask the bundle's golden prompts with the backend that would serve here."""
     import json
 
-    from edge.golden import recheck
+    from edge.decode.golden import recheck
 
     gen = _gen(args)
     name = gen.decoder.engine.name if hasattr(gen.decoder, "engine") else None
@@ -296,7 +296,7 @@ def _golden(args: argparse.Namespace) -> int:
 def _build_engine(args: argparse.Namespace) -> int:
     profile = args.profile
     if profile == "auto":
-        from edge.machine import detect
+        from edge.device.machine import detect
 
         here = detect()
         if not here.profile:

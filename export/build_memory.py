@@ -37,7 +37,7 @@ def build_peak_bytes(dims: ModelDims, precisions: tuple[str, ...] = ()) -> float
 
 
 def machine_ram_bytes() -> int | None:
-    from edge.probe import mem_total_bytes
+    from edge.device.probe import mem_total_bytes
 
     return mem_total_bytes()
 

@@ -37,7 +37,7 @@ class EvalRequest:
 
 def _onnx_logits(path: Path, dims, io: dict, threads: int | None) -> Logits:
     from edge.io_contract import DecoderIO
-    from edge.ort_decoder import OrtDecoder
+    from edge.backends.onnxruntime import OrtDecoder
 
     dec = OrtDecoder(path, dims, DecoderIO.from_dict(io), threads=threads)
 
@@ -83,7 +83,7 @@ def eval_sets(tok, req: EvalRequest, max_context: int) -> dict[str, list[list[in
 
 def evaluate_bundle(req: EvalRequest) -> dict:
     from edge.bundle import Bundle
-    from edge.tokenizer import ChatTokenizer
+    from edge.decode.tokenizer import ChatTokenizer
 
     bundle = Bundle.open(req.bundle)
     m = bundle.manifest

@@ -12,7 +12,7 @@ from edge.precisions import FP16, FP32, INT4_WEIGHT, INT8_QDQ
 
 def _plan(args: argparse.Namespace) -> int:
     from edge.errors import EdgeChatError
-    from edge.profiles import load_profile
+    from edge.device.profiles import load_profile
     from export.build_memory import build_peak_bytes, machine_ram_bytes
     from export.console import table
     from export.planner import GB, QUALITY_ORDER, PlanOptions, bundle_quality, default_quality, plan_all, recommend
@@ -130,9 +130,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _engines(args: argparse.Namespace) -> int:
-    from edge.tensorrt.command import build_engine_command
+    from edge.engine_command import build_engine_command
     from edge.errors import EdgeChatError
-    from edge.profiles import load_profile
+    from edge.device.profiles import load_profile
 
     prof = load_profile(args.target)
     if prof.facts.get("build_on_device") and not args.dry_run:
@@ -270,7 +270,7 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", help="write the results here (default: BUNDLE.eval.json)")
     v.set_defaults(func=_eval)
 
-    from edge.tensorrt.command import add_engine_flags
+    from edge.engine_command import add_engine_flags
 
     e = sub.add_parser("engines", help="build a TensorRT engine for a T4 or L4 on this workstation",
                        description="Build a TensorRT engine into BUNDLE for the GPU in this machine (T4 or L4). "

@@ -23,11 +23,11 @@ from pathlib import Path
 
 from edge.bundle import Bundle
 from edge.errors import EdgeChatError
-from edge.machine import Machine, interpret
+from edge.device.machine import Machine, interpret
 from edge.precisions import FP16
 from export import runtime_set
 
-PROBE = Path(__file__).resolve().parent.parent / "edge" / "probe.py"
+PROBE = Path(__file__).resolve().parent.parent / "edge" / "device" / "probe.py"
 VERIFY = r'''
 import hashlib, json, sys
 root = sys.argv[1]
@@ -126,7 +126,7 @@ def preflight_table(m: Machine, bundle: Bundle, need_gb: float) -> list[tuple[st
 
 def preflight(t: Target, bundle: Bundle, reserve_gb: float = 1.0, profile: str | None = None,
               echo=print) -> Machine:
-    """Probe the device (edge/probe.py piped into its python3) and refuse what cannot work."""
+    """Probe the device (edge/device/probe.py piped into its python3) and refuse what cannot work."""
     r = t.run(f"{t.python} - {t.root}", "preflight", stdin=PROBE.read_text())
     try:
         m = interpret(json.loads(r.stdout.strip().splitlines()[-1]))

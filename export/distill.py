@@ -228,7 +228,7 @@ class TopkCache:
 
 def cpu_has_bf16() -> bool:
     """Native bf16 dot products (else torch emulates bf16 on the CPU, slower than fp32)."""
-    from edge.probe import cpu_flags
+    from edge.device.probe import cpu_flags
 
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})  # noqa: precision (CPU flags)
 

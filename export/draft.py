@@ -1,5 +1,5 @@
 """Draft stage: a small model cut from the target, distilled on the target's own answers, quantized and
-shipped inside the target's bundle, so `edge-chat` speculates with it by default (edge.speculative).
+shipped inside the target's bundle, so `edge-chat` speculates with it by default (edge.decode.speculative).
 
 Why built from the target: a draft must spell every token as the target does and agree with its choices.
 Dropping the target's least important blocks keeps its tokenizer, embedding and LM head; distilling on
@@ -187,10 +187,10 @@ def measure(target_onnx: Path, target_variant: str, hf_dir: Path, draft_root: Pa
 
     from edge.bundle import Bundle
     from edge.io_contract import io_for_variant
-    from edge.load import load_decoder
-    from edge.ort_decoder import OrtDecoder
-    from edge.sampling import SamplingConfig
-    from edge.speculative import AdaptiveK, ModelDrafter, SpecStats, _no_draft, speculative_tokens
+    from edge.backends.load import load_decoder
+    from edge.backends.onnxruntime import OrtDecoder
+    from edge.decode.sampling import SamplingConfig
+    from edge.decode.speculative import AdaptiveK, ModelDrafter, SpecStats, _no_draft, speculative_tokens
     from export.data import load_chats
     from export.load import chat_tokenizer, model_dims
 

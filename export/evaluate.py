@@ -19,9 +19,9 @@ import numpy as np
 from tqdm import tqdm
 
 from edge.io_contract import io_for_variant
-from edge.generate import Generator
-from edge.ort_decoder import OrtDecoder
-from edge.sampling import SamplingConfig
+from edge.decode.generate import Generator
+from edge.backends.onnxruntime import OrtDecoder
+from edge.decode.sampling import SamplingConfig
 from edge.precisions import FP32
 from export import vocab
 from export.onnx_weights import graph_bytes

@@ -125,6 +125,6 @@ def tokenizer_spec(hf_dir: Path) -> TokenizerSpec:
 
 
 def chat_tokenizer(hf_dir: Path):
-    from edge.tokenizer import ChatTokenizer
+    from edge.decode.tokenizer import ChatTokenizer
 
     return ChatTokenizer(hf_dir / "tokenizer.json", tokenizer_spec(hf_dir))

@@ -171,7 +171,7 @@ class TorchReference:
 def check_parity(src: Path, onnx_path: Path, opts: ExportOptions, io: DecoderIO = DecoderIO(),
                  prompts: list[list[dict]] = PARITY_PROMPTS, refs: TorchReference | None = None) -> dict:
     """Compare the ONNX graph with the PyTorch model it came from; raise ParityError listing every failure."""
-    from edge.ort_decoder import OrtDecoder
+    from edge.backends.onnxruntime import OrtDecoder
 
     refs = refs or TorchReference(src, opts.greedy_tokens)
     dims = dims_from_hf_config(json.loads((src / "config.json").read_text()))

@@ -15,8 +15,8 @@ from edge.bundle import ModelDims
 from edge.errors import RecipeError
 from edge.io_contract import DecoderIO
 from edge.precisions import BF16, FP8, FP16, FP32, INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
-from edge.profiles import DeviceProfile
-from edge.tensorrt.settings import TENSORRT_BUILD_RAM_FACTOR
+from edge.device.profiles import DeviceProfile
+from edge.backends.tensorrt.settings import TENSORRT_BUILD_RAM_FACTOR
 
 GB = 1e9
 # bytes per weight. MatMulNBits (int8-dynamic, int4-weight) stores one fp32 scale per block and, at 4 bits,

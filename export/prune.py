@@ -185,7 +185,7 @@ def count_params(cfg, shape: Shape | None = None) -> int:
 
 def fit_ratio(hf_dir: Path, profile: str, context: int, precision: str = INT8_DYNAMIC) -> float:
     """The largest fraction of the parameters whose `precision` model fits `profile` at `context`."""
-    from edge.profiles import load_profile
+    from edge.device.profiles import load_profile
     from export.load import model_dims
     from export.planner import PlanOptions, plan
 

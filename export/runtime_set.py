@@ -26,7 +26,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from edge.errors import EdgeChatError
-from edge.machine import Machine
+from edge.device.machine import Machine
 
 REPO = Path(__file__).resolve().parent.parent
 ORT_VERSION = "1.32.0"  # the CPU runtime this package is tested with (pyproject's [cpu] extra)

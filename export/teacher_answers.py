@@ -11,7 +11,7 @@ user prefix (system prompt, then `<|im_start|>user`), so the questions come from
 data (how-tos, facts, code, advice) rather than from people's small talk; it then answers them. This is
 the teacher's own chat distribution, the data a student would need to keep what the golden prompts ask.
 
-The answers come from the runtime that ships (edge.scheduler.Scheduler over the fused fp32 graph of the
+The answers come from the runtime that ships (edge.decode.scheduler.Scheduler over the fused fp32 graph of the
 teacher), batched, so a thousand answers take minutes on a CPU, not the better part of an hour that
 transformers' `generate` needs there.
 """
@@ -81,7 +81,7 @@ def user_prefix(tok) -> list[int]:
 
 def _teacher_questions(sched, tok, opts: AnswerOptions) -> tuple[list[list[dict]], dict]:
     """Sample user turns from the teacher (1.5x what is asked: questions cut at question_tokens are dropped)."""
-    from edge.sampling import SamplingConfig
+    from edge.decode.sampling import SamplingConfig
 
     prefix = user_prefix(tok)
     n = (3 * opts.count + 1) // 2
@@ -124,11 +124,11 @@ def unique(chats: list[list[dict]]) -> list[list[dict]]:
 def run(teacher_dir: Path, dst: Path, opts: AnswerOptions, threads: int | None = None) -> dict:
     """Write dst/answers.jsonl: chats whose last turn is the teacher's answer (only answers that ended
     at EOS: one cut off by max_tokens is often a loop, the very thing distillation should not teach)."""
-    from edge.scheduler import Scheduler
+    from edge.decode.scheduler import Scheduler
     from edge.io_contract import FUSED_IO
-    from edge.generate import Generator
-    from edge.ort_decoder import OrtDecoder
-    from edge.sampling import SamplingConfig
+    from edge.decode.generate import Generator
+    from edge.backends.onnxruntime import OrtDecoder
+    from edge.decode.sampling import SamplingConfig
     from export import fused_graph
     from export.architectures import dims_from_hf_config
     from export.data import load_chats

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from edge.probe import cpu_name  # noqa: E402
+from edge.device.probe import cpu_name  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "cities": {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 12, "maxItems": 12},

@@ -39,14 +39,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from edge.errors import EdgeChatError  # noqa: E402
-from edge.probe import cpu_name  # noqa: E402
+from edge.device.probe import cpu_name  # noqa: E402
 # 55 tokens with SmolLM2's chat template (system prompt included)
 PROMPT = [{"role": "user", "content": "Tell me about the history of the city of Kyoto, its temples and gardens, "
                                       "and why so many people like to visit it in the autumn months."}]
-CACHE = Path(os.environ.get("EDGECHAT_CACHE", Path.home() / ".cache" / "edgechat"))
-PEERS = Path(os.environ.get("EDGECHAT_PEERS", CACHE / "peers"))
-LLAMA_BIN = Path(os.environ.get("EDGECHAT_LLAMA_BIN", PEERS / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin"))
-GENAI_PYTHON = Path(os.environ.get("EDGECHAT_GENAI_PYTHON", PEERS / "genai-venv" / "bin" / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import CACHE, GENAI_PYTHON, LLAMA_BIN, PEERS  # noqa: E402,F401  where scripts/peers-setup.sh builds them
 
 
 def read_bandwidth_gbs(threads: int, size_mb: int = 1024, reps: int = 5) -> float:
@@ -115,7 +113,7 @@ def timed(prefill, step, new: int) -> dict:
 
 def _generator(spec: dict):
     from edge.bundle import Bundle
-    from edge.generate import Generator
+    from edge.decode.generate import Generator
 
     b = Bundle.open(spec["bundle"])
     return b, Generator.from_bundle(b, engine=spec["engine"], threads=spec["threads"], spin=not spec.get("no_spin"))
@@ -143,8 +141,8 @@ def row_edgechat(spec: dict) -> dict:
 
 def row_edgechat_stream(spec: dict) -> dict:
     """What `edge-chat run` does: Generator.stream (the scheduler, detokenizing), greedy; with spec["draft"]
-    a draft model's engine drafts (`--draft`: edge.speculative.ModelDrafter, paced by Pacer)."""
-    from edge.sampling import SamplingConfig
+    a draft model's engine drafts (`--draft`: edge.decode.speculative.ModelDrafter, paced by Pacer)."""
+    from edge.decode.sampling import SamplingConfig
 
     b, g = _generator(spec)
     dg = None
@@ -164,9 +162,9 @@ def row_edgechat_stream(spec: dict) -> dict:
 
 
 def row_edgechat_lookup(spec: dict) -> dict:
-    """Our decoder with prompt-lookup speculative decoding (edge.speculative), greedy."""
-    from edge.sampling import SamplingConfig
-    from edge.speculative import AdaptiveK, SpecStats, speculative_tokens
+    """Our decoder with prompt-lookup speculative decoding (edge.decode.speculative), greedy."""
+    from edge.decode.sampling import SamplingConfig
+    from edge.decode.speculative import AdaptiveK, SpecStats, speculative_tokens
 
     b, g = _generator(spec)
     cfg = SamplingConfig(max_new_tokens=spec["new"], ignore_eos=True)
@@ -187,7 +185,7 @@ def row_edgechat_lookup(spec: dict) -> dict:
 def verify_cost(d, ids: list[int], sizes=(1, 2, 3, 5, 9), reps: int = 8) -> dict:
     """What bounds speculation: the time of one target call of n tokens (pending + n - 1 drafts) over one of
     1 token, interleaved, median of `reps`. Speculation gains only when the tokens a call yields exceed it."""
-    from edge.speculative import rollback
+    from edge.decode.speculative import rollback
 
     cache = d.new_cache(capacity=len(ids) + 16)
     d.prefill(ids, cache)
@@ -454,7 +452,7 @@ def main() -> int:
         ap.error("--prompt is empty: give the user message to answer, or leave it out for the Kyoto question")
 
     from edge.bundle import Bundle
-    from edge.tokenizer import ChatTokenizer
+    from edge.decode.tokenizer import ChatTokenizer
 
     b = Bundle.open(a.bundle)
     m = b.manifest

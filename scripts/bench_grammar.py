@@ -27,7 +27,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from edge.probe import cpu_name  # noqa: E402
+from edge.device.probe import cpu_name  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -66,8 +66,8 @@ def _run(name: str, compile_fn, tokens: list[int], vocab: int) -> dict:
 
 
 def _llguidance(tokenizer_json: str, eos: list[int], vocab: int):
-    """(tokenizer build ms, compile function) for llguidance, through edge.grammar (what the server runs)."""
-    from edge.grammar import GrammarVocab, compile_json
+    """(tokenizer build ms, compile function) for llguidance, through edge.decode.grammar (what the server runs)."""
+    from edge.decode.grammar import GrammarVocab, compile_json
 
     t = time.perf_counter()
     gv = GrammarVocab(tokenizer_json, vocab, eos)
@@ -113,7 +113,7 @@ def main() -> int:
     try:
         import outlines_core
 
-        from edge.grammar import token_bytes
+        from edge.decode.grammar import token_bytes
 
         t = time.perf_counter()
         by_bytes: dict[bytes, list[int]] = {}

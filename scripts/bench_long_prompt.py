@@ -32,7 +32,7 @@ PARAGRAPH = ("Kyoto was the capital of Japan for more than a thousand years. Its
 
 
 def run_mode(gen, chunk: int | None, users: int, prompt_ids: list[int], stream_tokens: int) -> dict:
-    from edge.scheduler import Scheduler
+    from edge.decode.scheduler import Scheduler
 
     s = Scheduler(gen, max_batch=users + 1, max_queue=4)
     s.admission.interleaved_span = chunk
@@ -83,10 +83,10 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "long-prompt.json"))
     a = ap.parse_args()
 
-    from edge.scheduler import Admission
+    from edge.decode.scheduler import Admission
     from edge.bundle import Bundle
     from bench_decode import cpu_name
-    from edge.generate import Generator
+    from edge.decode.generate import Generator
 
     gen = Generator.from_bundle(Bundle.open(a.bundle), engine=a.engine, threads=a.threads)
     if not gen.decoder.io.fused:

@@ -88,7 +88,7 @@ def start_llama_server(gguf: str, slots: int, threads: int | None, ctx_per_slot:
     """llama.cpp's own server (scripts/peers-setup.sh builds it): `slots` parallel sequences with continuous
     batching, the same threads as ours, on a free loopback port; `poll` 0: its workers sleep instead of spinning."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_decode import LLAMA_BIN
+    from peers import LLAMA_BIN
 
     port = free_port()
     cmd = [str(LLAMA_BIN / "llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),

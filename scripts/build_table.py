@@ -24,7 +24,7 @@ from edge.bundle import Bundle  # noqa: E402
 def machine() -> str:
     import os
 
-    from edge.probe import cpu_name, mem_total_bytes
+    from edge.device.probe import cpu_name, mem_total_bytes
 
     return f"{cpu_name()}, {os.cpu_count()} cores, {(mem_total_bytes() or 0) / 1024 ** 3:.0f} GiB"
 

@@ -47,7 +47,7 @@ def main() -> None:
         ap.error("nothing to score: give --onnx NAME=FILE or --gguf NAME=FILE")
 
     from edge.bundle import Bundle
-    from edge.tokenizer import ChatTokenizer
+    from edge.decode.tokenizer import ChatTokenizer
     from export.bundle_eval import EvalRequest, _gguf_logits, _onnx_logits, eval_sets
     from export.evaluate import summarize, token_metrics
 

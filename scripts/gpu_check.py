@@ -4,7 +4,7 @@
    on CPU, and tokens/s on both;
 2. one distillation step with AMP on CUDA (bf16 where the GPU has it, else fp16 + GradScaler, as
    export.distill chooses) against the same step in fp32 on CPU: loss and gradient norm;
-3. if TensorRT imports: build fp16 and int8-qdq engines into a copy of the bundle (edge.tensorrt.builder) and
+3. if TensorRT imports: build fp16 and int8-qdq engines into a copy of the bundle (edge.backends.tensorrt.builder) and
    decode with TensorRTDecoder, greedy tokens against ONNX Runtime CPU, tokens/s.
 
 Writes one JSON (schema `SCHEMA`, checked by `validate`); on a machine without a GPU every CUDA part says
@@ -41,7 +41,7 @@ def _error(e: BaseException) -> dict:
 
 
 def machine() -> dict:
-    from edge.machine import detect
+    from edge.device.machine import detect
 
     m = detect()
     return {k: getattr(m, k) for k in ("arch", "gpu_name", "gpu_sm", "gpu_error", "tensorrt", "cuda", "cuda_bindings",
@@ -49,7 +49,7 @@ def machine() -> dict:
 
 
 def _decode(gen, new_tokens: int) -> dict:
-    from edge.sampling import SamplingConfig
+    from edge.decode.sampling import SamplingConfig
 
     cfg = SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True)
     tokens, n, seconds = [], 0, 0.0
@@ -74,7 +74,7 @@ def ort_cuda(bundle_path: Path, new_tokens: int) -> dict:
     import onnxruntime as ort
 
     from edge.bundle import Bundle
-    from edge.generate import Generator
+    from edge.decode.generate import Generator
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return _part("no GPU", f"onnxruntime {ort.__version__} has {ort.get_available_providers()} "
@@ -148,7 +148,7 @@ def distill_amp(model_dir: Path | None) -> dict:
 def tensorrt_part(bundle_path: Path, new_tokens: int, work: Path) -> dict:
     import importlib.util
 
-    from edge.machine import detect
+    from edge.device.machine import detect
 
     here = detect()
     if not here.has_gpu:
@@ -156,9 +156,9 @@ def tensorrt_part(bundle_path: Path, new_tokens: int, work: Path) -> dict:
     if importlib.util.find_spec("tensorrt") is None or not here.tensorrt:
         return _part("no TensorRT", "tensorrt does not import here (pip install tensorrt, or JetPack's python3-libnvinfer)")
     from edge.bundle import Bundle
-    from edge.generate import Generator
-    from edge.tensorrt.builder import build_engine, plan_build
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.decode.generate import Generator
+    from edge.backends.tensorrt.builder import build_engine, plan_build
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
     # a GPU EdgeChat has no profile for (an H100/H200, an A100) is planned with the L4's limits; the engine's
     # fingerprint still records this GPU's own SM
@@ -170,8 +170,7 @@ def tensorrt_part(bundle_path: Path, new_tokens: int, work: Path) -> dict:
     for precision in ("fp16", "int8-qdq"):
         try:
             t0 = time.perf_counter()
-            entry = build_engine(plan_build(bundle, profile, precision, tensorrt_version=here.tensorrt), here,
-                                 recheck_golden=False)
+            entry = build_engine(plan_build(bundle, profile, precision, tensorrt_version=here.tensorrt), here)
             build_s = round(time.perf_counter() - t0, 1)
             bundle = Bundle.open(copy)
             source = entry.quality["built_from"]

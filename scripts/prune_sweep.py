@@ -101,7 +101,7 @@ def main() -> None:
 
 
 def save(a: argparse.Namespace, dopts, rows: list[dict]) -> None:
-    from edge.probe import cpu_name
+    from edge.device.probe import cpu_name
 
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps({

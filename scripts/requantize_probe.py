@@ -35,7 +35,7 @@ def main() -> None:
 
     from edge.bundle import Bundle
     from edge.errors import EdgeChatError
-    from edge.tokenizer import ChatTokenizer
+    from edge.decode.tokenizer import ChatTokenizer
     from export.bundle_eval import EvalRequest, _onnx_logits, eval_sets
     from export.evaluate import summarize, token_metrics
     from export.quantize import QuantizeOptions, run

@@ -31,7 +31,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from edge.probe import cpu_name  # noqa: E402
+from edge.device.probe import cpu_name  # noqa: E402
 
 QUESTIONS = ["What is the capital of Japan?", "Tell me a fun fact about octopuses.", "How are you doing today?",
              "Write one sentence about the ocean.", "Name three colours.", "Why is the sky blue?"]

@@ -45,8 +45,8 @@ def row(spec: dict) -> dict:
     """Load one engine with one setting and time a greedy answer after a warm-up one (child process)."""
     from edge.bundle import Bundle
     from edge.io_contract import DecoderIO
-    from edge.ort_decoder import OrtDecoder
-    from edge.tokenizer import ChatTokenizer
+    from edge.backends.onnxruntime import OrtDecoder
+    from edge.decode.tokenizer import ChatTokenizer
 
     b = Bundle.open(spec["bundle"])
     m, e = b.manifest, b.manifest.engine(spec["engine"])

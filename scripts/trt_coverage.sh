@@ -4,7 +4,7 @@
 # Run by .ci/run after the tests; ~40 s on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MODULES=(edge.tensorrt.builder edge.tensorrt.runtime edge.tensorrt.settings edge.tensorrt.cuda_mem edge.backends export.trt_compat)
+MODULES=(edge.backends.tensorrt.builder edge.backends.tensorrt.runtime edge.backends.tensorrt.settings edge.backends.tensorrt.cuda_mem edge.backends.choose export.trt_compat)
 export COVERAGE_FILE=.coverage.tensorrt
 .venv/bin/python -m pytest -p no:cacheprovider -q -m "not slow" -W ignore tests/test_tensorrt.py \
   tests/test_tensorrt_engine.py "${MODULES[@]/#/--cov=}" --cov-report=term-missing --cov-report=json:.coverage.tensorrt.json

@@ -86,7 +86,7 @@ def tiny_bundle(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="session")
 def tiny_generator(tiny_bundle):
     from edge.bundle import Bundle
-    from edge.generate import Generator
+    from edge.decode.generate import Generator
 
     return Generator.from_bundle(Bundle.open(tiny_bundle.root), engine="fp32", threads=1)
 
@@ -95,7 +95,7 @@ def tiny_generator(tiny_bundle):
 def fused_generator(tiny_bundle):
     """The int8-dynamic engine: quantized from the fused (GroupQueryAttention, in-place KV) graph."""
     from edge.bundle import Bundle
-    from edge.generate import Generator
+    from edge.decode.generate import Generator
 
     gen = Generator.from_bundle(Bundle.open(tiny_bundle.root), engine="int8-dynamic", threads=1)
     assert gen.decoder.io.fused
@@ -129,7 +129,7 @@ def assert_batched_steps_equal_alone(dec, prompts: list[list[int]], tokens: list
     tokens[i]), and check every row's logits equal the same row decoded alone."""
     import numpy as np
 
-    from edge.cache import SharedBatchCache
+    from edge.decode.cache import SharedBatchCache
 
     bc = SharedBatchCache(dec, slots=len(prompts) + 1, capacity=capacity)
     for p in prompts:

@@ -34,7 +34,7 @@ def test_every_architecture_in_the_table_has_a_case():
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_architecture_builds_and_runs(case, tmp_path):
     from edge.bundle import Bundle
-    from edge.ort_decoder import OrtDecoder
+    from edge.backends.onnxruntime import OrtDecoder
     from export.recipe import BuildOptions, build
 
     arch = case.split("-")[0]

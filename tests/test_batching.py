@@ -8,11 +8,11 @@ import time
 import numpy as np
 import pytest
 
-from edge.cache import BatchCache, SharedBatchCache
-from edge.scheduler import QueueFullError, Scheduler
+from edge.decode.cache import BatchCache, SharedBatchCache
+from edge.decode.scheduler import QueueFullError, Scheduler
 from edge.errors import ContextOverflowError
-from edge.metrics import Metrics
-from edge.decoder import boundary_at_or_below
+from edge.serve.metrics import Metrics
+from edge.backends.decoder import boundary_at_or_below
 
 from conftest import assert_batched_steps_equal_alone
 
@@ -154,7 +154,7 @@ def test_batched_step_logits_equal_single_row_logits(tiny_bundle, engine):
     """A row's logits must not depend on which other rows share the step (kernels whose numerics change
     with the batch size would make batched answers drift from single-user ones)."""
     from edge.bundle import Bundle
-    from edge.generate import Generator
+    from edge.decode.generate import Generator
 
     dec = Generator.from_bundle(Bundle.open(tiny_bundle.root), engine=engine, threads=1).decoder
     prompts = [list(range(10, 13)), list(range(20, 27)), list(range(30, 35))]
@@ -226,7 +226,7 @@ def test_side_row_follows_growth_and_closing_up_then_joins(fused_generator):
 def test_long_prompt_is_prefilled_between_decode_steps(fused_generator, monkeypatch):
     """Fused graphs: while a long prompt is prefilled (a chunk per step), the answer already streaming
     keeps getting tokens; both answers equal their single-user answers."""
-    import edge.scheduler as batching
+    import edge.decode.scheduler as batching
 
     gen = fused_generator
     monkeypatch.setattr(batching, "ADMISSION", batching.Admission(long_prompt=32))
@@ -256,7 +256,7 @@ def test_long_prompt_is_prefilled_between_decode_steps(fused_generator, monkeypa
 
 def test_long_prompt_answers_equal_single_user_answers(fused_generator, monkeypatch):
     """Two long prompts (one waits for the side slot) and short ones, cancelled mid-prefill too."""
-    import edge.scheduler as batching
+    import edge.decode.scheduler as batching
 
     gen = fused_generator
     monkeypatch.setattr(batching, "ADMISSION", batching.Admission(long_prompt=16))
@@ -317,7 +317,7 @@ def test_scheduler_reuses_a_conversation_on_its_next_turn(fused_generator, monke
     a new question) prefills only the new tokens, says so in its stats and metrics, and answers exactly as
     a fresh prefill would; also when that turn is long enough to be prefilled in chunks between decode
     steps; a prompt cache of 0 MB turns it off."""
-    import edge.scheduler as batching
+    import edge.decode.scheduler as batching
 
     gen = fused_generator
     cfg = gen.sampling(max_new_tokens=12, ignore_eos=True)
@@ -428,7 +428,7 @@ def wide_fused_generator(tmp_path_factory):
     cache change answers (SmolLM2: 5 of 6 greedy answers) and what the 64-wide model does not show."""
     from conftest import make_tiny_model
     from edge.bundle import Bundle
-    from edge.generate import Generator
+    from edge.decode.generate import Generator
     from export.recipe import BuildOptions, build
 
     src = make_tiny_model(tmp_path_factory.mktemp("wide") / "tiny-llama-wide", hidden=256, intermediate=768)

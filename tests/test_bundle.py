@@ -76,7 +76,7 @@ def test_unknown_schema_version(tiny_bundle, tmp_path):
 
 def test_schema_1_bundle_still_reads(tiny_bundle, tmp_path):
     """A bundle from before per-engine IO (schema 1, plain engines only) loads and runs: every engine uses `io`."""
-    from edge.generate import Generator
+    from edge.decode.generate import Generator
 
     dst = copy_bundle(tiny_bundle, tmp_path)
     m = json.loads((dst / "manifest.json").read_text())

@@ -47,8 +47,8 @@ BLOCK = ("import sys\n"
 
 def test_edge_runs_without_torch_transformers_or_export(tiny_bundle):
     code = BLOCK + (
-        "from edge.bundle import Bundle\nfrom edge.generate import Generator\nfrom edge.chat import Chat\n"
-        "import edge.cli, edge.profiles\n"
+        "from edge.bundle import Bundle\nfrom edge.decode.generate import Generator\nfrom edge.decode.chat import Chat\n"
+        "import edge.cli, edge.device.profiles\n"
         f"g = Generator.from_bundle(Bundle.open({str(tiny_bundle.root)!r}))\n"
         "c = Chat(g)\nprint(''.join(e.text for e in c.ask('Hello', g.sampling(max_new_tokens=5))) is not None)\n"
         "assert not any(m.split('.')[0] in ('torch', 'transformers', 'export') for m in sys.modules)\n")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.probe import cpu_flags
+from edge.device.probe import cpu_flags
 
 from conftest import assert_batched_steps_equal_alone, run_cli
 
@@ -57,9 +57,9 @@ def test_parity_recorded(smol_bundle):
 def test_fused_greedy_equals_plain_greedy(smol_bundle):
     """Same fp32 weights in both graphs: the runtime's greedy answers are token for token the same."""
     from edge.io_contract import FUSED_IO
-    from edge.generate import Generator
-    from edge.ort_decoder import OrtDecoder
-    from edge.sampling import SamplingConfig
+    from edge.decode.generate import Generator
+    from edge.backends.onnxruntime import OrtDecoder
+    from edge.decode.sampling import SamplingConfig
 
     plain = Generator.from_bundle(smol_bundle, engine="fp32", threads=2)
     work = smol_bundle.root.with_name(smol_bundle.root.name + ".work")
@@ -151,7 +151,7 @@ def test_batched_decode_equals_single_user_decode(smol_bundle, engine):
     MatMulNBits nodes broke this by up to 1 logit, which is why the int8 recipe no longer uses them)."""
     import numpy as np
 
-    from edge.generate import Generator
+    from edge.decode.generate import Generator
 
     prompts = [list(np.random.RandomState(s).randint(100, 5000, n)) for s, n in ((0, 5), (1, 9), (2, 7))]
     dec = Generator.from_bundle(smol_bundle, engine=engine, threads=2).decoder
@@ -169,11 +169,11 @@ _SPEC_INT8_NOT_EXACT = pytest.mark.xfail(
 
 @pytest.mark.parametrize("engine", ["fp32", pytest.param("int8-dynamic", marks=_SPEC_INT8_NOT_EXACT)])
 def test_speculative_greedy_equals_plain_greedy(smol_bundle, engine):
-    """Speculative decoding (edge.speculative) on the real model: token for token the plain greedy answer,
+    """Speculative decoding (edge.decode.speculative) on the real model: token for token the plain greedy answer,
     for k = 1..8 with drafts that are partly wrong, and for prompt lookup."""
-    from edge.generate import Generator
-    from edge.sampling import SamplingConfig
-    from edge.speculative import SpecStats, speculative_tokens
+    from edge.decode.generate import Generator
+    from edge.decode.sampling import SamplingConfig
+    from edge.decode.speculative import SpecStats, speculative_tokens
 
     from test_speculative import FixedK, oracle
 
@@ -190,11 +190,11 @@ def test_speculative_greedy_equals_plain_greedy(smol_bundle, engine):
 
 
 def test_draft_model_greedy_equals_plain_greedy(smol_bundle):
-    """A real draft model (the bundle's int8 engine drafting for its fp32 graph, edge.speculative.ModelDrafter):
+    """A real draft model (the bundle's int8 engine drafting for its fp32 graph, edge.decode.speculative.ModelDrafter):
     token for token the fp32 greedy answer for k = 1..8, with drafts accepted and rejected."""
-    from edge.generate import Generator
-    from edge.sampling import SamplingConfig
-    from edge.speculative import ModelDrafter, SpecStats, speculative_tokens
+    from edge.decode.generate import Generator
+    from edge.decode.sampling import SamplingConfig
+    from edge.decode.speculative import ModelDrafter, SpecStats, speculative_tokens
 
     from test_speculative import FixedK
 
@@ -219,7 +219,7 @@ def test_a_draft_cut_from_the_default_model_scores_its_head_tokens_as_the_whole_
     import numpy as np
 
     from edge.io_contract import FUSED_IO
-    from edge.ort_decoder import OrtDecoder
+    from edge.backends.onnxruntime import OrtDecoder
     from export import draft, fused_graph, prune
     from export.load import chat_tokenizer, model_dims
 

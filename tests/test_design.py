@@ -1,5 +1,6 @@
-"""The architecture's rules, checked on the source (docs/design.md): no import circles, `edge` free of the
-export side, backends that do not know each other, and precision names only from their table."""
+"""The architecture's rules, checked on the source (docs/design.md): no import circles (not even for a type
+checker), `edge` free of the export side, edge/ in four floors that import only downward, backends that do
+not know each other, precision names only from their table, and a design page that names only real files."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("edge", "export")
+# edge/'s floors, lowest first: a module imports its own floor, the floors below it, and the contract
+FLOORS = ("device", "backends", "decode", "serve")
+CONTRACT = {"edge", "edge.bundle", "edge.io_contract", "edge.precisions", "edge.errors", "edge.args"}
+CLI = {"edge.cli", "edge.engine_command"}  # the commands: above every floor
 
 
 def _module(path: Path) -> str:
@@ -55,14 +60,14 @@ def _outside_functions(tree: ast.AST):
             todo.extend(ast.iter_child_nodes(node))
 
 
-def _runtime_imports(path: Path, top_level_only: bool = False) -> set[str]:
+def _runtime_imports(path: Path, top_level_only: bool = False, type_only: bool = False) -> set[str]:
     """Modules `path` imports when it runs: module level and inside functions (unless `top_level_only`),
-    relative imports resolved, not what only a type checker reads (`if TYPE_CHECKING:`)."""
+    relative imports resolved; what only a type checker reads (`if TYPE_CHECKING:`) too when `type_only`."""
     tree = ast.parse(path.read_text(), str(path))
     mod, is_package = _module(path), path.name == "__init__.py"
     skip: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and (kind := _type_only(node.test)) is not None:
+        if not type_only and isinstance(node, ast.If) and (kind := _type_only(node.test)) is not None:
             skip.update(id(n) for b in (node.body if kind else node.orelse) for n in ast.walk(b))
     nodes = _outside_functions(tree) if top_level_only else ast.walk(tree)
     out: set[str] = set()
@@ -72,10 +77,14 @@ def _runtime_imports(path: Path, top_level_only: bool = False) -> set[str]:
     return out
 
 
-def _graph(top_level_only: bool) -> dict[str, set[str]]:
-    files = {_module(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
-    return {mod: {n for n in _runtime_imports(path, top_level_only) if n in files and n != mod}
-            for mod, path in files.items()}
+def _graph(top_level_only: bool, type_only: bool = False, folders: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    files = {_module(p): p for pkg in folders for p in (ROOT / pkg).rglob("*.py")}
+
+    def resolve(n: str) -> str:  # scripts import their siblings by bare name (`from bench_serve import ...`)
+        return n if n in files or "scripts" not in folders else f"scripts.{n}"
+
+    return {mod: {m for n in _runtime_imports(path, top_level_only, type_only) if (m := resolve(n)) in files
+                  and m != mod} for mod, path in files.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -107,6 +116,44 @@ def test_no_import_circle(top_level_only):
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
+@pytest.mark.parametrize("folders", [PACKAGES, ("scripts",)], ids=["edge+export", "scripts"])
+def test_no_import_circle_even_for_the_type_checker(folders):
+    """`if TYPE_CHECKING:` imports count too: a type-only circle is two modules that each need the other."""
+    cycle = _cycle(_graph(False, type_only=True, folders=folders))
+    assert cycle is None, "import circle (type-only imports counted): " + " -> ".join(cycle)
+
+
+def _floor(mod: str) -> int | None:
+    parts = mod.split(".")
+    return FLOORS.index(parts[1]) if len(parts) > 1 and parts[1] in FLOORS else None
+
+
+def test_edge_is_four_floors_that_import_only_downward():
+    """edge/ holds the contract (bundle, I/O contract, precisions, errors), the CLI, and four folders, lowest
+    first: device/ (this machine), backends/ (decoders and the choice between them), decode/ (the loop, caches,
+    sampling, tokenizer), serve/ (HTTP, page, API shapes). A module imports only its floor and those below."""
+    edge = ROOT / "edge"
+    top = {_module(p) for p in edge.glob("*.py")}
+    assert top <= CONTRACT | CLI, f"modules at edge/'s top level outside the contract and the CLI: {top - CONTRACT - CLI}"
+    assert {p.name for p in edge.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(FLOORS)
+    modules = {_module(p) for p in edge.rglob("*.py")}
+    bad = []
+    for path in edge.rglob("*.py"):
+        mod = _module(path)
+        here = _floor(mod)
+        for n in _runtime_imports(path, type_only=True):
+            n = n if n in modules else n.rsplit(".", 1)[0]  # `from edge.x import Name` names edge.x.Name too
+            if n not in modules or n in CONTRACT or n == mod:
+                continue
+            if mod in CONTRACT and n not in CONTRACT:
+                bad.append(f"{mod} (contract) imports {n}")
+            elif here is not None and n not in CLI and (f := _floor(n)) is not None and f > here:
+                bad.append(f"{mod} ({FLOORS[here]}) imports {n} ({FLOORS[f]})")
+            elif here is not None and n in CLI:
+                bad.append(f"{mod} imports the CLI {n}")
+    assert not bad, "imports that go up a floor:\n" + "\n".join(sorted(bad))
+
+
 def test_edge_imports_nothing_of_the_export_side():
     heavy = ("export", "torch", "transformers", "optimum", "onnx", "datasets")
     for path in (ROOT / "edge").rglob("*.py"):
@@ -115,16 +162,16 @@ def test_edge_imports_nothing_of_the_export_side():
 
 
 def test_backends_do_not_import_each_other():
-    backends = {"edge.ort_decoder", "edge.tensorrt.runtime"}
+    backends = {"edge.backends.onnxruntime", "edge.backends.tensorrt.runtime"}
     for mod in backends:
         path = ROOT / (mod.replace(".", "/") + ".py")
         other = {n for n in _runtime_imports(path) if any(n == b or n.startswith(b + ".") for b in backends - {mod})}
-        assert not other, f"{mod} imports {other}: only edge.load knows every backend"
-    users = [p for p in (ROOT / "edge").rglob("*.py") if _module(p) not in backends | {"edge.load"}]
+        assert not other, f"{mod} imports {other}: only edge.backends.load knows every backend"
+    users = [p for p in (ROOT / "edge").rglob("*.py") if _module(p) not in backends | {"edge.backends.load"}]
     for p in users:  # the loop and the caches reach a backend only through the Decoder interface
-        if _module(p) in ("edge.tensorrt.builder", "edge.tensorrt.command"):
+        if _module(p) in ("edge.backends.tensorrt.builder", "edge.engine_command"):
             continue  # the builder loads the engine it just built to re-ask the golden prompts
-        direct = {n for n in _runtime_imports(p) if n in backends or n.startswith("edge.tensorrt.runtime")}
+        direct = {n for n in _runtime_imports(p) if n in backends or n.startswith("edge.backends.tensorrt.runtime")}
         assert not direct, f"{_module(p)} imports backend {direct}"
 
 
@@ -150,3 +197,23 @@ def test_precision_names_come_from_the_table():
                         and node.value in precisions.NAMES and node.lineno not in exempt:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
     assert not offenders, "precision names as literals (use edge.precisions):\n" + "\n".join(offenders)
+
+
+def test_design_page_names_only_files_that_exist():
+    """Every path docs/design.md names (in backticks or links) is a file or folder of this checkout."""
+    import re
+
+    text = (ROOT / "docs" / "design.md").read_text()
+    named = set(re.findall(r"`((?:edge|export|scripts|tests|docs|device_profiles|recipes)/[\w./*-]*)`", text))
+    named |= set(re.findall(r"\]\(((?:\.\./)?[\w./-]+\.(?:md|py|toml))\)", text))
+    missing = []
+    for name in sorted(named):
+        rel = name.replace("../", "")
+        path = (ROOT / "docs" / name) if name.endswith(".md") and "/" not in name else ROOT / rel
+        if "*" in rel:
+            if not list(ROOT.glob(rel)):
+                missing.append(name)
+        elif not path.exists():
+            missing.append(name)
+    assert len(named) > 20, f"docs/design.md names only {len(named)} paths: is the pattern right?"
+    assert not missing, f"docs/design.md names paths that do not exist: {missing}"

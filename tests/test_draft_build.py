@@ -44,8 +44,8 @@ def built(tmp_path_factory):
 
 def test_the_bundle_ships_a_verified_draft_with_its_measured_acceptance(built):
     from edge.bundle import MANIFEST, Bundle
-    from edge.speculative import same_vocabulary
-    from edge.tokenizer import ChatTokenizer
+    from edge.decode.speculative import same_vocabulary
+    from edge.decode.tokenizer import ChatTokenizer
 
     b, opts, lines = built
     m = Bundle.open(b.root, verify="full").manifest
@@ -72,9 +72,9 @@ def test_the_bundle_ships_a_verified_draft_with_its_measured_acceptance(built):
 def test_the_recorded_acceptance_is_what_the_runtime_gets(built):
     """Recount the acceptance with the shipped engines (greedy, k = 4): the build's number is not invented."""
     from edge.bundle import Bundle
-    from edge.generate import Generator
-    from edge.sampling import SamplingConfig
-    from edge.speculative import AdaptiveK, ModelDrafter, SpecStats, speculative_tokens
+    from edge.decode.generate import Generator
+    from edge.decode.sampling import SamplingConfig
+    from edge.decode.speculative import AdaptiveK, ModelDrafter, SpecStats, speculative_tokens
     from export.data import load_chats
 
     b, _, _ = built
@@ -110,7 +110,7 @@ def test_the_bundles_draft_really_drafts_and_golden_rechecks_never_draft(built):
     """Through edge-chat's own loader: the answer's steps were drafted and checked (not just a log line); the
     golden re-check (answers compared with the recorded ones) loads no draft."""
     from edge.cli import _gen, make_parser
-    from edge.sampling import SamplingConfig
+    from edge.decode.sampling import SamplingConfig
 
     b, _, _ = built
     gen = _gen(make_parser().parse_args(["run", str(b.root), "Hi", "--engine", "int8-dynamic", "--threads", "1"]))
@@ -261,7 +261,7 @@ def test_a_cut_head_scores_its_tokens_as_the_whole_head_does(tmp_path):
 
     from edge.errors import BundleError
     from edge.io_contract import FUSED_IO
-    from edge.ort_decoder import OrtDecoder, _logit_ids
+    from edge.backends.onnxruntime import OrtDecoder, _logit_ids
     from export import draft, fused_graph, load
     from export.load import model_dims
     from export.model_source import resolve

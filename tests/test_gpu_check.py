@@ -21,7 +21,7 @@ def _gpu_check():
 
 
 def test_gpu_check_json_on_a_machine_without_gpu(tiny_bundle, tmp_path, capsys):
-    from edge.machine import detect
+    from edge.device.machine import detect
 
     if detect().has_gpu:
         pytest.skip("this machine has a GPU: run scripts/gpu_check.sh instead")

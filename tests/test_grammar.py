@@ -1,4 +1,4 @@
-"""edge.grammar without a server: token bytes for both vocabulary kinds, a schema's mask walked token by token."""
+"""edge.decode.grammar without a server: token bytes for both vocabulary kinds, a schema's mask walked token by token."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from edge.grammar import GrammarError, GrammarVocab, compile_json, token_bytes
+from edge.decode.grammar import GrammarError, GrammarVocab, compile_json, token_bytes
 
 pytest.importorskip("llguidance")
 

@@ -123,8 +123,8 @@ def test_int4_layouts_store_what_the_planner_plans(untied_int4, tmp_path):
     """The quantizer writes the layout asked for (body blocks, head bits) and the planner's bytes for each
     layout match the engines it writes: the differences between layouts exactly (what the planner uses to
     pick one that fits), the totals within the graph's own records (rotary tables, norms)."""
-    from edge.generate import Generator
-    from edge.sampling import SamplingConfig
+    from edge.decode.generate import Generator
+    from edge.decode.sampling import SamplingConfig
     from export.load import model_dims
     from export.planner import Int4Layout, weight_bytes
     from export.quantize import QuantizeOptions, run

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from edge.scheduler import Scheduler
+from edge.decode.scheduler import Scheduler
 
 PROMPT = "Hello! Tell me about the ocean."
 
@@ -34,10 +34,10 @@ def taken(monkeypatch):
 def test_cli_page_and_api_answer_through_the_same_loop(tiny_bundle, taken, capsys):
     from fastapi.testclient import TestClient
 
-    from edge.chat import fit_messages
+    from edge.decode.chat import fit_messages
     from edge.cli import main
-    from edge.generate import Generator
-    from edge.server import Service, create_app
+    from edge.decode.generate import Generator
+    from edge.serve.service import Service, create_app
 
     n = 12
     # the CLI: `edge-chat run`, in this process so the spy sees it
@@ -53,7 +53,7 @@ def test_cli_page_and_api_answer_through_the_same_loop(tiny_bundle, taken, capsy
     try:
         # the API, through the real ASGI app (its shutdown stops the scheduler: the page goes first)
         async def page() -> str:
-            """What edge/webui.py's answer() does with a typed message: fit the chat, service.generate."""
+            """What edge/serve/webui.py's answer() does with a typed message: fit the chat, service.generate."""
             cfg = gen.sampling(max_new_tokens=n, temperature=0.0)
             ids, _, _ = fit_messages(gen, [{"role": "user", "content": PROMPT}], cfg.max_new_tokens)
             _, events = await service.generate(ids, cfg)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from conftest import ROOT
-from edge.profiles import load_profile
+from edge.device.profiles import load_profile
 from export.model_source import KNOWN_SIZES, describe
 from export.planner import PlanOptions, plan, recommend
 
@@ -194,7 +194,7 @@ def test_plan_json():
 
 def _gpu_targets() -> list[str]:
     """Every GPU profile file in device_profiles/, and each of its power modes."""
-    from edge.profiles import profiles_dir
+    from edge.device.profiles import profiles_dir
 
     out = []
     for f in sorted(profiles_dir().glob("*.toml")):

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from edge.errors import ProfileError
-from edge.profiles import REQUIRED, available, load_profile
+from edge.device.profiles import REQUIRED, available, load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ["t4", "l4", "orin-nano-8gb", "orin-nx-16gb", "agx-orin-32gb", "agx-orin-64gb", "cpu"]
@@ -63,7 +63,7 @@ def test_installed_wheel_finds_profiles(tmp_path):
     whl = next(wheels.glob("edgechat-*.whl"))
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(whl)], check=True)
-    code = ("import edge.profiles as p, sys; assert str(p.profiles_dir()).startswith(sys.argv[1]), p.profiles_dir(); "
+    code = ("import edge.device.profiles as p, sys; assert str(p.profiles_dir()).startswith(sys.argv[1]), p.profiles_dir(); "
             "print(','.join(p.available()))")
     out = subprocess.run([sys.executable, "-c", code, str(site)], cwd=tmp_path, capture_output=True, text=True,
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})

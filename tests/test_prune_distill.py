@@ -320,9 +320,9 @@ def test_teacher_answers_are_the_teachers_own_and_feed_the_distillation(loaded, 
     runtime (batched); only answers that ended at EOS are kept; each equals the teacher's single-user
     answer with the recorded seed; the distill stage then trains on exactly those chats."""
     from edge.io_contract import FUSED_IO
-    from edge.generate import Generator
-    from edge.ort_decoder import OrtDecoder
-    from edge.sampling import SamplingConfig
+    from edge.decode.generate import Generator
+    from edge.backends.onnxruntime import OrtDecoder
+    from edge.decode.sampling import SamplingConfig
     from export import distill, fused_graph, mixture, teacher_answers
     from export.architectures import dims_from_hf_config
     from export.load import chat_tokenizer
@@ -394,8 +394,8 @@ def test_fit_a_device_budget(loaded):
 def test_build_with_prune_and_distill_reports_the_lineage(loaded, tmp_path):
     """teacher -> pruned-only -> distilled fp32 -> int8 side by side; the bundle runs with the edge runtime."""
     from edge.bundle import Bundle
-    from edge.generate import Generator
-    from edge.sampling import SamplingConfig
+    from edge.decode.generate import Generator
+    from edge.decode.sampling import SamplingConfig
     from export.prune import PruneOptions
     from export.recipe import BuildOptions, build
 
@@ -429,9 +429,9 @@ def test_teacher_written_questions_are_its_own_samples(loaded, tmp_path):
     """teacher_prompts = "teacher": the user turns are sampled from the teacher at the chat template's user
     prefix (each equals a single-user sample with its recorded seed), then answered as before."""
     from edge.io_contract import FUSED_IO
-    from edge.generate import Generator
-    from edge.ort_decoder import OrtDecoder
-    from edge.sampling import SamplingConfig
+    from edge.decode.generate import Generator
+    from edge.backends.onnxruntime import OrtDecoder
+    from edge.decode.sampling import SamplingConfig
     from export import fused_graph, teacher_answers
     from export.architectures import dims_from_hf_config
     from export.load import chat_tokenizer
@@ -551,8 +551,8 @@ def test_build_with_a_pruned_vocabulary_compares_with_the_teacher_on_the_same_te
     """Vocabulary cut only, no distillation: against the teacher (on the same text, in the student's
     tokens) KL is ~0 and agreement 100%; perplexity is per teacher token; the bundle ships the cut tokenizer."""
     from edge.bundle import Bundle
-    from edge.generate import Generator
-    from edge.sampling import SamplingConfig
+    from edge.decode.generate import Generator
+    from edge.decode.sampling import SamplingConfig
     from export.prune import PruneOptions
     from export.recipe import BuildOptions, build
 

@@ -184,7 +184,7 @@ def test_int8_dynamic_is_gptq_rounded_and_closer_to_fp32_than_round_to_nearest(t
     """The default int8 rounding is GPTQ, symmetric (no zero points: the embedding gathers rows from the head's
     table with the kernel's implicit 128), and recorded; on held-out chats and prose its logits are closer to
     fp32's than those of ONNX Runtime's round to nearest, written from the same graph."""
-    from edge.tokenizer import ChatTokenizer
+    from edge.decode.tokenizer import ChatTokenizer
     from export.bundle_eval import EvalRequest, _onnx_logits, eval_sets
     from export.quantize import QuantizeOptions, run
 

@@ -1,4 +1,4 @@
-"""A hostile review of issue 24's one loop (edge.scheduler), its caches (edge.cache), the loader (edge.load) and
+"""A hostile review of issue 24's one loop (edge.decode.scheduler), its caches (edge.decode.cache), the loader (edge.backends.load) and
 the design checks (tests/test_design.py): each test here failed before its fix."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import threading
 import numpy as np
 import pytest
 
-from edge import scheduler as sched_mod
+from edge.decode import scheduler as sched_mod
 from edge.errors import EdgeChatError
-from edge.generate import Generator
-from edge.sampling import SamplingConfig
-from edge.scheduler import Scheduler
+from edge.decode.generate import Generator
+from edge.decode.sampling import SamplingConfig
+from edge.decode.scheduler import Scheduler
 
 PROMPT = [{"role": "user", "content": "Hello! Tell me about the ocean and the stars, please."}]
 
@@ -196,13 +196,13 @@ def test_fresh_after_a_failed_step_serves_again(gen, monkeypatch):
 
 
 def test_fused_graph_whose_kv_live_on_a_gpu_answers_a_single_user(fused_generator, monkeypatch):
-    """ONNX Runtime's CUDA EP runs the fused int8/int4 graphs (edge.backends' CUDA order ranks them); their K/V
+    """ONNX Runtime's CUDA EP runs the fused int8/int4 graphs (edge.backends.choose' CUDA order ranks them); their K/V
     are device buffers numpy cannot see. The single-user path ran there before issue 24 (Decoder.prefill and
     forward only): `edge-chat run --engine int4-weight` and scripts/gpu_check.py's int8-dynamic decode must
     still work. Stand-in: the fused CPU decoder with its buffers hidden from numpy, as on a GPU."""
     import onnxruntime as ort
 
-    from edge.ort_decoder import OrtDecoder
+    from edge.backends.onnxruntime import OrtDecoder
 
     class DeviceKV(OrtDecoder):
         def _place(self, cache, arrays):
@@ -234,14 +234,14 @@ def test_fused_graph_whose_kv_live_on_a_gpu_answers_a_single_user(fused_generato
 @pytest.fixture
 def trt_bundle(fake_gpu, tiny_bundle, tmp_path):
     from edge.bundle import Bundle
-    from edge.machine import detect
-    from edge.tensorrt.builder import build_engine, plan_build
+    from edge.device.machine import detect
+    from edge.backends.tensorrt.builder import build_engine, plan_build
 
     dst = tmp_path / "b.bundle"
     shutil.copytree(tiny_bundle.root, dst)
     here = detect()
     entry = build_engine(plan_build(Bundle.open(dst), "orin-nano-8gb", "fp32", tensorrt_version=here.tensorrt,
-                                    available_gb=8.0), here, recheck_golden=False)
+                                    available_gb=8.0), here)
     return dst, entry
 
 
@@ -252,7 +252,7 @@ def test_an_engine_that_fails_to_load_in_any_way_falls_back(trt_bundle, monkeypa
     import fake_tensorrt
 
     from edge.bundle import Bundle
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
     path, entry = trt_bundle
     monkeypatch.setattr(fake_tensorrt.ICudaEngine, "create_execution_context", lambda self, *a: None)
@@ -268,7 +268,7 @@ def test_two_threads_stream_on_one_tensorrt_generator_at_once(trt_bundle):
     """The engine's execution contexts belong to the decoder: two callers (two Generator.stream in two threads,
     or the server's loop and a golden-prompt check) must not interleave their shapes and addresses."""
     from edge.bundle import Bundle
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
     path, _ = trt_bundle
     gen = Generator.from_bundle(Bundle.open(path))
@@ -295,10 +295,10 @@ PROVIDER_SETS = {
 def test_forced_providers_pick_the_engine_the_chain_would(tiny_bundle, eps, keep):
     """`--providers` (load_decoder's forced ONNX Runtime providers) and the fallback chain read one table: the
     same providers get the same engine (the TensorRT EP runs standard-op graphs only: not a fused one)."""
-    from edge.backends import decide
+    from edge.backends.choose import decide
     from edge.bundle import Bundle
-    from edge.load import load_decoder
-    from edge.machine import Machine
+    from edge.backends.load import load_decoder
+    from edge.device.machine import Machine
 
     real = Bundle.open(tiny_bundle.root)
     m = real.manifest
@@ -390,7 +390,7 @@ def test_a_failing_step_in_the_cli_is_one_line_not_a_traceback(tiny_bundle, monk
 
     from edge.cli import main
     from edge.errors import BundleError
-    from edge.ort_decoder import OrtDecoder
+    from edge.backends.onnxruntime import OrtDecoder
 
     calls = {"n": 0}
     real = OrtDecoder.run

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from edge.bundle import Bundle
-from edge.chat import Chat
+from edge.decode.chat import Chat
 from edge.errors import BundleError, ContextOverflowError, EdgeChatError
-from edge.generate import Generator
-from edge.sampling import SamplingConfig
+from edge.decode.generate import Generator
+from edge.decode.sampling import SamplingConfig
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of Japan?"}],
@@ -74,7 +74,7 @@ def test_fused_cache_grows_in_place_and_keeps_what_it_holds(fused_generator):
 def test_fused_greedy_equals_plain_greedy(tiny_bundle, tiny_generator):
     """The fused graph's greedy answer equals the plain graph's (same fp32 weights, exported twice)."""
     from edge.io_contract import FUSED_IO
-    from edge.ort_decoder import OrtDecoder
+    from edge.backends.onnxruntime import OrtDecoder
 
     work = tiny_bundle.root.with_name(tiny_bundle.root.name + ".work")
     fused = OrtDecoder(work / "export" / "fused" / "model.onnx", tiny_bundle.manifest.model, FUSED_IO, threads=1)
@@ -129,7 +129,7 @@ def test_real_default_template_equals_transformers():
     pytest.importorskip("gguf")
     from transformers import AutoTokenizer
 
-    from edge.tokenizer import _template_env
+    from edge.decode.tokenizer import _template_env
     from export.model_source import default_gguf
 
     g = default_gguf()
@@ -152,7 +152,7 @@ def test_seeded_sampling_is_reproducible(tiny_generator):
 
 
 def test_sampler_filters():
-    from edge.sampling import Sampler
+    from edge.decode.sampling import Sampler
 
     logits = np.array([0.0, 5.0, 4.9, -3.0])
     assert Sampler(SamplingConfig())(logits) == 1
@@ -169,7 +169,7 @@ def test_sampler_draws_from_the_filtered_softmax(kw):
     """The sampler never sorts the vocabulary (it is called per sequence per step); its draws must still
     follow softmax(logits / T) restricted to top-k then top-p. Flat logits over a 5,000-token vocabulary
     put the top-p set beyond the first candidate window, so the widening path runs too."""
-    from edge.sampling import Sampler
+    from edge.decode.sampling import Sampler
 
     rng = np.random.default_rng(0)
     logits = rng.standard_normal(5000).astype(np.float32) * 0.5
@@ -200,7 +200,7 @@ def test_fused_graph_without_logit_positions_still_runs(fused_generator, tmp_pat
 
     import onnx
 
-    from edge.ort_decoder import OrtDecoder
+    from edge.backends.onnxruntime import OrtDecoder
 
     d = fused_generator.decoder
     src = fused_generator.bundle.path(fused_generator.bundle.manifest.engine("int8-dynamic").file)
@@ -224,7 +224,7 @@ def test_fused_graph_without_logit_positions_still_runs(fused_generator, tmp_pat
         got = old.forward(np.array([ids]), old.new_cache(capacity=len(ids)), last_only=last_only)
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, atol=1e-5)
-    from edge.cache import SharedBatchCache
+    from edge.decode.cache import SharedBatchCache
 
     rows = [ids[:7], ids[:12]]
     a, b = SharedBatchCache(d, 2, capacity=32), SharedBatchCache(old, 2, capacity=32)
@@ -329,7 +329,7 @@ def test_manifest_dims_checked_against_graph(tiny_bundle, tmp_path):
 
 def test_threads_default_to_physical_cores_not_smt_threads(tmp_path):
     """4 logical CPUs on 2 cores (SMT): the decoder's default intra-op threads are 2."""
-    from edge.machine import physical_cores
+    from edge.device.machine import physical_cores
 
     for cpu, core in enumerate([0, 1, 0, 1]):
         topo = tmp_path / f"cpu{cpu}" / "topology"
@@ -343,7 +343,7 @@ def test_threads_default_to_physical_cores_not_smt_threads(tmp_path):
 def test_session_settings_reach_onnx_runtime_and_keep_the_logits(tiny_bundle, tiny_generator):
     """scripts/sweep_ort.py times ONNX Runtime settings through OrtDecoder: they must reach the session, and a
     setting that only changes threads or memory must not change what the model computes."""
-    from edge.ort_decoder import OrtDecoder
+    from edge.backends.onnxruntime import OrtDecoder
 
     d = tiny_generator.decoder
     e = tiny_bundle.manifest.engine(d.engine.name) if getattr(d, "engine", None) else None

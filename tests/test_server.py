@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from conftest import ServerProcess, run_cli, served
-from edge.decoder import boundary_at_or_below
+from edge.backends.decoder import boundary_at_or_below
 
 openai = pytest.importorskip("openai")
 

@@ -345,7 +345,7 @@ def test_repl_ctrl_c_stops_the_answer_and_keeps_the_conversation(long_bundle, in
 
 
 def test_a_stopped_answer_keeps_the_conversation(tiny_generator):
-    from edge.chat import Chat
+    from edge.decode.chat import Chat
 
     chat = Chat(tiny_generator)
     answer = chat.ask("Hello!", tiny_generator.sampling(max_new_tokens=50, ignore_eos=True))
@@ -361,7 +361,7 @@ def test_an_unexpected_error_is_a_500_error_object_and_counted(tiny_generator, m
     logged and answered with the error object, not a plain-text traceback, and /metrics counts it."""
     from fastapi.testclient import TestClient
 
-    from edge.server import Service, create_app
+    from edge.serve.service import Service, create_app
 
     service = Service(tiny_generator, max_users=2)
     service.scheduler.start()
@@ -384,7 +384,7 @@ def test_health_reports_a_restarted_scheduler_and_the_server_goes_on(tiny_genera
     supervisor restarts the loop, /health and /metrics say so, and the next request is answered."""
     from fastapi.testclient import TestClient
 
-    from edge.server import Service, create_app
+    from edge.serve.service import Service, create_app
 
     service = Service(tiny_generator, max_users=2)
     s = service.scheduler
@@ -413,9 +413,9 @@ def test_health_reports_a_restarted_scheduler_and_the_server_goes_on(tiny_genera
 
 
 def test_page_answers_registry_stops_every_answer_of_one_page_only():
-    """edge.webui.Answers (what the page's Stop and Clear act on): Stop cancels every answer of that page,
+    """edge.serve.webui.Answers (what the page's Stop and Clear act on): Stop cancels every answer of that page,
     one still being set up as soon as its request exists, never another page's; entries go when done."""
-    from edge.webui import Answers
+    from edge.serve.webui import Answers
 
     class Req:
         def __init__(self) -> None:

@@ -170,7 +170,7 @@ def test_logprobs_equal_the_engines_own_logits(server, tiny_generator):
 
 def _ids_from_bytes(gen, content) -> list[int]:
     """Token ids from logprobs entries' bytes (unique in the tests' byte-level vocabulary)."""
-    from edge.api_answers import token_table
+    from edge.serve.openai_answers import token_table
 
     table = token_table(gen.tokenizer, gen.decoder.dims.vocab_size)
     index = {b: i for i, b in reversed(list(enumerate(table))) if b}

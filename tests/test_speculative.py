@@ -1,4 +1,4 @@
-"""Speculative decoding (edge.speculative): greedy output is the plain greedy output token for token,
+"""Speculative decoding (edge.decode.speculative): greedy output is the plain greedy output token for token,
 sampled output is distributed as the target's, and a rollback leaves the cache as a fresh prefill would."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge.generate import Generator
-from edge.sampling import SamplingConfig
-from edge.speculative import (AdaptiveK, SpecStats, accept_sampled, lookup_draft, rollback, speculative_tokens,
+from edge.decode.generate import Generator
+from edge.decode.sampling import SamplingConfig
+from edge.decode.speculative import (AdaptiveK, SpecStats, accept_sampled, lookup_draft, rollback, speculative_tokens,
                               target_probs)
 
 PROMPTS = [[{"role": "user", "content": "What is the capital of Japan? The capital of Japan is"}],
@@ -231,7 +231,7 @@ def test_scheduler_speculative_sampling_matches_the_target(fused_generator, monk
     speculative_tokens): its second token, decided by accept/reject of a fixed draft token, follows the exact
     marginal sum_t1 p(t1) p(t2 | t1) (chi-square over many answers; the generators are seeded here only so the
     test is repeatable)."""
-    from edge import sampling
+    from edge.decode import sampling
 
     gen = fused_generator
     d = gen.decoder
@@ -277,8 +277,8 @@ def test_cli_speculative_flag_same_answer(tiny_bundle):
 
 def test_served_single_user_speculates_and_answers_the_same(fused_generator):
     """A started scheduler (the server's) with the speculator: one user's greedy answer is the plain one."""
-    from edge.scheduler import Scheduler
-    from edge.speculative import RowSpeculator
+    from edge.decode.scheduler import Scheduler
+    from edge.decode.speculative import RowSpeculator
 
     gen = fused_generator
     ids = gen.tokenizer.encode_chat(PROMPTS[1])
@@ -306,7 +306,7 @@ def drafts(tiny_bundle, long_bundle):
 @pytest.mark.parametrize("which", ["int4-self", "other-model"])
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
 def test_draft_model_greedy_identical(fused_generator, drafts, which, k):
-    from edge.speculative import ModelDrafter
+    from edge.decode.speculative import ModelDrafter
 
     gen, draft = fused_generator, drafts[which]
     drafter = ModelDrafter(draft.decoder, gen.decoder.dims.vocab_size)  # one drafter across prompts: its cache follows
@@ -323,7 +323,7 @@ def test_draft_model_greedy_identical(fused_generator, drafts, which, k):
 def test_draft_model_cache_follows_the_sequence(fused_generator, drafts, which):
     """A drafter that rolls its cache back and feeds only what is new drafts what a fresh one drafts from
     scratch, whether the sequence grew, was cut back (rejected drafts) or is another answer altogether."""
-    from edge.speculative import ModelDrafter
+    from edge.decode.speculative import ModelDrafter
 
     d = drafts[which].decoder
     vocab = fused_generator.decoder.dims.vocab_size
@@ -343,7 +343,7 @@ def test_draft_model_in_the_scheduler_and_the_cli(tiny_bundle, long_bundle, draf
     The CLI's --draft gives the same text; a draft with another vocabulary is refused, saying why."""
     from conftest import run_cli
     from edge.errors import EdgeChatError
-    from edge.speculative import ModelDrafter, same_vocabulary
+    from edge.decode.speculative import ModelDrafter, same_vocabulary
 
     gen = Generator.from_bundle(tiny_bundle, engine="int8-dynamic", threads=1)
     ids = gen.tokenizer.encode_chat(PROMPTS[1])
@@ -378,8 +378,8 @@ def test_draft_model_in_the_scheduler_and_the_cli(tiny_bundle, long_bundle, draf
 
 def test_a_failing_drafter_turns_itself_off(fused_generator):
     """A draft model that raises (a bad engine, an id it does not have) costs the answer nothing."""
-    from edge.scheduler import Scheduler
-    from edge.speculative import RowSpeculator
+    from edge.decode.scheduler import Scheduler
+    from edge.decode.speculative import RowSpeculator
 
     def broken(seq: list[int], k: int) -> list[int]:
         raise RuntimeError("draft engine failed")
@@ -402,7 +402,7 @@ def test_pacer_uses_the_faster_mode_and_keeps_measuring():
     """Pacer on a fake clock, default settings: it measures both modes, keeps the faster per emitted
     token, tries the slower ever more rarely while it stays slower, and switches at the first try after
     the slower one got faster; a new answer tries again soon; what is not a lone row's step is not timed."""
-    from edge.speculative import Pacer
+    from edge.decode.speculative import Pacer
 
     now = [0.0]
     pacer = Pacer(clock=lambda: now[0])
@@ -458,8 +458,8 @@ def test_speculation_backs_off_when_drafting_costs_more_than_it_gives(fused_gene
     that moves one unit per reading (a plain step costs 1, a checked draft about 4 whatever its length) plus
     what the drafter costs: the same decisions on any machine (the wall clock made this test flaky: a
     millisecond hiccup in a tiny model's step flipped the ranking)."""
-    from edge.scheduler import Scheduler
-    from edge.speculative import Pacer, RowSpeculator
+    from edge.decode.scheduler import Scheduler
+    from edge.decode.speculative import Pacer, RowSpeculator
 
     gen = fused_generator
     ids = gen.tokenizer.encode_chat(PROMPTS[1])
@@ -526,7 +526,7 @@ def test_adaptive_k_shrinks_as_drafting_costs_more():
 def test_pacer_takes_back_the_longer_wait_of_a_try_it_could_not_time():
     """A try of the slower mode that the scheduler interrupted (a request was admitted) measured nothing:
     the next try comes after the same wait again, not after twice as long."""
-    from edge.speculative import Pacer
+    from edge.decode.speculative import Pacer
 
     def tries(interrupt_second: bool) -> list[int]:
         now, row, out = [0.0], object(), []

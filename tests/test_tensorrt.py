@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from edge.backends import decide, engine_mismatch
+from edge.backends.choose import decide, engine_mismatch
 from edge.bundle import Bundle, EngineEntry, Fingerprint, ModelDims
 from edge.errors import BundleError
 from edge.io_contract import DecoderIO
-from edge.machine import Machine, detect, interpret
-from edge.probe import probe
-from edge.profiles import load_profile
-from edge.tensorrt.settings import (BuildSettingsError, InsufficientMemoryError, builder_settings, check_build_ram,
+from edge.device.machine import Machine, detect, interpret
+from edge.device.probe import probe
+from edge.device.profiles import load_profile
+from edge.backends.tensorrt.settings import (BuildSettingsError, InsufficientMemoryError, builder_settings, check_build_ram,
                                shape_profiles)
 
 MiB = 1 << 20
@@ -104,7 +104,7 @@ def test_build_ram_refusal_names_the_fix():
 
 
 def test_plan_refuses_a_build_that_would_run_out_of_ram(tiny_bundle):
-    from edge.tensorrt.builder import plan_build
+    from edge.backends.tensorrt.builder import plan_build
 
     with pytest.raises(InsufficientMemoryError, match="add swap"):
         plan_build(tiny_bundle, "orin-nano-8gb", "fp16", available_gb=0.0001)
@@ -222,9 +222,9 @@ def test_this_machine_without_gpu_says_why(tmp_path):
 
 
 def test_probe_runs_alone_on_a_bare_python(tmp_path):
-    """deploy pipes edge/probe.py into the device's python3 before anything is installed there."""
+    """deploy pipes edge/device/probe.py into the device's python3 before anything is installed there."""
     root = _device_root(tmp_path, R36_4_3, "NVIDIA Jetson Orin Nano Developer Kit", 7.6)
-    src = (Path(__file__).parent.parent / "edge" / "probe.py").read_text()
+    src = (Path(__file__).parent.parent / "edge" / "device" / "probe.py").read_text()
     out = subprocess.run([sys.executable, "-S", "-", str(tmp_path / "releases")], input=src, capture_output=True,
                          text=True, env={"EDGECHAT_DEVICE_ROOT": str(root), "PATH": os.environ["PATH"]}, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -297,7 +297,7 @@ def test_forced_engine_and_nothing_runnable(tiny_bundle):
 
 def test_cuda_layer_fails_cleanly_without_a_driver():
     pytest.importorskip("cuda", reason="cuda-python not installed")
-    from edge.tensorrt.cuda_mem import CudaError, open_cuda
+    from edge.backends.tensorrt.cuda_mem import CudaError, open_cuda
 
     if detect().has_gpu:
         pytest.skip("this machine has a GPU: the no-driver path cannot be shown here")
@@ -348,10 +348,10 @@ def importlib_has(mod: str) -> bool:
 def test_fp16_engine_matches_onnxruntime(request, tiny_bundle, tmp_path):
     """With TensorRT and a known GPU: the real build. Without (here): the same code against the strict
     TensorRT stand-in (tests/fake_tensorrt), which computes in fp32, so only the real run checks FP16 numerics."""
-    from edge.generate import Generator
-    from edge.sampling import SamplingConfig
-    from edge.tensorrt.builder import build_engine, plan_build
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.decode.generate import Generator
+    from edge.decode.sampling import SamplingConfig
+    from edge.backends.tensorrt.builder import build_engine, plan_build
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
     profile = None
     if importlib_has("tensorrt"):
@@ -382,10 +382,10 @@ def test_tensorrt_decoder_takes_every_call_the_generator_makes():
     (checked here without a GPU: a missing parameter would only show up as a TypeError on the device)."""
     import inspect
 
-    from edge.ort_decoder import OrtDecoder
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.backends.onnxruntime import OrtDecoder
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
-    from edge.decoder import Decoder
+    from edge.backends.decoder import Decoder
 
     assert issubclass(TensorRTDecoder, Decoder) and issubclass(OrtDecoder, Decoder)
     assert not TensorRTDecoder.__abstractmethods__  # every method the loop calls is implemented
@@ -395,7 +395,7 @@ def test_tensorrt_decoder_takes_every_call_the_generator_makes():
 
 
 def test_cpu_flags_read_x86_and_arm_cpuinfo(tmp_path):
-    from edge.probe import cpu_flags
+    from edge.device.probe import cpu_flags
 
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc/cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_vnni\n\n"

@@ -38,19 +38,20 @@ def _errors() -> list[str]:
 
 
 def _build(path, precision: str, recheck: bool = False, **kw):
-    from edge.machine import detect
-    from edge.tensorrt.builder import build_engine, plan_build
+    from edge.backends.tensorrt.builder import build_engine, plan_build
+    from edge.decode.golden import engine_recheck
+    from edge.device.machine import detect
 
     bundle = Bundle.open(path)
     here = detect()
-    return build_engine(plan_build(bundle, PROFILE, precision, tensorrt_version=here.tensorrt, available_gb=8.0, **kw),
-                        here, recheck_golden=recheck)
+    plan = plan_build(bundle, PROFILE, precision, tensorrt_version=here.tensorrt, available_gb=8.0, **kw)
+    return build_engine(plan, here, recheck=engine_recheck(bundle, plan.source.name) if recheck else None)
 
 
 def test_stand_in_is_what_the_probe_sees(fake_gpu):
-    from edge.backends import engine_mismatch
+    from edge.backends.choose import engine_mismatch
     from edge.bundle import Fingerprint
-    from edge.machine import detect
+    from edge.device.machine import detect
 
     m = detect()
     assert (m.gpu_sm, m.gpu_name, m.tensorrt, m.tensorrt_source) == ("8.7", "Orin (fake)", "10.3.0", "python")
@@ -97,8 +98,8 @@ def test_build_engine_cli_writes_engine_fingerprint_manifest_and_golden(fake_gpu
 
 def test_run_decodes_with_the_tensorrt_engine(fake_gpu, bundle_copy, capsys, tiny_generator):
     from edge.cli import main
-    from edge.generate import Generator
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.decode.generate import Generator
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
     _build(bundle_copy, "fp32")
     gen = Generator.from_bundle(Bundle.open(bundle_copy))
@@ -127,9 +128,9 @@ def test_greedy_tokens_equal_onnxruntime_over_chunks_and_past_opt(fake_gpu, bund
     """Prefill in 24-token chunks (the engine's prefill profile, read back by the decoder) and decode past
     both profiles' opt shapes: the same greedy tokens as ONNX Runtime on CPU running the same graph."""
     import fake_tensorrt
-    from edge.generate import Generator
-    from edge.sampling import SamplingConfig
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.decode.generate import Generator
+    from edge.decode.sampling import SamplingConfig
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
     entry = _build(bundle_copy, precision, prefill_chunk=24)
     bundle = Bundle.open(bundle_copy)
@@ -166,7 +167,7 @@ def test_greedy_tokens_equal_onnxruntime_over_chunks_and_past_opt(fake_gpu, bund
 
 
 def _decoder(bundle_copy, precision="fp32"):
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
     entry = _build(bundle_copy, precision)
     return TensorRTDecoder.from_entry(Bundle.open(bundle_copy), entry)
@@ -208,7 +209,7 @@ def test_unset_tensor_address(fake_gpu, bundle_copy, monkeypatch):
 
 
 def test_dtype_mismatch(fake_gpu, bundle_copy):
-    from edge.tensorrt.cuda_mem import CudaError, DeviceArray
+    from edge.backends.tensorrt.cuda_mem import CudaError, DeviceArray
 
     dec = _decoder(bundle_copy)
     cache = dec.new_cache()
@@ -245,8 +246,8 @@ def _lie_in_fingerprint(path, name, **changes):
 @pytest.mark.parametrize("change", ["sm", "version"])
 def test_engine_for_another_gpu_or_tensorrt_falls_back(fake_gpu, bundle_copy, monkeypatch, change):
     import fake_tensorrt
-    from edge.generate import Generator
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.decode.generate import Generator
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
     entry = _build(bundle_copy, "fp32")
     if change == "sm":
@@ -272,8 +273,8 @@ def test_engine_for_another_gpu_or_tensorrt_falls_back(fake_gpu, bundle_copy, mo
 
 def test_version_compatible_engine_runs_on_a_later_tensorrt(fake_gpu, bundle_copy, monkeypatch):
     import fake_tensorrt
-    from edge.generate import Generator
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.decode.generate import Generator
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
     entry = _build(bundle_copy, "fp32", version_compatible=True)
     monkeypatch.setattr(fake_tensorrt, "__version__", "10.8.0")
@@ -302,7 +303,7 @@ def test_parser_and_builder_refusals(fake_gpu, bundle_copy):
     network, a profile that does not match the network (the stand-in is checked, so it cannot pass what
     TensorRT would not)."""
     import fake_tensorrt as trt
-    from edge.tensorrt.builder import _network
+    from edge.backends.tensorrt.builder import _network
 
     logger = trt.Logger()
     builder = trt.Builder(logger)
@@ -329,7 +330,7 @@ def test_parser_and_builder_refusals(fake_gpu, bundle_copy):
 
 
 def test_device_buffers_and_cuda_errors(fake_gpu):
-    from edge.tensorrt.cuda_mem import CudaError, DeviceArray, open_cuda
+    from edge.backends.tensorrt.cuda_mem import CudaError, DeviceArray, open_cuda
 
     cuda = open_cuda()
     a = DeviceArray.from_numpy(cuda, np.arange(6, dtype=np.float32).reshape(2, 3))
@@ -345,7 +346,7 @@ def test_device_buffers_and_cuda_errors(fake_gpu):
 
 
 def test_pycuda_backend_where_only_pycuda_is_installed(fake_gpu, bundle_copy, monkeypatch):
-    """Older Jetson images have pycuda and no cuda-python: the same decode through edge.tensorrt.cuda_mem.PyCuda."""
+    """Older Jetson images have pycuda and no cuda-python: the same decode through edge.backends.tensorrt.cuda_mem.PyCuda."""
     import importlib.util
 
     from fake_tensorrt import cuda as fcuda
@@ -370,7 +371,7 @@ def test_pycuda_backend_where_only_pycuda_is_installed(fake_gpu, bundle_copy, mo
     dec.cuda.free(b.ptr)  # a second free of the same pointer is ignored (DeviceArray.__del__ frees once more)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("cuda", "pycuda") else
                         real_find(name, *a))
-    from edge.tensorrt.cuda_mem import open_cuda
+    from edge.backends.tensorrt.cuda_mem import open_cuda
     from edge.errors import MissingDependencyError
 
     with pytest.raises(MissingDependencyError, match="pip install cuda-python"):
@@ -398,7 +399,7 @@ def test_tensorrt_missing_or_only_stubs_is_one_clear_error(monkeypatch, tmp_path
     import types
 
     from edge.errors import MissingDependencyError
-    from edge.tensorrt.runtime import import_tensorrt
+    from edge.backends.tensorrt.runtime import import_tensorrt
 
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import raises ImportError
     with pytest.raises(MissingDependencyError, match="python3-libnvinfer"):
@@ -413,7 +414,7 @@ def test_tensorrt_missing_or_only_stubs_is_one_clear_error(monkeypatch, tmp_path
 def test_batched_decode_rows_equal_rows_alone(fake_gpu, bundle_copy):
     """The scheduler's plain-graph BatchCache on the TensorRT decoder: rows of different lengths, right-aligned
     and masked, decoded together through the decode profile give each row's logits decoded alone."""
-    from edge.cache import BatchCache, batch_cache
+    from edge.decode.cache import BatchCache, batch_cache
 
     dec = _decoder(bundle_copy)
     assert isinstance(batch_cache(dec, 4), BatchCache)
@@ -442,8 +443,8 @@ def test_batched_decode_rows_equal_rows_alone(fake_gpu, bundle_copy):
 def test_scheduler_keeps_to_the_engines_decode_batch(fake_gpu, bundle_copy, caplog):
     """`edge-chat serve --max-users 8` (the default) with an engine built for 4 sequences per step: the
     scheduler serves 4 at once and says why, rather than failing the 5th user's step."""
-    from edge.scheduler import Scheduler
-    from edge.generate import Generator
+    from edge.decode.scheduler import Scheduler
+    from edge.decode.generate import Generator
 
     _build(bundle_copy, "fp32")
     gen = Generator.from_bundle(Bundle.open(bundle_copy))
@@ -458,8 +459,8 @@ def test_engine_built_for_a_shorter_context_ends_answers_there(fake_gpu, bundle_
     """--max-context 64 on a 256-token model: the decoder reports the engine's context, so a long answer
     ends with finish "length" at 64 tokens and a longer prompt is refused up front, not failed mid-step."""
     from edge.errors import ContextOverflowError
-    from edge.generate import Generator
-    from edge.sampling import SamplingConfig
+    from edge.decode.generate import Generator
+    from edge.decode.sampling import SamplingConfig
 
     _build(bundle_copy, "fp32", max_context=64)
     gen = Generator.from_bundle(Bundle.open(bundle_copy))
@@ -472,25 +473,25 @@ def test_engine_built_for_a_shorter_context_ends_answers_there(fake_gpu, bundle_
 
 
 def test_invalid_optimization_profile_is_an_error_not_ignored(fake_gpu, bundle_copy):
-    from edge.machine import detect
-    from edge.tensorrt.builder import build_engine, plan_build
-    from edge.tensorrt.settings import ShapeProfile
+    from edge.device.machine import detect
+    from edge.backends.tensorrt.builder import build_engine, plan_build
+    from edge.backends.tensorrt.settings import ShapeProfile
 
     plan = plan_build(Bundle.open(bundle_copy), PROFILE, "fp32", tensorrt_version="10.3.0", available_gb=8.0)
     prefill, decode = plan.settings.profiles
     bad = ShapeProfile("prefill", prefill.shapes | {"input_ids": ((1, 8), (1, 4), (1, 16))})
     plan = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, profiles=(bad, decode)))
     with pytest.raises(BundleError, match="TensorRT refused the 'prefill' optimization profile"):
-        build_engine(plan, detect(), recheck_golden=False)
+        build_engine(plan, detect())
     assert "min <= opt <= max violated for 'input_ids'" in _errors()[-1]
 
 
 def test_prompt_whose_last_chunk_starts_past_context_minus_chunk(fake_gpu, bundle_copy, monkeypatch):
     """A prompt's chunks start at multiples of the chunk; when the context is not a multiple of it the last
     chunk starts after context - chunk (here 240 > 256 - 24), which the prefill profile must take."""
-    from edge.generate import Generator
-    from edge.sampling import SamplingConfig
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.decode.generate import Generator
+    from edge.decode.sampling import SamplingConfig
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
     entry = _build(bundle_copy, "fp32", prefill_chunk=24)
     bundle = Bundle.open(bundle_copy)

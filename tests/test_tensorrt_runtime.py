@@ -26,12 +26,14 @@ def bundle_copy(tiny_bundle, tmp_path):
 
 
 def _build(path, precision: str = "fp32", recheck: bool = False, **kw):
-    from edge.machine import detect
-    from edge.tensorrt.builder import build_engine, plan_build
+    from edge.backends.tensorrt.builder import build_engine, plan_build
+    from edge.decode.golden import engine_recheck
+    from edge.device.machine import detect
 
     here = detect()
-    return build_engine(plan_build(Bundle.open(path), PROFILE, precision, tensorrt_version=here.tensorrt,
-                                   available_gb=8.0, **kw), here, recheck_golden=recheck)
+    bundle = Bundle.open(path)
+    plan = plan_build(bundle, PROFILE, precision, tensorrt_version=here.tensorrt, available_gb=8.0, **kw)
+    return build_engine(plan, here, recheck=engine_recheck(bundle, plan.source.name) if recheck else None)
 
 
 def _header(path) -> dict:
@@ -54,8 +56,8 @@ def test_tensorrt11_has_no_precision_flags_and_builds_strongly_typed(fake_gpu, b
     import fake_tensorrt
     import tensorrt as trt
 
-    from edge.tensorrt.builder import plan_build
-    from edge.tensorrt.settings import BuildSettingsError
+    from edge.backends.tensorrt.builder import plan_build
+    from edge.backends.tensorrt.settings import BuildSettingsError
 
     monkeypatch.setattr(fake_tensorrt, "__version__", "11.4.0")
     assert not hasattr(trt.BuilderFlag, "FP16") and not hasattr(trt.BuilderFlag, "INT8")
@@ -77,7 +79,7 @@ def test_version_compatible_plan_loads_with_host_code_allowed(fake_gpu, bundle_c
     import fake_tensorrt
     import tensorrt as trt
 
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
     entry = _build(bundle_copy, version_compatible=True)
     b = Bundle.open(bundle_copy)
@@ -99,7 +101,7 @@ def test_version_compatible_plan_loads_with_host_code_allowed(fake_gpu, bundle_c
 
 
 def test_both_contexts_share_one_activation_block(fake_gpu, bundle_copy):
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
     entry = _build(bundle_copy)
     before = fake_gpu.used
@@ -115,7 +117,7 @@ def test_a_decode_step_allocates_only_its_kv_cache(fake_gpu, bundle_copy, monkey
     present K/V it returns (they become the next past), nothing else."""
     from fake_tensorrt import cuda as fcuda
 
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
     dec = TensorRTDecoder.from_entry(Bundle.open(bundle_copy), _build(bundle_copy))
     cache = dec.new_cache()
@@ -137,7 +139,7 @@ def test_bindings_newer_than_the_driver_say_which_cuda_python_to_install(fake_gp
     everything: say what to install instead."""
     from fake_tensorrt import cuda as fcuda
 
-    from edge.tensorrt.cuda_mem import CudaError, open_cuda
+    from edge.backends.tensorrt.cuda_mem import CudaError, open_cuda
 
     monkeypatch.setattr(fcuda.runtime, "BINDINGS_CUDA", "13.0")
     fake_gpu.driver_cuda = "12.6"
@@ -168,8 +170,8 @@ def _pycuda_only(monkeypatch) -> None:
 def test_the_server_decodes_on_its_scheduler_thread(fake_gpu, bundle_copy, monkeypatch, bindings):
     """`edge-chat serve` loads the engine on the main thread and decodes on the scheduler's: the CUDA context
     must be current there (pycuda's autoinit context is current only where it was imported)."""
-    from edge.generate import Generator
-    from edge.scheduler import Scheduler
+    from edge.decode.generate import Generator
+    from edge.decode.scheduler import Scheduler
 
     if bindings == "pycuda":
         _pycuda_only(monkeypatch)
@@ -195,8 +197,8 @@ def test_the_server_decodes_on_its_scheduler_thread(fake_gpu, bundle_copy, monke
 def test_the_stand_in_runs_an_engine_at_stream_synchronization(fake_gpu, bundle_copy):
     """Work queued on a stream has not run until the stream is synchronized (what makes buffer-lifetime
     bugs show): the logits buffer is untouched after enqueue, filled after the sync."""
-    from edge.tensorrt.cuda_mem import DeviceArray
-    from edge.tensorrt.runtime import TensorRTDecoder
+    from edge.backends.tensorrt.cuda_mem import DeviceArray
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
 
     dec = TensorRTDecoder.from_entry(Bundle.open(bundle_copy), _build(bundle_copy))
     ctx = dec.contexts[0]
@@ -255,9 +257,9 @@ def test_the_tensorrt_ep_gets_the_engines_profiles(tiny_bundle, monkeypatch):
     """Chosen from the fallback chain, ONNX Runtime's TensorRT EP is given the prefill and decode profiles of the
     I/O contract (each input once per profile), an engine cache and a timing cache: without them it rebuilds its
     engine every time the growing past leaves the shapes it has seen."""
-    from edge import load
-    from edge.machine import Machine
-    from edge.tensorrt.settings import shape_profiles
+    from edge.backends import load
+    from edge.device.machine import Machine
+    from edge.backends.tensorrt.settings import shape_profiles
     from edge.io_contract import DecoderIO
 
     here = Machine(arch="x86_64", python="3.11.7", tensorrt="10.13.0", tensorrt_source="python", gpu_name="NVIDIA L4",
@@ -271,7 +273,7 @@ def test_the_tensorrt_ep_gets_the_engines_profiles(tiny_bundle, monkeypatch):
                                                                               "CPUExecutionProvider"]
     m = tiny_bundle.manifest
     io = DecoderIO.from_dict(m.engine_io(m.engine(choice.engine)))
-    from edge.profiles import load_profile
+    from edge.device.profiles import load_profile
 
     l4 = load_profile("l4")
     profiles = shape_profiles(m.model, io, l4.max_batch, min(l4.max_context, m.model.max_context))

@@ -1,11 +1,11 @@
-"""edge.tools without a server: which templates render tools themselves, the fallback prompt, call parsing."""
+"""edge.decode.tools without a server: which templates render tools themselves, the fallback prompt, call parsing."""
 
 from __future__ import annotations
 
 import json
 
 from edge.bundle import TokenizerSpec
-from edge.tools import FALLBACK_PROMPT, parse_calls, prompt_messages, template_takes_tools
+from edge.decode.tools import FALLBACK_PROMPT, parse_calls, prompt_messages, template_takes_tools
 
 # the shape of Qwen2.5's template: it reads `tools` and writes calls as <tool_call> blocks with tojson arguments
 NATIVE = (
@@ -27,7 +27,7 @@ HISTORY = [{"role": "user", "content": "1 plus 2?"},
 def _tokenizer(tmp_path, template: str):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from edge.tokenizer import ChatTokenizer
+    from edge.decode.tokenizer import ChatTokenizer
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from conftest import ServerProcess
-from edge.tokenizer import ChatTokenizer
+from edge.decode.tokenizer import ChatTokenizer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [

@@ -1,0 +1,229 @@
+"""The ONNX Runtime backend: a decoder graph in an InferenceSession.
+
+The KV cache is kept as OrtValues bound through IO binding, never copied through numpy: for a plain
+graph the present outputs of one step are bound as the past inputs of the next; for a fused graph (the
+engine's `io` says which) one buffer sized for prompt + answer is bound as both past and present and
+written in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from edge.bundle import Bundle, EngineEntry, ModelDims
+from edge.backends.decoder import Decoder, KVCache
+from edge.errors import BundleError, ContextOverflowError, DimensionError, MissingDependencyError
+from edge.io_contract import DecoderIO
+from edge.device.machine import physical_cores
+
+log = logging.getLogger("edgechat")
+
+
+def _ort():
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise MissingDependencyError("onnxruntime", "the edge runtime",
+                                     "pip install 'edgechat[cpu]' (or 'edgechat[gpu]' on NVIDIA machines, never both)") from None
+    return ort
+
+
+class OrtDecoder(Decoder):
+    """One ONNX decoder graph in an InferenceSession (from a bundle, or a bare file during export)."""
+
+    def __init__(self, path: str | os.PathLike, dims: ModelDims, io: DecoderIO, threads: int | None = None,
+                 providers: list | None = None, name: str | None = None, spin: bool = True,
+                 session_config: dict[str, str] | None = None, arena: bool = True,
+                 logit_ids: np.ndarray | None = None) -> None:
+        """`providers`: execution provider names, or (name, options) pairs; `session_config`: extra ONNX Runtime
+        session config entries (scripts/sweep_ort.py measures them);
+        `arena`: ONNX Runtime's CPU memory arena; `logit_ids`: the vocabulary ids of a cut LM head's columns."""
+        ort = _ort()
+        super().__init__(dims, io, name or os.path.basename(str(path)))
+        self.logit_ids = logit_ids
+        names = [p if isinstance(p, str) else p[0] for p in providers or []]  # a provider or (name, options)
+        want_gpu = any("CUDA" in p or "Tensorrt" in p for p in names)
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.intra_op_num_threads = threads or physical_cores()
+        so.inter_op_num_threads = 1
+        if not spin:  # a server has other threads (HTTP, clients): idle ORT workers must not busy-wait on the cores
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        for key, value in (session_config or {}).items():
+            so.add_session_config_entry(key, value)
+        so.enable_cpu_mem_arena = arena
+        so.log_severity_level = 3
+        asked = providers or ["CPUExecutionProvider"]
+        self.asked_providers = list(asked)
+        missing = [n for n in (names or ["CPUExecutionProvider"]) if n not in ort.get_available_providers()]
+        if missing:
+            log.warning("execution providers %s are not in this onnxruntime build (%s); they will be skipped",
+                        missing, ort.get_available_providers())
+        keep = [p for p in asked if (p if isinstance(p, str) else p[0]) not in missing] or ["CPUExecutionProvider"]
+        try:
+            self.session = ort.InferenceSession(str(path), so, providers=keep)
+        except Exception as e:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail...)
+            if session_config:
+                try:  # the settings, or the file? the same file without them tells
+                    ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+                except Exception:
+                    pass
+                else:
+                    raise BundleError(f"ONNX Runtime refuses the session settings {session_config} for {self.name}: "
+                                      f"{str(e).splitlines()[0]}") from None
+            raise BundleError(f"ONNX Runtime cannot load {self.name}: {str(e).splitlines()[0]} — "
+                              "the file is damaged or was written by a newer exporter; rebuild the bundle") from None
+        self.providers = self.session.get_providers()
+        if want_gpu and self.providers[0] == "CPUExecutionProvider":
+            log.warning("asked for %s but ONNX Runtime fell back to CPU (CUDA/cuDNN libraries not found?): running on CPU", asked)
+        self.device = "cuda" if self.providers[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else "cpu"
+        self._check_dims()
+        past0 = next(i for i in self.session.get_inputs() if i.name == self.past_names[0])
+        self._kv_dtype = np.float16 if "float16" in past0.type else np.float32
+
+    @classmethod
+    def from_entry(cls, bundle: Bundle, entry: EngineEntry, threads: int | None = None,
+                   providers: list | None = None, spin: bool = True) -> "OrtDecoder":
+        """The decoder for one ONNX engine of a bundle (edge.backends.load picks which)."""
+        m = bundle.manifest
+        io = DecoderIO.from_dict(m.engine_io(entry))
+        ids = _logit_ids(bundle, io.logit_ids, m.model.vocab_size) if io.logit_ids else None
+        dec = cls(bundle.path(entry.file), m.model, io, threads, providers, name=entry.file, spin=spin, logit_ids=ids)
+        dec.engine = entry
+        return dec
+
+    def _check_dims(self) -> None:
+        d = self.dims
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        expect = self.io.input_names(d.num_layers)
+        problems = [f"missing input '{n}'" for n in expect if n not in inputs]
+        extra = [n for n in inputs if n not in expect]
+        if extra:
+            problems.append(f"unexpected inputs {extra[:4]} (graph has more layers than the manifest's {d.num_layers}?)")
+        k0 = inputs.get(self.io.past_key.format(i=0))
+        if k0 is not None:
+            shape = k0.shape
+            if isinstance(shape[1], int) and shape[1] != d.num_kv_heads:
+                problems.append(f"KV heads {shape[1]} != manifest {d.num_kv_heads}")
+            if isinstance(shape[3], int) and shape[3] != d.head_dim:
+                problems.append(f"head dim {shape[3]} != manifest {d.head_dim}")
+        logits = self.session.get_outputs()[0]
+        columns = d.vocab_size if self.logit_ids is None else len(self.logit_ids)
+        if isinstance(logits.shape[-1], int) and logits.shape[-1] != columns:
+            problems.append(f"vocab {logits.shape[-1]} != manifest {d.vocab_size}" if self.logit_ids is None else
+                            f"LM head {logits.shape[-1]} columns != {columns} ids in {self.io.logit_ids}")
+        if problems:
+            raise DimensionError(f"{self.name} does not match the manifest: " + "; ".join(problems))
+
+    def new_cache(self, batch: int = 1, capacity: int | None = None) -> KVCache:
+        """An empty cache. For a fused graph, `capacity` columns are allocated up front (default: the
+        model's context) and grown by `reserve` if a longer sequence comes."""
+        ort = _ort()
+        if not self.io.fused:
+            empty = np.zeros((batch, self.dims.num_kv_heads, 0, self.dims.head_dim), dtype=self._kv_dtype)
+            return KVCache([ort.OrtValue.ortvalue_from_numpy(empty, self.device, 0) for _ in self.past_names])
+        cap = min(self.dims.max_context, capacity or self.dims.max_context)
+        cache = KVCache([])  # _place sets the buffers and their capacity
+        self._place(cache, [np.zeros(self._kv_shape(batch, cap), self._kv_dtype) for _ in self.past_names])
+        return cache
+
+    def _kv_shape(self, batch: int, columns: int) -> tuple[int, int, int, int]:
+        return (batch, self.dims.num_kv_heads, columns, self.dims.head_dim)
+
+    def _place(self, cache: KVCache, arrays: list[np.ndarray]) -> None:
+        """Make `arrays` the cache's buffers: shared memory on CPU, a device copy on a GPU."""
+        ort = _ort()
+        cache.capacity = arrays[0].shape[2]
+        if self.device == "cpu":
+            cache.arrays = arrays
+            cache.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]
+        else:
+            cache.arrays = None
+            cache.values = [ort.OrtValue.ortvalue_from_numpy(a, self.device, 0) for a in arrays]
+
+    def reserve(self, cache: KVCache, columns: int) -> None:
+        """Fused graphs: make the buffers hold at least `columns` tokens (doubling, up to the context),
+        keeping what they hold. Rare: the runtime sizes a cache for prompt + max_new_tokens."""
+        if not self.io.fused or columns <= cache.capacity:
+            return
+        if columns > self.dims.max_context:
+            raise ContextOverflowError(f"{columns} tokens exceed the model's context of {self.dims.max_context}")
+        cap = min(self.dims.max_context, max(columns, 2 * cache.capacity))
+        old = cache.arrays if cache.arrays is not None else [v.numpy() for v in cache.values]
+        grown = []
+        for a in old:
+            g = np.zeros(self._kv_shape(a.shape[0], cap), self._kv_dtype)
+            g[:, :, : a.shape[2]] = a
+            grown.append(g)
+        self._place(cache, grown)
+
+    def run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list) -> tuple[np.ndarray, list]:
+        """One plain-graph call: returns (logits [batch, seq, vocab], present OrtValues to pass as the next past)."""
+        b = self.session.io_binding()
+        b.bind_cpu_input(self.io.input_ids, np.ascontiguousarray(ids, dtype=np.int64))
+        b.bind_cpu_input(self.io.attention_mask, np.ascontiguousarray(mask, dtype=np.int64))
+        b.bind_cpu_input(self.io.position_ids, np.ascontiguousarray(positions, dtype=np.int64))
+        for name, val in zip(self.past_names, past):
+            b.bind_ortvalue_input(name, val)
+        b.bind_output(self.io.logits, "cpu")
+        for name in self.present_names:
+            b.bind_output(name, self.device)
+        self.session.run_with_iobinding(b)
+        outs = b.get_outputs()
+        return self._vocab(outs[0].numpy()), outs[1:]
+
+    def _vocab(self, logits: np.ndarray) -> np.ndarray:
+        """A cut LM head's columns spread over the whole vocabulary (-inf for ids it cannot pick)."""
+        if self.logit_ids is None:
+            return logits
+        full = np.full(logits.shape[:-1] + (self.dims.vocab_size,), -np.inf, np.float32)
+        full[..., self.logit_ids] = logits
+        return full
+
+    def run_fused(self, ids: np.ndarray, seqlens_k: np.ndarray, total: int, buffers: list,
+                  at: np.ndarray | None = None) -> np.ndarray:
+        """One fused-graph call: row i's new K/V go in place into `buffers` (bound as past AND present)
+        after its seqlens_k[i] + 1 - seq cached tokens. Returns logits [batch, k, vocab] at the input
+        positions `at` [batch, k] (None: every position, k = seq). A graph written before logit_positions
+        existed computes every position; the rows asked for are picked here, so callers see one shape."""
+        b = self.session.io_binding()
+        everywhere = at is None
+        if everywhere:
+            at = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape)
+        b.bind_output(self.io.logits, "cpu")  # first, so it is get_outputs()[0]
+        b.bind_cpu_input(self.io.input_ids, np.ascontiguousarray(ids, dtype=np.int64))
+        b.bind_cpu_input(self.io.seqlens_k, np.ascontiguousarray(seqlens_k, dtype=np.int32))
+        b.bind_cpu_input(self.io.total_sequence_length, np.array(total, dtype=np.int32))
+        if self.io.logit_positions:
+            b.bind_cpu_input(self.io.logit_positions, np.ascontiguousarray(at, dtype=np.int64))
+        for past, present, val in zip(self.past_names, self.present_names, buffers):
+            b.bind_ortvalue_input(past, val)
+            b.bind_ortvalue_output(present, val)
+        self.session.run_with_iobinding(b)
+        logits = self._vocab(b.get_outputs()[0].numpy())
+        if self.io.logit_positions or everywhere:
+            return logits
+        return np.take_along_axis(logits, np.asarray(at, np.int64)[:, :, None], axis=1)
+
+    def to_device(self, array: np.ndarray):
+        return _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=self._kv_dtype), self.device, 0)
+
+    def share(self, array: np.ndarray):
+        """An OrtValue over `array`'s memory, no copy (a fused CPU cache binds views of its slots)."""
+        return _ort().OrtValue.ortvalue_from_numpy(array)
+
+
+def _logit_ids(bundle: Bundle, rel: str, vocab: int) -> np.ndarray:
+    """The ids file a cut LM head names (listed in the manifest, so verified with the bundle), checked."""
+    try:
+        ids = np.load(bundle.path(rel), allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise BundleError(f"cannot read the LM head's ids {rel} ({e}): the bundle is damaged, rebuild it") from None
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or not len(ids) \
+            or ids.min() < 0 or ids.max() >= vocab or len(np.unique(ids)) != len(ids):
+        raise BundleError(f"{rel} must hold distinct vocabulary ids (0..{vocab - 1}) in one row: the bundle is "
+                          "damaged, rebuild it")
+    return ids.astype(np.int64)

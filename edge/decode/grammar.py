@@ -1,0 +1,228 @@
+"""Constrained decoding: a JSON schema (or any JSON object) compiled into a per-token mask.
+
+The engine is llguidance (chosen by `scripts/bench_grammar.py`: the lowest per-token mask cost on the default
+model's 49k vocabulary, no torch, abi3 wheels for aarch64 such as a Jetson's). It lives behind three small
+types so the sampler sees only numpy:
+
+- `GrammarVocab`: the tokenizer's tokens as bytes, built once per tokenizer (about 0.1 s on 49k tokens);
+- `Grammar`: one compiled schema (`compile_json`); a schema the engine cannot compile is a `GrammarError`
+  naming why, which the server answers with a 400;
+- `Matcher`: one answer's state: `mask(logits)` sets every token the grammar forbids to -inf, `advance(tok)`
+  moves on. A matcher that fails mid-answer (its per-step work limit ran out) raises `GrammarError` from
+  `mask`, which fails that answer only.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import numpy as np
+
+from edge.errors import EdgeChatError, MissingDependencyError
+
+MAX_SCHEMA_CHARS = 64 * 1024  # a schema longer than this (as JSON) is refused before compiling
+# JSON is written compact-ish and without free whitespace: a small model given free whitespace can emit
+# newlines forever, and the answer is the same JSON either way.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(EdgeChatError):
+    """A schema or grammar the engine cannot use (why in the message), or a matcher that failed mid-answer."""
+
+
+def _llg():
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401  (the bitmask helpers)
+    except ImportError:
+        raise MissingDependencyError("llguidance", "constrained decoding (response_format, tools)",
+                                     "pip install 'edgechat[serve]'") from None
+    return llguidance
+
+
+def _limits():
+    """Per-request work limits: a hostile schema is refused at compile time or fails its own answer,
+    never stalls the decode loop for the other users."""
+    return _llg().LLParserLimits(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
+                                 max_grammar_size=200_000, verbose_errors=False)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the characters of a byte-level token -> the bytes they stand for."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def _has(node: Any, kind: str) -> bool:
+    """Whether a tokenizer.json component (or a Sequence of them) contains a part of type `kind`."""
+    if not isinstance(node, dict):
+        return False
+    if node.get("type") == kind:
+        return True
+    return any(_has(x, kind) for k in ("decoders", "pretokenizers", "normalizers") for x in node.get(k) or [])
+
+
+def token_bytes(tokenizer_json: str, vocab_size: int) -> tuple[list[bytes], list[int]]:
+    """(the bytes each token id stands for, the ids of special tokens), from a tokenizer.json.
+
+    Byte-level BPE (GPT-2, Llama 3, SmolLM2, Qwen) maps its alphabet back to bytes; SentencePiece-style
+    vocabularies use '▁' for a space and <0xNN> byte-fallback tokens. llguidance reads tokenizer.json itself
+    only when the decoder is a plain ByteLevel one; GGUF-converted tokenizers have a Sequence, so the bytes are
+    worked out here for every kind."""
+    d = json.loads(tokenizer_json)
+    byte_level = _has(d.get("pre_tokenizer"), "ByteLevel") or _has(d.get("decoder"), "ByteLevel")
+    dec = _byte_decoder()
+    out = [b""] * vocab_size
+    for s, i in (d.get("model", {}).get("vocab") or {}).items():
+        if not 0 <= i < vocab_size:
+            continue
+        if byte_level and all(c in dec for c in s):
+            out[i] = bytes(dec[c] for c in s)
+        elif len(s) == 6 and s.startswith("<0x") and s.endswith(">"):
+            out[i] = bytes([int(s[3:5], 16)])
+        else:
+            out[i] = s.replace("▁", " ").encode()
+    special = []
+    for t in d.get("added_tokens") or []:
+        if 0 <= t["id"] < vocab_size:
+            out[t["id"]] = t["content"].encode()
+            if t.get("special"):
+                special.append(t["id"])
+    return out, special
+
+
+class _Wrapper:
+    """What llguidance.LLTokenizer reads: token bytes, EOS/BOS, special ids, and an encode function."""
+
+    def __init__(self, tokens: list[bytes], special: list[int], eos: int, bos: int | None, encode) -> None:
+        self.tokens, self.special_token_ids, self.eos_token_id, self.bos_token_id = tokens, special, eos, bos
+        self._encode = encode
+
+    def __call__(self, s: str) -> list[int]:
+        return self._encode(s)
+
+
+class GrammarVocab:
+    """A tokenizer as the grammar engine sees it; build once per tokenizer (`for_tokenizer` caches it)."""
+
+    _cache: dict[int, "GrammarVocab"] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int], bos_id: int | None = None) -> None:
+        llg = _llg()
+        from tokenizers import Tokenizer
+
+        tk = Tokenizer.from_str(tokenizer_json)
+        tokens, special = token_bytes(tokenizer_json, vocab_size)
+        wrapper = _Wrapper(tokens, special, eos_ids[0], bos_id,
+                           lambda s: tk.encode(s, add_special_tokens=False).ids)
+        self.tok = llg.LLTokenizer(llg.TokenizerWrapper(wrapper), n_vocab=vocab_size, eos_token=list(eos_ids))
+        self.vocab_size = vocab_size
+        self.eos_ids = tuple(eos_ids)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, vocab_size: int) -> "GrammarVocab":
+        """The vocabulary of an `edge.decode.tokenizer.ChatTokenizer`, built on first use and kept."""
+        key = id(tokenizer)
+        with cls._lock:
+            v = cls._cache.get(key)
+            if v is None or v.vocab_size != vocab_size:
+                v = cls(tokenizer.tok.to_str(), vocab_size, sorted(tokenizer.eos_ids), tokenizer.spec.bos_token_id)
+                cls._cache[key] = v
+            return v
+
+
+class Grammar:
+    """One compiled grammar: make a `Matcher` per answer."""
+
+    def __init__(self, vocab: GrammarVocab, grammar: str, what: str) -> None:
+        llg = _llg()
+        self.vocab, self.grammar, self.what = vocab, grammar, what
+        self._limits = _limits()
+        err = llg.LLMatcher.validate_grammar(grammar, vocab.tok, limits=self._limits)
+        if err and not err.startswith("WARNING"):
+            raise GrammarError(f"{what} cannot be used for constrained decoding: {_short(err)}")
+        first = self.matcher()  # compiles the lexer: a schema too costly for the limits fails here, not mid-answer
+        first.close()
+
+    def matcher(self) -> "Matcher":
+        return Matcher(self)
+
+
+class Matcher:
+    """One answer's grammar state."""
+
+    def __init__(self, grammar: Grammar) -> None:
+        llg = _llg()
+        self.g = grammar
+        self.m = llg.LLMatcher(grammar.vocab.tok, grammar.grammar, log_level=0, limits=grammar._limits)
+        if self.m.is_error():
+            raise GrammarError(f"{grammar.what} cannot be used for constrained decoding: {_short(self.m.get_error())}")
+        self.bits = llg.numpy.allocate_token_bitmask(1, grammar.vocab.vocab_size)
+
+    def allowed(self) -> np.ndarray:
+        """Bool [vocab]: the tokens the grammar allows next (EOS once the answer is complete)."""
+        _llg().numpy.fill_next_token_bitmask(self.m, self.bits, 0)
+        if self.m.is_error():
+            raise GrammarError(f"constrained decoding failed: {_short(self.m.get_error())}")
+        return np.unpackbits(self.bits[0].view(np.uint8), bitorder="little")[: self.g.vocab.vocab_size].view(bool)
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of a logits row with every forbidden token at -inf (a longer row's tail, too)."""
+        ok = self.allowed()
+        if not ok.any():  # cannot happen with a sound grammar (EOS is allowed at its end): fail this answer only
+            raise GrammarError("constrained decoding failed: the grammar allows no next token")
+        out = np.full(logits.shape, -np.inf, dtype=np.float32)
+        n = min(len(ok), logits.shape[-1])
+        out[:n] = np.where(ok[:n], logits[:n], -np.inf)
+        return out
+
+    def advance(self, tok: int) -> None:
+        """Move past a sampled token (it came from the mask, so the grammar accepts it)."""
+        if not self.m.consume_token(int(tok)):
+            raise GrammarError(f"constrained decoding failed: {_short(self.m.get_error())}")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and nothing may follow: the answer should end."""
+        return self.m.is_stopped()
+
+    def close(self) -> None:
+        self.m = None  # type: ignore[assignment]
+
+
+def _short(err: str, limit: int = 300) -> str:
+    err = " ".join(err.split("<state>")[0].split())
+    return err if len(err) <= limit else err[: limit - 3] + "..."
+
+
+def compile_json(vocab: GrammarVocab, schema: dict | None, what: str = "the JSON schema") -> Grammar:
+    """A grammar for JSON that follows `schema` (None: any JSON object, as response_format json_object).
+
+    GrammarError (-> 400) when the schema is not an object, is over MAX_SCHEMA_CHARS, uses a keyword the
+    engine does not implement, or is too costly for the per-request limits."""
+    if schema is None:
+        schema = {"type": "object"}
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{what} must be a JSON object, got {type(schema).__name__}")
+    text = json.dumps(schema)
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise GrammarError(f"{what} is {len(text)} characters as JSON; the limit is {MAX_SCHEMA_CHARS}")
+    try:
+        grammar = _llg().LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+    except ValueError as e:
+        raise GrammarError(f"{what} cannot be used for constrained decoding: {_short(str(e))}") from None
+    return Grammar(vocab, grammar, what)
+
+
+def compile_lark(vocab: GrammarVocab, lark: str, what: str) -> Grammar:
+    """A grammar in llguidance's Lark dialect (tool calls: a choice of JSON schemas inside fixed text)."""
+    return Grammar(vocab, _llg().LLMatcher.grammar_from_lark(lark), what)

@@ -1,0 +1,581 @@
+"""The decode loop: every answer, one user's or many users', is generated here.
+
+Continuous batching: many conversations share one decode step. Each active request owns a row of one
+batched KV cache (edge.decode.cache). A single-user generation (the CLI, the REPL, the export's evaluation)
+is this same loop with one row, run in the caller's thread (`Scheduler.generate`); the server runs it
+on its own thread. New requests are prefilled one at a time, the same calls a single user's prefill runs (so an answer does not
+depend on who arrived with it or on what the prompt cache held), and join the batch between
+steps. On a fused graph a long prompt is prefilled a span at a time into the last slot, one span
+between decode steps, so the answers already streaming keep streaming instead of freezing for the
+whole prefill; it then joins the batch. A finished, cancelled or timed-out request leaves at once and
+its slot is free for the next step; on a fused graph its prompt's K/V go into the prompt cache.
+
+One request cannot stop the others: an error while serving a request fails that request (its
+consumer gets a final event with finish_reason "error"), and a supervisor restarts the loop if it
+ever fails as a whole (counted in `restarts`, reported by /health). The scheduler thread is the only
+caller of the ONNX Runtime session. Consumers get `StreamEvent`s through a callback, so a slow
+reader never holds up the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
+
+import numpy as np
+
+from edge.decode.cache import PROMPT_CACHE_MB, batch_cache
+from edge.errors import ContextOverflowError, EdgeChatError
+from edge.decode.sampling import Sampler, SamplingConfig
+from edge.decode.text_stream import StreamEvent, TextStream
+
+if TYPE_CHECKING:
+    from edge.backends.decoder import Decoder
+    from edge.decode.tokenizer import ChatTokenizer
+    from edge.decode.logits import RowLogits  # a row's logits processors (grammar, penalties) and logprobs
+
+log = logging.getLogger("edgechat")
+
+
+class QueueFullError(EdgeChatError):
+    """Every slot is busy and the waiting queue is full: the client should retry later."""
+
+    def __init__(self, waiting: int, retry_after_s: float) -> None:
+        super().__init__(f"the server is busy ({waiting} requests waiting): retry in {retry_after_s:.0f} s")
+        self.retry_after_s = retry_after_s
+
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Admission:
+    """Who gets in when: every number the scheduler's admission policy uses, in one place.
+
+    - A prompt longer than `long_prompt` tokens is prefilled a span at a time between decode steps (one
+      such prompt at a time, in a side row), so the users already streaming do not freeze for its whole
+      prefill; shorter prompts are prefilled at once when a row is free.
+    - `interleaved_span`: tokens of a long prompt prefilled between two steps; None = the decoder's own
+      `prefill_span` (up to the next prefill boundary, <= 128 tokens, on a fused graph), so the prompt runs
+      the calls it would run alone. Benchmarks set it to compare "all at once".
+    - A request is refused (429, Retry-After) when `max_queue` are already waiting and every row is taken;
+      Retry-After is `retry_steps` decode steps at the running mean step time (a typical answer's rest).
+    """
+
+    long_prompt: int = 512
+    interleaved_span: int | None = None
+    max_queue: int = 32
+    retry_steps: int = 64
+
+
+ADMISSION = Admission()  # the defaults every Scheduler starts from (its max_queue is the constructor's)
+
+
+@dataclass
+class Request:
+    """One answer being generated. `cancel()` frees its slot before the next step; so does passing `deadline`
+    (time.perf_counter seconds), which ends it with finish_reason "timeout"."""
+
+    prompt_ids: list[int]
+    cfg: SamplingConfig
+    on_event: Callable[[StreamEvent], None] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    submitted: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None
+    logits: "RowLogits | None" = None  # this answer's logits processors and logprobs wish (edge.decode.logits)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    _queue: "queue.Queue[StreamEvent]" = field(default_factory=queue.Queue, repr=False)
+
+    def emit(self, ev: StreamEvent) -> None:
+        try:
+            (self.on_event or self._queue.put)(ev)
+        except Exception as e:  # its consumer is gone (e.g. the server's event loop closed): stop serving it
+            log.warning("request %d: could not hand over an event (%s: %s); cancelling it", self.id,
+                        type(e).__name__, e)
+            self.cancelled.set()
+        if ev.finish_reason:
+            self.done.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def gone(self) -> str | None:
+        """Why this request is no longer wanted ("cancelled", "timeout"), or None."""
+        if self.cancelled.is_set():
+            return "cancelled"
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            return "timeout"
+        return None
+
+    def events(self, timeout: float | None = None) -> Iterator[StreamEvent]:
+        """Blocking iterator over this request's events (only when no `on_event` callback was given)."""
+        while True:
+            ev = self._queue.get(timeout=timeout)
+            yield ev
+            if ev.finish_reason:
+                return
+
+    def answer(self, timeout: float | None = None) -> tuple[str, StreamEvent]:
+        """Wait for the whole answer: its text and the last event (finish_reason, stats)."""
+        parts, last = [], None
+        for ev in self.events(timeout):
+            parts.append(ev.text)
+            last = ev
+        assert last is not None
+        return "".join(parts), last
+
+
+@dataclass
+class _Row:
+    req: Request
+    sampler: Sampler
+    text: TextStream
+    seen: list[int]
+    last: int = -1
+    logits: "RowLogits | None" = None
+    lps: list = field(default_factory=list)  # logprobs of tokens not yet handed over in an event
+
+    @property
+    def n(self) -> int:
+        return len(self.text.ids)
+
+
+@dataclass
+class _Prefilling:
+    """A long prompt going into the side slot, `done` tokens so far (`cached` of them from the prompt cache)."""
+    req: Request
+    row: _Row
+    done: int = 0
+    cached: int = 0
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+class Model(Protocol):
+    """What the loop reads of the model it serves: its decoder, tokenizer and context. The Generator (which
+    owns a Scheduler) is one; the loop needs nothing else of it."""
+
+    decoder: "Decoder"
+    tokenizer: "ChatTokenizer"
+    max_context: int
+
+
+class Scheduler:
+    """Admits requests into up to `max_batch` rows and runs batched decode steps on one thread."""
+
+    def __init__(self, gen: Model, max_batch: int = 8, max_queue: int = 32, metrics=None,
+                 prompt_cache_mb: float = PROMPT_CACHE_MB) -> None:
+        if max_batch < 1 or max_queue < 0:
+            raise EdgeChatError(f"max_batch must be >= 1 and max_queue >= 0 (got {max_batch}, {max_queue})")
+        if prompt_cache_mb < 0:
+            raise EdgeChatError(f"the prompt cache size must be >= 0 MB (0 turns it off), got {prompt_cache_mb}")
+        self.gen = gen
+        limit = gen.decoder.max_batch
+        if limit is not None and max_batch > limit:
+            log.warning("serving at most %d users at once: engine %s decodes at most %d sequences per step "
+                        "(rebuild it with --max-batch %d for more)", limit, gen.decoder.name, limit, max_batch)
+            max_batch = limit
+        self.max_batch = max_batch
+        self.admission = dataclasses.replace(ADMISSION, max_queue=max_queue)
+        self.metrics = metrics
+        self.pending: deque[Request] = deque()
+        self.rows: list[_Row] = []
+        self.prompt_cache_bytes = int(prompt_cache_mb * 2**20)
+        self.cache = batch_cache(gen.decoder, max_batch, self.prompt_cache_bytes)
+        self._cv = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.step_s = 0.05  # running mean of one decode step, for Retry-After
+        self.prefilling: _Prefilling | None = None  # a long prompt prefilled between decode steps
+        self.error: str | None = None  # the last failure of the loop as a whole (it was restarted)
+        self.restarts = 0
+        self._calls: deque = deque()  # (fn, Future): run on the scheduler thread between steps (see call)
+        self.speculator = None  # edge.decode.speculative.RowSpeculator: speculative steps while one greedy row decodes
+
+    # -- client side -----------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], cfg: SamplingConfig,
+               on_event: Callable[[StreamEvent], None] | None = None, timeout_s: float | None = None,
+               logits: "RowLogits | None" = None) -> Request:
+        """Queue a request; `timeout_s` ends it (finish_reason "timeout", slot freed) that long after now;
+        `logits` (edge.decode.logits.RowLogits) processes its row's logits before sampling and records logprobs."""
+        req = self._request(prompt_ids, cfg, on_event, timeout_s, logits)
+        if self._stop.is_set() or self._thread is None:
+            raise EdgeChatError("the scheduler is not running")
+        if not self._thread.is_alive():  # died past its supervisor (it should not): start it again
+            self._restart_thread("the scheduler thread had stopped")
+        with self._cv:
+            if len(self.pending) >= self.admission.max_queue and len(self.rows) + len(self.pending) >= self.max_batch:
+                raise QueueFullError(len(self.pending), self.retry_after())
+            self.pending.append(req)
+            self._cv.notify()
+        return req
+
+    def _request(self, prompt_ids: list[int], cfg: SamplingConfig, on_event: Callable[[StreamEvent], None] | None,
+                 timeout_s: float | None = None, logits: "RowLogits | None" = None) -> Request:
+        if not prompt_ids:
+            raise EdgeChatError("the prompt is empty")
+        if len(prompt_ids) >= self.gen.max_context:
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.gen.max_context}: shorten it")
+        req = Request(list(prompt_ids), cfg, on_event, logits=logits)
+        if timeout_s is not None:
+            req.deadline = req.submitted + timeout_s
+        return req
+
+    def generate(self, prompt_ids: list[int], cfg: SamplingConfig,
+                 cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
+        """One request run to its end in the caller's thread, on a scheduler that was not `start`ed: the
+        single-user path, through the same admission, steps and sampling as a served request. Setting
+        `cancel` (or closing the iterator) ends it; a failure raises instead of ending with "error"."""
+        if self._thread is not None:
+            raise EdgeChatError("generate() runs requests in the caller's thread: use submit() on a started scheduler")
+        events: list[StreamEvent] = []
+        req = self._request(prompt_ids, cfg, events.append)
+        if cancel is not None:
+            req.cancelled = cancel
+        self.pending.append(req)
+        try:
+            while not req.done.is_set():
+                self._admit()
+                self._drop_unwanted()
+                if self.rows:
+                    self._step()
+                if self.prefilling is not None:
+                    self._prefill_next_chunk()
+                for ev in events:
+                    if ev.finish_reason == "error":
+                        raise EdgeChatError(f"generation failed: {ev.stats.get('error', 'unknown error')}")
+                    yield ev
+                events.clear()
+        finally:
+            if not req.done.is_set():  # the consumer stopped early: leave nothing behind in the cache
+                self._fail_in_flight("cancelled")
+                self.pending.clear()
+                self._reset()
+
+    @property
+    def _fail_level(self) -> int:
+        """A request's failure is logged with its traceback when served; `generate` raises it to its caller instead
+        (the CLIs print one line), so there it is a debug record."""
+        return logging.ERROR if self._thread is not None else logging.DEBUG
+
+    def retry_after(self) -> float:
+        """Rough seconds until a slot frees: a typical answer's remaining steps."""
+        return max(1.0, round(self.step_s * self.admission.retry_steps))
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.pending)
+
+    @property
+    def active(self) -> int:
+        return len(self.rows) + (self.prefilling is not None)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> "Scheduler":
+        self._thread = threading.Thread(target=self._supervise, name="edgechat-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def _restart_thread(self, why: str) -> None:
+        with self._cv:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self.restarts += 1
+            self.error = why
+            log.error("restarting the scheduler: %s", why)
+            self._reset()
+            self.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel everything in flight and wait for the loop to end."""
+        self._stop.set()
+        with self._cv:
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- scheduler thread -------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        """Run the loop; if it fails as a whole, fail what was in flight, start over with a fresh batch cache
+        (the waiting requests stay queued) and run it again, until stop()."""
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._loop()
+                except Exception as e:
+                    self.restarts += 1
+                    self.error = _why(e)
+                    log.exception("the scheduler loop failed (restart %d); failing the requests in flight", self.restarts)
+                    self._fail_in_flight("error", self.error)
+                    self._reset()
+                    self._stop.wait(min(1.0, 0.01 * 2 ** min(self.restarts, 7)))  # a loop that keeps failing backs off
+        finally:
+            with self._cv:
+                waiting, self.pending = list(self.pending), deque()
+            for r in waiting:
+                self._emit_final(r, self._text(r), "cancelled")
+            while self._calls:
+                self._calls.popleft()[1].cancel()
+            self._fail_in_flight("cancelled")
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn()` on the scheduler thread between steps (it is the decoder's only caller): e.g. scoring a
+        prompt for /v1/completions' echo. The future holds its result or its exception."""
+        fut: Future = Future()
+        with self._cv:
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    def _run_calls(self) -> bool:
+        """Run the queued calls; True when any ran."""
+        ran = bool(self._calls)
+        while self._calls:
+            fn, fut = self._calls.popleft()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # the caller gets it; the loop goes on
+                    fut.set_exception(e)
+        return ran
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            ran = self._run_calls()
+            took = self._admit()
+            if (ran or took) and self.speculator is not None:
+                self.speculator.interrupted()  # this step's time is not a lone row's step
+            if not self.rows and self.prefilling is None:
+                with self._cv:
+                    if not self.pending and not self._calls and not self._stop.is_set():
+                        self._cv.wait(0.5)
+                continue
+            self._drop_unwanted()
+            if self.rows:
+                self._step()
+            if self.prefilling is not None:
+                self._prefill_next_chunk()
+
+    def _fail_in_flight(self, reason: str, error: str | None = None) -> None:
+        if self.prefilling is not None:
+            self._emit_final(self.prefilling.req, self.prefilling.row.text, reason, error)
+            self.prefilling = None
+        for r in self.rows:
+            self._emit_final(r.req, r.text, reason, error)
+        self.rows = []
+
+    def _reset(self) -> None:
+        """A fresh batch cache (the old one may be half-updated); the prompt cache's copies stay valid."""
+        self.rows, self.prefilling = [], None
+        self.cache = self.cache.fresh()
+
+    def _text(self, req: Request) -> TextStream:
+        text = TextStream(self.gen.tokenizer, req.cfg, len(req.prompt_ids), self.gen.max_context)
+        text.t0 = req.submitted  # TTFT counts the time spent waiting in the queue
+        return text
+
+    def _free(self) -> int:
+        return self.max_batch - len(self.rows) - (self.prefilling is not None)
+
+    def _long(self, req: Request) -> bool:
+        """Prefilled between decode steps (see Admission)."""
+        return len(req.prompt_ids) > self.admission.long_prompt
+
+    def _admit(self) -> bool:
+        """Start waiting requests while rows are free; True when any was taken."""
+        took = False
+        while self._free() > 0 and not self._stop.is_set():
+            batch = self._take(self._free())
+            if not batch:
+                return took
+            took = True
+            for req, row in batch:
+                if self._long(req):  # _take hands out at most one, and only while none is in progress
+                    self._start_prefill(req, row)
+                else:
+                    self._prefill(req, row)
+        return took
+
+    def _take(self, free: int) -> list[tuple[Request, _Row]]:
+        """Up to `free` waiting requests (cancelled ones are closed here), oldest first. A long prompt
+        waits at the head of the queue while another is being prefilled (one side slot)."""
+        out = []
+        while len(out) < free:
+            with self._cv:
+                if not self.pending:
+                    break
+                if self._long(self.pending[0]) and (self.prefilling is not None or
+                                                    any(self._long(r) for r, _ in out)):
+                    break
+                req = self.pending.popleft()
+            text = self._text(req)
+            why = req.gone()
+            if why:
+                self._emit_final(req, text, why)
+                continue
+            try:
+                sampler = Sampler(req.cfg)
+            except Exception as e:  # a sampling option the request's validation missed: fail this one only
+                self._emit_final(req, text, "error", f"cannot sample with these options: {_why(e)}")
+                continue
+            out.append((req, _Row(req, sampler, text, list(req.prompt_ids), logits=req.logits)))
+        return out
+
+    def _prefill(self, req: Request, row: _Row) -> None:
+        """Prefill the prompt into a new row (after its cached start, if the cache has one); it joins the batch."""
+        try:
+            logits = self.cache.admit(req.prompt_ids)
+        except Exception as e:
+            self._emit_final(req, row.text, "error", _why(e))
+            return
+        self._joined(row, logits, self.cache.reused)
+
+    def _joined(self, row: _Row, logits: np.ndarray, cached: int) -> None:
+        """A prefilled row is the batch's last: take its first token (it leaves again if that ends it)."""
+        row.text.cached_tokens = cached
+        self.rows.append(row)
+        if not self._accept(row, logits, len(row.req.prompt_ids)):
+            self._leave([len(self.rows) - 1])
+        if self.metrics is not None:
+            self.metrics.observe_prompt(len(row.req.prompt_ids), cached=cached)
+
+    def _start_prefill(self, req: Request, row: _Row) -> None:
+        try:
+            self.cache.side_row(len(req.prompt_ids))
+            cached = self.cache.reuse_side(req.prompt_ids)  # a long chat's next turn: only the new part runs
+        except Exception as e:
+            self.cache.drop_side()
+            self._emit_final(req, row.text, "error", _why(e))
+            return
+        row.text.cached_tokens = cached
+        self.prefilling = _Prefilling(req, row, done=cached, cached=cached)
+
+    def _prefill_next_chunk(self) -> None:
+        """One span of the long prompt into the side slot; on the last one it joins the batch."""
+        p = self.prefilling
+        assert p is not None
+        why = p.req.gone()
+        if why:
+            self.cache.drop_side()
+            self.prefilling = None
+            self._emit_final(p.req, p.row.text, why)
+            return
+        ids = p.req.prompt_ids
+        end = p.done + (self.admission.interleaved_span or self.gen.decoder.prefill_span(p.done))
+        chunk = np.asarray(ids[p.done: end], dtype=np.int64)
+        try:
+            logits = self.gen.decoder.forward(chunk, self.cache.side_view())[0]
+        except Exception as e:
+            self.cache.drop_side()
+            self.prefilling = None
+            self._emit_final(p.req, p.row.text, "error", _why(e))
+            return
+        p.done += len(chunk)
+        if p.done < len(ids):
+            return
+        self.prefilling = None
+        self.cache.add_side()
+        self._joined(p.row, logits, p.cached)
+
+    def _accept(self, row: _Row, logits: np.ndarray, length: int) -> bool:
+        """Sample the row's next token and emit it; False when the answer is finished (and closed). An error
+        here (in the logits processors, the sampler, the detokenizer, the consumer) fails this row only."""
+        cfg = row.req.cfg
+        lg = row.logits
+        try:
+            x = lg.process(logits) if lg is not None else logits
+            tok = row.sampler(x, np.asarray(row.seen) if cfg.repetition_penalty != 1.0 else None)
+            if (tok in self.gen.tokenizer.eos_ids and not cfg.ignore_eos) or (lg is not None and tok in lg.stop_ids):
+                self._emit_final(row.req, row.text, "stop", lps=row.lps)
+                return False
+            if lg is not None:
+                lp = lg.accept(tok, logits)
+                if lp is not None:
+                    row.lps.append(lp)
+            ev = row.text.push(tok)
+            if ev is not None:
+                ev.logprobs, row.lps = row.lps, []
+                row.req.emit(ev)
+        except Exception as e:
+            log.log(self._fail_level, "request %d failed", row.req.id, exc_info=True)
+            self._emit_final(row.req, row.text, "error", _why(e))
+            return False
+        row.seen.append(tok)
+        row.last = tok
+        if row.text.stopped or (lg is not None and lg.finished):
+            self._emit_final(row.req, row.text, "stop", lps=row.lps)
+            return False
+        if row.n >= cfg.max_new_tokens or length + 1 >= self.gen.max_context:
+            self._emit_final(row.req, row.text, "length", lps=row.lps)
+            return False
+        why = row.req.gone()
+        if why:
+            self._emit_final(row.req, row.text, why)
+            return False
+        return True
+
+    def _drop_unwanted(self) -> None:
+        """Rows whose client left or whose time ran out leave before the next step."""
+        gone = [(i, r.req.gone()) for i, r in enumerate(self.rows)]
+        gone = [(i, why) for i, why in gone if why]
+        if gone:
+            for i, why in gone:
+                self._emit_final(self.rows[i].req, self.rows[i].text, why)
+            self._leave([i for i, _ in gone])
+
+    def _step(self) -> None:
+        if self.speculator is not None and self.speculator.step(self):  # one greedy user: edge.decode.speculative
+            return
+        t = time.perf_counter()
+        try:
+            logits = self.cache.step([r.last for r in self.rows])
+        except Exception as e:  # the step itself failed: its rows cannot go on; the rest of the queue can
+            log.log(self._fail_level, "a decode step failed; failing its %d rows", len(self.rows), exc_info=True)
+            for r in self.rows:
+                self._emit_final(r.req, r.text, "error", _why(e))
+            self.rows = []
+            self.cache.remove(list(range(len(self.cache))))
+            return
+        self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - t)
+        if self.metrics is not None:
+            self.metrics.observe_step(len(self.rows))
+        finished = [i for i, r in enumerate(self.rows) if not self._accept(r, logits[i], self.cache.lengths[i])]
+        if finished:
+            self._leave(finished)
+
+    def _leave(self, rows: list[int]) -> None:
+        """Rows whose answers ended leave the batch; a fused graph's prompt cache keeps their prompts' K/V."""
+        for i in rows:
+            self.cache.remember(i, self.rows[i].req.prompt_ids)
+        self.cache.remove(rows)
+        gone = set(rows)
+        self.rows = [r for i, r in enumerate(self.rows) if i not in gone]
+
+    def _emit_final(self, req: Request, text: TextStream, reason: str, error: str | None = None,
+                    lps: list | None = None) -> None:
+        if req.done.is_set():
+            return
+        events = text.finish(reason=reason)
+        if lps:
+            events[0].logprobs = list(lps)
+        if error:
+            events[-1].stats["error"] = error
+        for ev in events:
+            req.emit(ev)
+        if self.metrics is not None:
+            self.metrics.observe_finish(events[-1].finish_reason, events[-1].stats)

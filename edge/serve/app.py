@@ -1,0 +1,84 @@
+"""Run the server: bind, print where it is, stop cleanly on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import sys
+
+from edge.errors import EdgeChatError
+from edge.decode.generate import Generator
+
+log = logging.getLogger("edgechat")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket (as uvicorn would: SO_REUSEADDR); a port in use is one clear EdgeChatError.
+    Done before the model loads, and the socket is then handed to uvicorn, so nothing can take it between."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise EdgeChatError(f"cannot listen on {host}: {e.strerror}; check --host") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise EdgeChatError(f"port {port} on {host} is already in use (another edge-chat serve?): stop that "
+                                "server or choose another port with --port") from None
+        raise EdgeChatError(f"cannot listen on {host}:{port} ({e.strerror}): check --host and --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: int = 8, max_queue: int | None = None,
+          auth: tuple[str, str] | None = None, ui: bool = True, prompt_cache_mb: float | None = None,
+          sock: socket.socket | None = None, request_timeout_s: float | None = None, lenient: bool = False) -> int:
+    import uvicorn
+
+    from edge.serve.service import Service, create_app
+
+    sock = sock if sock is not None else bind_socket(host, port)
+    service = Service(gen, max_users=max_users, max_queue=max_queue, prompt_cache_mb=prompt_cache_mb,
+                      request_timeout_s=request_timeout_s, lenient=lenient)
+    service.scheduler.start()
+    app = create_app(service, auth=auth, ui=ui)
+    shown = f"[{host}]" if ":" in host else host
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                url = f"http://{shown}:{port}"
+                print(f"EdgeChat: {service.model_id} ({service.precision}, {service.backend}), up to {max_users} users",
+                      flush=True)
+                print(f"  chat page   {url}/" if ui else "  chat page   off (--no-ui)", flush=True)
+                print(f"  OpenAI API  {url}/v1   (health {url}/health, metrics {url}/metrics)", flush=True)
+                b = gen.bundle
+                if b is not None:
+                    print(f"  bundle      {len(b.manifest.files)} files checked, {len(b.hashed)} hashed now (SHA-256)",
+                          flush=True)
+                if gen.drafter is not None:
+                    print(f"  draft       {gen.draft_name} drafts while one answer (no seed) decodes, where it pays "
+                          f"({gen.draft_source})", flush=True)
+                print("  Ctrl-C to stop", flush=True)
+
+        def handle_exit(self, sig, frame) -> None:
+            service.scheduler.stop(timeout=0)  # end in-flight streams now, so shutdown does not wait for them
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # a clean stop exits 0 (uvicorn would re-raise the signal)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                            ws="none", lifespan="on")
+    server = Server(config)
+    server.run(sockets=[sock])
+    service.scheduler.stop()
+    if not server.started:
+        print(f"error: the server on {host}:{port} did not start (see above)", file=sys.stderr)
+        return 2
+    print("EdgeChat: stopped", flush=True)
+    return 0

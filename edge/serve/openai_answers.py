@@ -1,0 +1,232 @@
+"""From a validated OpenAI request to rows of the batch, and from the rows' events to OpenAI's answers.
+
+A request becomes one row per answer: `n` rows for chat (row i seeded `seed + i`, so each answer equals the
+single answer asked with that seed), `n` rows per prompt for /v1/completions. Each row may carry a
+`RowLogits` (edge.decode.logits: bias, penalties, the grammar of response_format or tools, a logprobs wish) that
+the scheduler applies to that row alone. All rows' events arrive on one asyncio queue as (row, event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import numpy as np
+
+from edge.decode import tools as toolfmt
+from edge.serve.openai_schema import MAX_N, BadRequest, ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from edge.decode.grammar import GrammarVocab, compile_json, token_bytes
+from edge.decode.logits import RowLogits, TokenLogprob, token_logprob
+from edge.decode.sampling import MAX_SEED, SamplingConfig
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+@dataclass
+class Rows:
+    """What goes to the scheduler for one request: the prompts, and per row its prompt, config and logits."""
+
+    prompts: list[list[int]]
+    prompt_of: list[int]
+    cfgs: list[SamplingConfig]
+    logits: list[RowLogits | None]
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    echo: bool = False
+    prompt_texts: list[str] = field(default_factory=list)
+    score_top: int | None = None  # completions echo + logprobs: the prompt's own logprobs, this many alternatives
+
+
+_tables: dict[int, list[bytes]] = {}
+_tables_lock = threading.Lock()
+
+
+def token_table(tokenizer, vocab_size: int) -> list[bytes]:
+    """The bytes of every token id (for logprobs' token and bytes fields), built once per tokenizer."""
+    with _tables_lock:
+        t = _tables.get(id(tokenizer))
+        if t is None:
+            t = _tables[id(tokenizer)] = token_bytes(tokenizer.tok.to_str(), vocab_size)[0]
+        return t
+
+
+def _seeds(seed: int | None, n: int) -> list[int | None]:
+    return [None if seed is None else (seed + i) % (MAX_SEED + 1) for i in range(n)]
+
+
+def _check_bias(bias: dict[int, float], vocab: int) -> None:
+    bad = [t for t in bias if t >= vocab]
+    if bad:
+        raise BadRequest(f"'logit_bias' names token {bad[0]}, but this model's vocabulary has ids 0 to {vocab - 1}",
+                         param="logit_bias")
+
+
+def _row_logits(body, vocab: int, grammar, logprobs: int | None) -> RowLogits | None:
+    bias = body.bias()
+    _check_bias(bias, vocab)
+    rl = RowLogits(grammar=grammar, logit_bias=bias, frequency_penalty=body.frequency_penalty or 0.0,
+                   presence_penalty=body.presence_penalty or 0.0, logprobs=logprobs,
+                   stop_ids=frozenset(body.stop_token_ids or ()))
+    return rl if rl.active or logprobs is not None or rl.stop_ids else None
+
+
+async def chat_rows(service, body: ChatCompletionRequest) -> Rows:
+    """The rows of a chat request: the prompt (tools rendered), the grammar (response_format or tools) and
+    n configs. BadRequest / GrammarError (-> 400) for what cannot be served."""
+    gen = service.gen
+    vocab = gen.decoder.dims.vocab_size
+    tools = [t.model_dump() for t in body.tools] if body.tools else None
+    choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+    native = bool(tools) and toolfmt.template_takes_tools(gen.tokenizer.spec.chat_template)
+    messages = body.conversation()
+    if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages = toolfmt.prompt_messages(messages, tools, native)
+    prompt = gen.tokenizer.encode_chat(messages, tools=tools if native else None)
+
+    def compile_grammar():
+        gv = GrammarVocab.for_tokenizer(gen.tokenizer, vocab)
+        rf = body.response_format
+        if tools and choice != "none":
+            return toolfmt.call_grammar(gv, tools, choice, parallel=body.parallel_tool_calls is True)
+        if rf is not None and rf.type == "json_object":
+            return compile_json(gv, None)
+        if rf is not None and rf.type == "json_schema":
+            assert rf.json_schema is not None
+            return compile_json(gv, rf.json_schema.schema_, what=f"response_format json_schema '{rf.json_schema.name}'")
+        return None
+
+    needs = (tools and choice != "none") or (body.response_format is not None and body.response_format.type != "text")
+    grammar = await asyncio.to_thread(compile_grammar) if needs else None
+    params = body.sampling()
+    max_tokens = params.pop("max_tokens")
+    n = body.n or 1
+    cfgs = [service.sampling(max_tokens, len(prompt), **{**params, "seed": s}) for s in _seeds(body.seed, n)]
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+
+    def row_logits() -> list[RowLogits | None]:
+        return [_row_logits(body, vocab, grammar, logprobs) for _ in range(n)]
+
+    # a matcher per row parses the grammar again: off the event loop when there is one
+    logits = await asyncio.to_thread(row_logits) if grammar is not None else row_logits()
+    return Rows([prompt], [0] * n, cfgs, logits, tools=tools, tool_choice=choice if tools else None)
+
+
+def completion_rows(service, body: CompletionRequest) -> Rows:
+    """The rows of a text completion: each prompt as is (no template), n rows each."""
+    gen = service.gen
+    vocab = gen.decoder.dims.vocab_size
+    prompts, texts = [], []
+    for i, p in enumerate(body.prompts()):
+        if isinstance(p, str):
+            ids = gen.tokenizer.encode(p)
+            texts.append(p)
+        else:
+            bad = [t for t in p if t >= vocab]
+            if bad:
+                raise BadRequest(f"'prompt' has token id {bad[0]}, but this model's vocabulary has ids 0 to "
+                                 f"{vocab - 1}", param="prompt")
+            ids = list(p)
+            texts.append(gen.tokenizer.decode(ids, skip_special_tokens=False))
+        if not ids:
+            raise BadRequest(f"prompt {i} is empty: send at least one token", param="prompt")
+        prompts.append(ids)
+    params = body.sampling()
+    max_tokens = params.pop("max_tokens")
+    max_tokens = DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens
+    n = body.n or 1
+    if len(prompts) * n > MAX_N:
+        raise BadRequest(f"{len(prompts)} prompts x n={n} asks for {len(prompts) * n} answers; one request may ask "
+                         f"for at most {MAX_N}: send fewer prompts per request", param="prompt")
+    rows = Rows(prompts, [], [], [], echo=bool(body.echo), prompt_texts=texts,
+                score_top=body.logprobs if body.echo and body.logprobs is not None else None)
+    for i, ids in enumerate(prompts):
+        for s in _seeds(body.seed, n):
+            if max_tokens == 0:  # echo only: the prompt is scored, nothing generated
+                service.sampling(None, len(ids))  # the context check
+                continue
+            rows.prompt_of.append(i)
+            rows.cfgs.append(service.sampling(max_tokens, len(ids), **{**params, "seed": s}))
+            rows.logits.append(_row_logits(body, vocab, None, body.logprobs))
+    return rows
+
+
+# -- logprobs in OpenAI's shapes -----------------------------------------------------------------------
+
+def _tok(table: list[bytes], tok: int) -> tuple[str, list[int]]:
+    b = table[tok] if tok < len(table) else b""
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
+def chat_logprobs(table: list[bytes], lps: list[TokenLogprob]) -> list[dict]:
+    """Chat's logprobs.content entries: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}."""
+    out = []
+    for lp in lps:
+        s, b = _tok(table, lp.token)
+        top = [dict(zip(("token", "bytes"), _tok(table, t)), logprob=v) for t, v in lp.top]
+        out.append({"token": s, "logprob": lp.logprob, "bytes": b, "top_logprobs": top})
+    return out
+
+
+def completion_logprobs(table: list[bytes], lps: list[TokenLogprob | None], offset: int = 0) -> dict:
+    """Completions' logprobs: {tokens, token_logprobs, top_logprobs, text_offset} (None for a prompt's first
+    token, which nothing predicts)."""
+    tokens, values, tops, offsets = [], [], [], []
+    at = offset
+    for lp in lps:
+        assert lp is not None
+        s, _ = _tok(table, lp.token)
+        tokens.append(s)
+        values.append(None if np.isnan(lp.logprob) else lp.logprob)
+        tops.append({_tok(table, t)[0]: v for t, v in lp.top} if lp.top or not np.isnan(lp.logprob) else None)
+        offsets.append(at)
+        at += len(s)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def score_prompt(gen, ids: list[int], top: int) -> list[TokenLogprob]:
+    """Each prompt token's logprob given the tokens before it (the first: NaN, nothing predicts it), from one
+    pass over the prompt with every position's logits. Runs where the decoder may be called (the scheduler's
+    thread)."""
+    dec = gen.decoder
+    cache = dec.new_cache(capacity=len(ids) + 1)
+    chunk = getattr(dec, "prefill_chunk", 512) or 512
+    rows = []
+    arr = np.asarray(ids, dtype=np.int64)
+    for start in range(0, len(arr), chunk):
+        rows.append(np.asarray(dec.forward(arr[None, start:start + chunk], cache, last_only=False)[0]))
+    logits = np.concatenate(rows, axis=0)
+    out = [TokenLogprob(ids[0], float("nan"))]
+    out += [token_logprob(logits[j - 1], ids[j], top) for j in range(1, len(ids))]
+    return out
+
+
+# -- answers -------------------------------------------------------------------------------------------
+
+def chat_choice(i: int, text: str, last, lps: list[TokenLogprob], rows: Rows, table: list[bytes] | None) -> dict:
+    """One choice of a chat completion: the message (tool calls parsed out), finish reason, logprobs."""
+    finish = {"cancelled": "stop", None: "stop"}.get(last.finish_reason, last.finish_reason)
+    msg: dict[str, Any] = {"role": "assistant", "content": text}
+    if rows.tools and rows.tool_choice != "none":
+        parsed = toolfmt.parse_calls(text)
+        if parsed.tool_calls:
+            msg = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+            if finish == "stop":
+                finish = "tool_calls"
+    logprobs = {"content": chat_logprobs(table, lps)} if table is not None else None
+    return {"index": i, "message": msg, "finish_reason": finish, "logprobs": logprobs}
+
+
+async def merged_events(reqs: list, q: asyncio.Queue, n: int) -> AsyncIterator[tuple[int, Any]]:
+    """(row, event) from every row until each has finished; leaving early cancels them all."""
+    left = n
+    try:
+        while left:
+            i, ev = await q.get()
+            yield i, ev
+            if ev.finish_reason:
+                left -= 1
+    finally:
+        for r in reqs:
+            r.cancel()

@@ -1,0 +1,141 @@
+"""Server-sent events of chat and text completions, and the pieces answers share (finish reason, usage,
+the timeout message): OpenAI's chunk shapes for n rows, tool calls held back until they parse, logprobs per
+chunk."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Protocol
+
+from edge.serve import openai_answers as api_answers
+from edge.decode import tools as toolfmt
+from edge.decode.text_stream import StreamEvent
+
+class Service(Protocol):
+    """What the stream writers read of the server (edge.serve.service.Service has these)."""
+
+    request_timeout_s: float
+    model_id: str
+    precision: str
+    metrics: Any
+
+
+def timeout_message(service: Service) -> str:
+    return (f"the answer took longer than this server's --request-timeout of {service.request_timeout_s:g} s: "
+            "ask for fewer max_tokens or retry later")
+
+
+def finish(reason: str | None) -> str:
+    return {"cancelled": "stop", None: "stop"}.get(reason, reason)
+
+
+def usage(lasts: list, prompt_tokens: int) -> dict:
+    """Usage of a whole request: its prompt once, every row's answer."""
+    c = sum(last.stats.get("completion_tokens", 0) for last in lasts)
+    cached = max((last.stats.get("cached_prompt_tokens", 0) for last in lasts), default=0)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": c, "total_tokens": prompt_tokens + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def error_event(service: Service, ev: StreamEvent) -> str:
+    """A failed or timed-out row of a stream (whose status line said 200 already): an error event, counted."""
+    timeout = ev.finish_reason == "timeout"
+    service.metrics.http_error(504 if timeout else 500)
+    err = {"error": {"message": timeout_message(service) if timeout else f"generation failed: {ev.stats.get('error')}",
+                     "type": "timeout_error" if timeout else "server_error", "param": None,
+                     "code": "request_timeout" if timeout else None}}
+    return f"data: {json.dumps(err)}\n\n"
+
+
+async def chat_sse(service: Service, cid: str, created: int, events: AsyncIterator[tuple[int, StreamEvent]], n: int,
+                    rows, table, include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+    """Chat chunks for n rows. With tools, a row's text is held while it may still be a call; a call goes out
+    as one tool_calls delta (id, name, arguments) when its answer ends, with finish_reason "tool_calls"."""
+    def chunk(i: int, delta: dict, finish: str | None = None, usage: dict | None = None, choices: bool = True,
+              lps: list | None = None) -> str:
+        logprobs = {"content": api_answers.chat_logprobs(table, lps or [])} if table is not None and choices else None
+        body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created,
+                                "model": service.model_id, "system_fingerprint": f"edgechat-{service.precision}",
+                                "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
+                                if choices else []}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    calls = bool(rows.tools) and rows.tool_choice != "none"
+    held = [""] * n  # text that may still become a tool call
+    held_lps: list[list] = [[] for _ in range(n)]
+    plain = [not calls] * n
+    lasts: list[Any] = []
+    try:
+        for i in range(n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for i, ev in events:
+            lps = getattr(ev, "logprobs", None) or []
+            if ev.text or lps:
+                if plain[i]:
+                    yield chunk(i, {"content": ev.text}, lps=lps)
+                else:
+                    held[i] += ev.text
+                    held_lps[i] += lps
+                    if not toolfmt.may_be_call(held[i]):  # plain text after all: let it flow
+                        plain[i] = True
+                        yield chunk(i, {"content": held[i]}, lps=held_lps[i])
+            if ev.finish_reason:
+                if ev.finish_reason in ("error", "timeout"):
+                    yield error_event(service, ev)
+                    return
+                reason = finish(ev.finish_reason)
+                if not plain[i]:
+                    parsed = toolfmt.parse_calls(held[i])
+                    if parsed.tool_calls:
+                        delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(parsed.tool_calls)]}
+                        if parsed.content:
+                            delta["content"] = parsed.content
+                        yield chunk(i, delta, lps=held_lps[i])
+                        reason = "tool_calls" if reason == "stop" else reason
+                    elif held[i]:
+                        yield chunk(i, {"content": held[i]}, lps=held_lps[i])
+                yield chunk(i, {}, reason)
+                lasts.append(ev)
+        if include_usage:
+            yield chunk(0, {}, usage=usage(lasts, prompt_tokens), choices=False)
+        yield "data: [DONE]\n\n"
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+async def completion_sse(service: Service, cid: str, created: int, events: AsyncIterator[tuple[int, StreamEvent]],
+                          rows, table, scored: list, logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
+    """Text-completion chunks: the echoed prompt first (with its logprobs), then each row's text as it comes."""
+    def chunk(k: int, text: str, finish: str | None = None, lps: list | None = None, usage: dict | None = None) -> str:
+        body: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
+                                "system_fingerprint": f"edgechat-{service.precision}",
+                                "choices": [] if usage is not None else [{
+                                    "index": k, "text": text, "finish_reason": finish,
+                                    "logprobs": None if logprobs is None else
+                                    api_answers.completion_logprobs(table, lps or [])}]}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    lasts: list[Any] = []
+    try:
+        if rows.echo:
+            for k, p in enumerate(rows.prompt_of):
+                yield chunk(k, rows.prompt_texts[p], lps=scored[p] if scored else [])
+        async for k, ev in events:
+            lps = getattr(ev, "logprobs", None) or []
+            if ev.text or lps:
+                yield chunk(k, ev.text, lps=lps)
+            if ev.finish_reason:
+                if ev.finish_reason in ("error", "timeout"):
+                    yield error_event(service, ev)
+                    return
+                yield chunk(k, "", finish(ev.finish_reason))
+                lasts.append(ev)
+        if include_usage:
+            yield chunk(0, "", usage=usage(lasts, sum(len(p) for p in rows.prompts)))
+        yield "data: [DONE]\n\n"
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
