@@ -90,3 +90,19 @@ def test_verdict_names_what_to_install_on_jetpack6():
     v = judge(TARGETS["x86-cuda13"], {"tensorrt": "10.16.1", "cuda_python": "13.4.4", "cuda_driver": 12080},
               has_gpu=True, python="3.11.7", arch="x86_64")
     assert v.must_stop and "580.65.06" in v.to_install[0]
+
+
+def test_pyproject_extras_carry_the_targets_pins():
+    """[gpu] / [gpu-cuda13] / [tensorrt-cu12/13] are the x86 targets' pins: one set of numbers, two files."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra, target in (("gpu", "x86-cuda12"), ("gpu-cuda13", "x86-cuda13")):
+        t = TARGETS[target]
+        assert sorted(map(str, map(Requirement, extras[extra]))) == sorted(map(str, map(Requirement, t.onnxruntime + t.cuda_python)))
+    for extra, target in (("tensorrt-cu12", "x86-cuda12"), ("tensorrt-cu13", "x86-cuda13")):
+        [pkg], [bindings] = map(Requirement, extras[extra]), map(Requirement, TARGETS[target].tensorrt_wheels)
+        assert pkg.name == extra and bindings.name == f"{extra}-bindings" and pkg.specifier == bindings.specifier
+    assert extras["cpu"] == ["onnxruntime==1.32.0"] and TARGETS["cpu"].requirements("3.11", "x86_64") == ["onnxruntime==1.32.0"]
