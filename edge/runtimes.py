@@ -63,6 +63,12 @@ class RuntimeTarget:
     def requirements(self, python: str, arch: str, include_tensorrt: bool = True) -> list[str]:
         """This target's own pins (ONNX Runtime, cuda-python, TensorRT wheels) for one Python and arch,
         markers evaluated and removed."""
+        return self.pins((*self.onnxruntime, *self.cuda_python, *(self.tensorrt_wheels if include_tensorrt else ())),
+                         python, arch)
+
+    @staticmethod
+    def pins(texts: tuple[str, ...], python: str, arch: str) -> list[str]:
+        """PEP 508 strings whose markers hold for this Python and arch on Linux, markers removed."""
         from packaging.markers import default_environment  # noqa: PLC0415
         from packaging.requirements import Requirement  # noqa: PLC0415
 
@@ -70,7 +76,7 @@ class RuntimeTarget:
                                        "python_full_version": python if python.count(".") == 2 else python + ".0",
                                        "platform_machine": arch, "sys_platform": "linux", "extra": ""}
         out = []
-        for text in (*self.onnxruntime, *self.cuda_python, *(self.tensorrt_wheels if include_tensorrt else ())):
+        for text in texts:
             r = Requirement(text)
             if r.marker is None or r.marker.evaluate(env):
                 r.marker = None
