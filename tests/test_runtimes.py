@@ -106,3 +106,15 @@ def test_pyproject_extras_carry_the_targets_pins():
         [pkg], [bindings] = map(Requirement, extras[extra]), map(Requirement, TARGETS[target].tensorrt_wheels)
         assert pkg.name == extra and bindings.name == f"{extra}-bindings" and pkg.specifier == bindings.specifier
     assert extras["cpu"] == ["onnxruntime==1.32.0"] and TARGETS["cpu"].requirements("3.11", "x86_64") == ["onnxruntime==1.32.0"]
+
+
+def test_jetpack6_release_requests_cuda_python_12_and_no_onnxruntime():
+    """What the deploy asks pip for on a JetPack 6 device without ONNX Runtime: never onnxruntime 1.32 (no cp310 wheel)."""
+    from edge.machine import Machine
+    from export.runtime_set import requirements
+
+    m = Machine(arch="aarch64", python="3.10.12", jetson=True, l4t="36.4.3")
+    names = {str(r) for r in requirements(m, service=False, target=TARGETS["jetpack6"])}
+    assert "cuda-python~=12.6.0" in names and not any(n.startswith("onnxruntime") for n in names), names
+    cpu_310 = Machine(arch="x86_64", python="3.10.12")
+    assert not any(str(r).startswith("onnxruntime") for r in requirements(cpu_310, False, TARGETS["cpu"]))
