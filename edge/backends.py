@@ -96,7 +96,8 @@ def decide(manifest: Manifest, m: Machine, engine: str | None = None) -> Choice:
     providers = set(m.ort_providers)
     if not m.onnxruntime:
         raise BundleError("ONNX Runtime is not installed and no TensorRT engine can run here: "
-                          "pip install 'edgechat[cpu]' (or 'edgechat[gpu]' on NVIDIA machines)")
+                          "pip install 'edgechat[cpu]' (or 'edgechat[gpu]' on a T4/L4 with a CUDA 12 driver; on a Jetson, "
+                          "JetPack's onnxruntime-gpu from a Jetson index: docs/deploy.md, 'What to install, per target')")
     gpu_eps = providers & {"TensorrtExecutionProvider", "CUDAExecutionProvider"}
     if not gpu_eps:
         skipped.append(f"ONNX Runtime GPU: onnxruntime {m.onnxruntime} here has only {', '.join(sorted(providers))}"

@@ -187,7 +187,8 @@ def preflight(t: Target, bundle: Bundle, reserve_gb: float = 1.0, profile: str |
     shipped_ort = (target.pins(target.onnxruntime, m.python, m.arch) if target
                    else [f"onnxruntime=={runtime_set.ORT_VERSION}"] if tuple(map(int, m.python.split(".")[:2])) >= (3, 11) else [])
     facts = {"tensorrt": m.tensorrt if m.tensorrt_source == "python" else None,
-             "tensorrt_error": m.tensorrt_source if m.tensorrt else "not installed",
+             "tensorrt_error": (f"TensorRT {m.tensorrt} known from the {m.tensorrt_source}, not importable"
+                                if m.tensorrt else m.tensorrt_source or "not installed"),
              "onnxruntime": m.onnxruntime or (f"{shipped_ort[0]} (shipped with the release)" if shipped_ort else None)}
     verdict = judge(target, facts, m.has_gpu, m.python, m.arch)
     if verdict.must_stop:
