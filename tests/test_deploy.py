@@ -308,3 +308,25 @@ def test_jetpack6_device_is_told_what_to_install_then_gets_its_runtime(device, t
     assert steps["build-engine"].startswith("skipped: TensorRT 10.3 has no Python bindings there (sudo apt install python3-libnvinfer)")
     assert device.current() == "releases/tiny-release-jp6"
     assert _link(device.install / "previous") == (before[0] if before[0] and before[0] != "releases/tiny-release-jp6" else before[1])
+
+
+def test_jetpack6_with_tensorrt_but_no_usable_cuda_stops_before_the_engine_build(device, tiny_bundle, tmp_path):
+    """Issue #38's third failure: TensorRT's bindings are there but CUDA does not open through cuda-python (here
+    the aarch64 cp310 wheel the release ships cannot load on this x86 'device'; on a real JetPack 6 it is an
+    unpinned cuda-python 13 the r540 driver refuses). The device check stops before build-engine, naming the
+    pin, and nothing is switched. The `tensorrt` module here is an empty stand-in that only imports."""
+    py = _jetpack6_python(tmp_path / "trt", hide="cuda")
+    (tmp_path / "trt/site/tensorrt").mkdir()
+    (tmp_path / "trt/site/tensorrt/__init__.py").write_text('__version__ = "10.3.0"\n')
+    before = _link(device.install / "current"), _link(device.install / "previous")
+    b = _variant(tiny_bundle.root, tmp_path / "jp6trt.bundle", "tiny-release-jp6-trt")
+    lines: list[str] = []
+    with pytest.raises(DeployError, match="deploy stopped at 'device-check'") as e:
+        deploy(str(b), device.target(python=str(py)), echo=lines.append)
+    assert "CUDA does not open" in str(e.value) and 'pip install "cuda-python~=12.6.0"' in str(e.value), str(e.value)
+    assert any("TensorRT" in x and "10.3.0 (python)" in x for x in lines), lines
+    assert any(x.startswith("[runtime]") and "cuda-python 12.6." in x for x in lines), lines
+    assert not any(x.startswith("[build-engine]") for x in lines)
+    engines = json.loads((device.install / "releases/tiny-release-jp6-trt/bundle/manifest.json").read_text())["engines"]
+    assert not any(e["name"].startswith("trt") for e in engines)  # no engine was built
+    assert (_link(device.install / "current"), _link(device.install / "previous")) == before

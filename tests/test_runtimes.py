@@ -118,3 +118,8 @@ def test_jetpack6_release_requests_cuda_python_12_and_no_onnxruntime():
     assert "cuda-python~=12.6.0" in names and not any(n.startswith("onnxruntime") for n in names), names
     cpu_310 = Machine(arch="x86_64", python="3.10.12")
     assert not any(str(r).startswith("onnxruntime") for r in requirements(cpu_310, False, TARGETS["cpu"]))
+
+
+def test_every_device_profile_has_a_runtime_target():
+    covered = {p for t in TARGETS.values() for p in t.profiles}
+    assert set(available()) <= covered, set(available()) - covered
