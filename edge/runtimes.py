@@ -183,7 +183,8 @@ def judge(target: RuntimeTarget | None, facts: dict[str, Any], has_gpu: bool, py
     cuda_error / cuda_driver (cuDriverGetVersion, e.g. 12060; None when not asked), onnxruntime."""
     notes, todo = [], []
     trt = facts.get("tensorrt")
-    trt_ok = bool(trt) and int(str(trt).split(".")[0]) >= 10
+    major = str(trt).split(".")[0] if trt else ""
+    trt_ok = major.isdigit() and int(major) >= 10
     want_trt = target is not None and target.kind != "cpu"
     if trt and not trt_ok:
         notes.append(f"TensorRT {trt}: EdgeChat builds engines with TensorRT 10 or newer")
@@ -196,17 +197,22 @@ def judge(target: RuntimeTarget | None, facts: dict[str, Any], has_gpu: bool, py
         drv, need = facts.get("cuda_driver"), (target.cuda_driver_major if target else None)
         if facts.get("cuda_error") or not facts.get("cuda_python"):
             cuda_ok = False
-            pin = " ".join(target.cuda_python) if target else "cuda-python"
             notes.append(f"CUDA does not open with cuda-python {facts.get('cuda_python') or '(not importable)'}: "
                          f"{facts.get('cuda_error') or 'no cuda-python'}")
-            todo.append(f"pip install \"{pin}\" (the cuda-python this driver takes), or deploy again to ship it")
+            if target:
+                todo.append(f"pip install \"{' '.join(target.cuda_python)}\" (the cuda-python CUDA {target.cuda_driver_major} "
+                            f"drivers take; this release ships it, so if that one fails, check the driver is "
+                            f"{target.min_driver} or newer)")
+            else:
+                todo.append("pip install the cuda-python whose major is the driver's CUDA major (nvidia-smi)")
         elif need and drv and int(drv) // 1000 < need:
             cuda_ok = False
             notes.append(f"the driver runs CUDA {int(drv) // 1000}.{int(drv) % 1000 // 10}, but this target needs "
                          f"CUDA {need} (driver {target.min_driver if target else '?'} or newer)")
             todo.append(f"update the driver to {target.min_driver if target else 'a newer one'} or newer")
         else:
-            notes.append(f"cuda-python {facts['cuda_python']} opens CUDA (driver {int(drv) // 1000}.{int(drv) % 1000 // 10})")
+            ver = f"{int(drv) // 1000}.{int(drv) % 1000 // 10}" if drv else "version not read"
+            notes.append(f"cuda-python {facts['cuda_python']} opens CUDA (driver {ver})")
     engine = trt_ok and cuda_ok and has_gpu
     ort = facts.get("onnxruntime")
     notes.append(f"onnxruntime {ort}" if ort else "no ONNX Runtime")
