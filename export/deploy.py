@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge.bundle import Bundle
-from edge.errors import EdgeChatError
+from edge.errors import EdgeChatError, ProfileError
 from edge.device.machine import Machine, interpret
 from edge.precisions import FP16
+from edge.device.runtimes import RuntimeTarget, RuntimeVerdict, judge, target_of
 from export import runtime_set
 
 PROBE = Path(__file__).resolve().parent.parent / "edge" / "device" / "probe.py"
@@ -44,6 +45,40 @@ for rel, e in m["files"].items():
     if h.hexdigest() != e["sha256"]:
         bad.append(rel)
 print(json.dumps(bad))
+'''
+# Run on the device with the release's PYTHONPATH, before any engine build: can TensorRT and CUDA (through the
+# cuda-python this release carries) and ONNX Runtime actually be used there? Standard library only.
+DEVICE_CHECK = r'''
+import json
+from importlib import metadata
+out = {}
+try:
+    import tensorrt
+    out["tensorrt"] = tensorrt.__version__
+except Exception as e:
+    out["tensorrt_error"] = (str(e).splitlines() or [type(e).__name__])[0]
+if out.get("tensorrt"):
+    out["cuda_driver"] = None
+    try:
+        try:
+            from cuda.bindings import driver as cu
+        except ImportError:
+            from cuda import cuda as cu
+        out["cuda_python"] = metadata.version("cuda-python")
+        err, = cu.cuInit(0)
+        if int(err) != 0:
+            out["cuda_error"] = "cuInit: " + cu.cuGetErrorName(err)[1].decode()
+        else:
+            err, ver = cu.cuDriverGetVersion()
+            out["cuda_driver"] = int(ver)
+    except Exception as e:
+        out["cuda_error"] = (str(e).splitlines() or [type(e).__name__])[0]
+try:
+    import onnxruntime
+    out["onnxruntime"] = onnxruntime.__version__
+except Exception as e:
+    out["onnxruntime_error"] = (str(e).splitlines() or [type(e).__name__])[0]
+print(json.dumps(out))
 '''
 
 
@@ -101,6 +136,7 @@ class Target:
 class Report:
     steps: list[tuple[str, str]] = field(default_factory=list)  # (step, what happened)
     machine: Machine | None = None
+    target: RuntimeTarget | None = None  # the device's runtime target (device_profiles/runtimes/targets.toml)
     release: str = ""
     sent_files: int = 0
 
@@ -109,7 +145,7 @@ class Report:
         echo(f"[{step}] {what}")
 
 
-def preflight_table(m: Machine, bundle: Bundle, need_gb: float) -> list[tuple[str, str]]:
+def preflight_table(m: Machine, bundle: Bundle, need_gb: float, target: RuntimeTarget | None = None) -> list[tuple[str, str]]:
     return [
         ("architecture", m.arch),
         ("module", f"{m.module or '-'}" + (f" -> profile {m.profile}" if m.profile else "")),
@@ -118,6 +154,7 @@ def preflight_table(m: Machine, bundle: Bundle, need_gb: float) -> list[tuple[st
         ("CUDA", m.cuda or "-"),
         ("onnxruntime", f"{m.onnxruntime or 'not installed'}" + (f" {m.ort_providers}" if m.ort_providers else "")),
         ("Python", m.python),
+        ("runtime target", f"{target.name}: {target.description}" if target else "none in device_profiles/runtimes/targets.toml"),
         ("free disk", f"{m.disk_free_gb:.1f} GB (bundle needs {need_gb:.2f} GB)" if m.disk_free_gb is not None else "?"),
         ("MemAvailable", f"{m.mem_available_gb:.1f} GB" if m.mem_available_gb is not None else "?"),
         ("bundle", f"{bundle.manifest.model_name} ({bundle.manifest.bundle_id})"),
@@ -125,15 +162,21 @@ def preflight_table(m: Machine, bundle: Bundle, need_gb: float) -> list[tuple[st
 
 
 def preflight(t: Target, bundle: Bundle, reserve_gb: float = 1.0, profile: str | None = None,
-              echo=print) -> Machine:
-    """Probe the device (edge/device/probe.py piped into its python3) and refuse what cannot work."""
+              echo=print) -> tuple[Machine, RuntimeTarget | None]:
+    """Probe the device (edge/device/probe.py piped into its python3) and refuse what cannot work, before anything
+    is copied: too little disk, a --profile that is not the device, and nothing that could serve the bundle
+    (no TensorRT bindings, no ONNX Runtime and none the release would ship), naming what to install."""
     r = t.run(f"{t.python} - {t.root}", "preflight", stdin=PROBE.read_text())
     try:
         m = interpret(json.loads(r.stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError):
         raise DeployError("preflight", f"the device's probe printed no facts: {r.stdout[-300:]} {r.stderr[-300:]}")
+    try:
+        target = target_of(m)
+    except ProfileError as e:
+        raise DeployError("preflight", str(e)) from e
     need = sum(f.size for f in bundle.manifest.files.values()) / 1e9 * 1.1
-    rows = preflight_table(m, bundle, need)
+    rows = preflight_table(m, bundle, need, target)
     w = max(len(k) for k, _ in rows)
     echo("preflight " + t.host)
     for k, v in rows:
@@ -141,15 +184,45 @@ def preflight(t: Target, bundle: Bundle, reserve_gb: float = 1.0, profile: str |
     if m.disk_free_gb is not None and m.disk_free_gb - need < reserve_gb:
         raise DeployError("preflight", f"{m.disk_free_gb:.1f} GB free under {t.root} but the bundle needs {need:.2f} GB "
                                        f"and {reserve_gb:.1f} GB must stay free: free space or lower --reserve-gb")
-    if not m.onnxruntime and not m.tensorrt:
-        raise DeployError("preflight", "the device has neither onnxruntime nor TensorRT, so nothing could run the "
-                                       "bundle: pip install onnxruntime (or onnxruntime-gpu) there first")
+    shipped_ort = (target.pins(target.onnxruntime, m.python, m.arch) if target
+                   else [f"onnxruntime=={runtime_set.ORT_VERSION}"] if tuple(map(int, m.python.split(".")[:2])) >= (3, 11) else [])
+    facts = {"tensorrt": m.tensorrt if m.tensorrt_source == "python" else None,
+             "tensorrt_error": (f"TensorRT {m.tensorrt} known from the {m.tensorrt_source}, not importable"
+                                if m.tensorrt else m.tensorrt_source or "not installed"),
+             "onnxruntime": m.onnxruntime or (f"{shipped_ort[0]} (shipped with the release)" if shipped_ort else None)}
+    verdict = judge(target, facts, m.has_gpu, m.python, m.arch)
+    if verdict.must_stop:
+        raise DeployError("preflight", _nothing_serves(verdict, m))
     want = profile if profile and profile != "auto" else None
     if want and m.profile and want.split("@")[0] != m.profile.split("@")[0]:
         raise DeployError("preflight", f"--profile {want} but the device is {m.module} ({m.profile})")
     if m.jetson and not m.profile and not want:
         raise DeployError("preflight", f"{m.profile_error or 'unknown Jetson module'}")
-    return m
+    return m, target
+
+
+def _nothing_serves(v: RuntimeVerdict, m: Machine) -> str:
+    steps = "; or ".join(f"({i}) {x}" for i, x in enumerate(v.to_install, 1))
+    return (f"nothing on the device ({m.arch}, Python {m.python}) can serve the bundle yet ({'; '.join(v.notes)}). "
+            f"Install on the device: {steps}. Then deploy again")
+
+
+def device_check(t: Target, m: Machine, target: RuntimeTarget | None, pythonpath: str | None, rep: Report,
+                 echo=print) -> RuntimeVerdict:
+    """Before any engine build: import TensorRT, open CUDA with the cuda-python this release carries (the
+    driver must take it) and import ONNX Runtime, on the device; stop naming what to install when neither
+    can serve, or when TensorRT is there but CUDA will not open."""
+    env = f"PYTHONPATH={pythonpath} " if pythonpath else ""
+    r = t.run(f"{env}{t.python} -", "device-check", stdin=DEVICE_CHECK)
+    try:
+        facts = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise DeployError("device-check", f"the device check printed nothing: {r.stderr[-400:]}")
+    v = judge(target, facts, m.has_gpu, m.python, m.arch)
+    if v.must_stop:
+        raise DeployError("device-check", _nothing_serves(v, m))
+    rep.add("device-check", f"{'; '.join(v.notes)} -> {'TensorRT engine' if v.engine else 'ONNX Runtime serves'}", echo)
+    return v
 
 
 def _rsync(t: Target, src: Path | list[Path], dst: str, checksum: bool, step: str) -> int:
@@ -174,11 +247,12 @@ def _sh_path(p: str) -> str:
     return '"$HOME"' + shlex.quote(p[1:]) if p.startswith("~/") else shlex.quote(p)
 
 
-def install_runtime(t: Target, m: Machine, rel: str, service: bool, rep: Report, echo=print) -> str:
-    """Ship the edgechat wheel and the wheels the device lacks, unpack them into rel/runtime, and return
-    the command that runs this release's edge-chat."""
+def install_runtime(t: Target, m: Machine, rel: str, service: bool, rep: Report, echo=print,
+                    target: RuntimeTarget | None = None) -> str:
+    """Ship the edgechat wheel and the wheels the device lacks (the target's pins included), unpack them into
+    rel/runtime, and return the command that runs this release's edge-chat."""
     try:
-        rs = runtime_set.plan(t, m, service)
+        rs = runtime_set.plan(t, m, service, target)
     except runtime_set.RuntimeSetError as e:
         raise DeployError("runtime", str(e)) from e
     sent = _rsync(t, rs.wheels, f"{rel}/wheels", checksum=False, step="runtime")
@@ -202,7 +276,8 @@ def deploy(bundle_path: str, t: Target, profile: str = "auto", precision: str = 
     in the device's Python instead of shipping this one with the release."""
     bundle = Bundle.open(bundle_path, verify="full")
     rep = Report()
-    rep.machine = m = preflight(t, bundle, reserve_gb, profile, echo)
+    m, rep.target = preflight(t, bundle, reserve_gb, profile, echo)
+    rep.machine = m
     rep.add("preflight", "ok", echo)
     if dry_run:
         rep.add("dry-run", "stopping after preflight (nothing copied)", echo)
@@ -233,18 +308,20 @@ def deploy(bundle_path: str, t: Target, profile: str = "auto", precision: str = 
             raise DeployError("runtime", "--device-runtime but edgechat is not installed in the device's Python: "
                                          "pip install 'edgechat[serve]' there, or deploy without --device-runtime")
         rep.add("runtime", "using the edgechat installed on the device", echo)
+        verdict = device_check(t, m, rep.target, None, rep, echo)
     else:
-        edge_chat = install_runtime(t, m, rel, service, rep, echo)
+        edge_chat = install_runtime(t, m, rel, service, rep, echo, rep.target)
+        verdict = device_check(t, m, rep.target, _sh_path(f"{rel}/runtime"), rep, echo)
     prof = f"--profile {shlex.quote(profile)}"
-    if m.tensorrt and m.tensorrt_source == "python" and m.has_gpu:
+    if verdict.engine:
         t.run(f"{edge_chat} build-engine {rel}/bundle {prof} --precision {precision}", "build-engine", timeout=7200)
         rep.add("build-engine", f"TensorRT {m.tensorrt} engine built on the device", echo)
     else:
         # no TensorRT: still check the engine plan is valid for this device, then fall back to ONNX Runtime
         if m.jetson or profile != "auto":
             t.run(f"{edge_chat} build-engine {rel}/bundle {prof} --precision {precision} --dry-run", "build-engine")
-        why = (f"TensorRT {m.tensorrt} has no Python bindings there (sudo apt install python3-libnvinfer)"
-               if m.tensorrt else "no TensorRT on the device")
+        fix = rep.target.tensorrt_install if rep.target and rep.target.tensorrt_install else "sudo apt install python3-libnvinfer"
+        why = (f"TensorRT {m.tensorrt} has no Python bindings there ({fix})" if m.tensorrt else "no TensorRT on the device")
         rep.add("build-engine", f"skipped: {why}; it will run with ONNX Runtime", echo)
     r = t.run(f"{edge_chat} golden {rel}/bundle --json", "golden", timeout=3600)
     g = json.loads(r.stdout.strip().splitlines()[-1])

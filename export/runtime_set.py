@@ -27,9 +27,10 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from edge.errors import EdgeChatError
 from edge.device.machine import Machine
+from edge.device.runtimes import RuntimeTarget
 
 REPO = Path(__file__).resolve().parent.parent
-ORT_VERSION = "1.32.0"  # the CPU runtime this package is tested with (pyproject's [cpu] extra)
+ORT_VERSION = "1.32.0"  # the CPU runtime this package is tested with (pyproject's [cpu] extra): Python 3.11+ only
 
 # Run on the device: installed version of each distribution name given on argv (null when absent).
 VERSIONS = r'''
@@ -81,9 +82,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EDGECHAT_CACHE", Path.home() / ".cache" / "edgechat")) / "wheels"
 
 
-def requirements(m: Machine, service: bool) -> list[Requirement]:
-    """What `edge` needs on this device: the package's base dependencies, onnxruntime if the device has
-    none (CPU build; a GPU build for Jetson comes from NVIDIA, not PyPI), and the server when it runs one."""
+def requirements(m: Machine, service: bool, target: RuntimeTarget | None = None) -> list[Requirement]:
+    """What `edge` needs on this device: the package's base dependencies, the server when it runs one, and
+    from the device's runtime target (device_profiles/runtimes/targets.toml) its cuda-python pin and, when
+    the device has no ONNX Runtime, the target's ONNX Runtime pin. A Jetson target has none on PyPI: then
+    nothing is requested (the deploy's device check says what to install, or TensorRT serves alone)."""
     from importlib import metadata  # noqa: PLC0415
 
     try:
@@ -102,7 +105,15 @@ def requirements(m: Machine, service: bool) -> list[Requirement]:
         elif any(r.marker.evaluate(env | {"extra": e}) for e in extra_ok):
             r.marker = None
             out.append(r)
-    if not m.onnxruntime:
+    if target is not None:
+        out += [Requirement(x) for x in target.pins(target.cuda_python, m.python, m.arch)]
+        if not m.onnxruntime:
+            out += [Requirement(x) for x in target.pins(target.onnxruntime, m.python, m.arch)]
+    elif not m.onnxruntime:
+        if tuple(int(x) for x in m.python.split(".")[:2]) < (3, 11):
+            raise RuntimeSetError(f"the device has no onnxruntime and its Python {m.python} has no onnxruntime "
+                                  f"{ORT_VERSION} wheel (Python 3.11+ only): install an onnxruntime there first, "
+                                  "or use Python 3.11+ on the device")
         out.append(Requirement(f"onnxruntime=={ORT_VERSION}"))
     return out
 
@@ -179,10 +190,10 @@ def device_versions(t, names) -> dict[str, str | None]:
     return json.loads(t.run(f"{t.python} - " + " ".join(names), "runtime", stdin=VERSIONS).stdout.strip().splitlines()[-1])
 
 
-def plan(t, m: Machine, service: bool) -> RuntimeSet:
+def plan(t, m: Machine, service: bool, target: RuntimeTarget | None = None) -> RuntimeSet:
     """Decide what to ship: ask the device which requirements it already satisfies, fetch the rest."""
     rs = RuntimeSet(wheels=[edgechat_wheel()])
-    reqs = requirements(m, service)
+    reqs = requirements(m, service, target)
     have = device_versions(t, [r.name for r in reqs])
     if m.onnxruntime:
         rs.from_device["onnxruntime"] = m.onnxruntime

@@ -125,8 +125,10 @@ def test_deploy_scenarios(device, tiny_bundle, tmp_path):
     assert device.current() == "releases/tiny-release-one"
     release = device.install / "releases/tiny-release-one/bundle"
     assert (release / "manifest.json").is_file()
-    # the release carries its own runtime: this checkout's wheel, unpacked; the device's numpy etc. are used
-    assert "edgechat-0.1.0-py3-none-any.whl + 0 dependency wheel(s)" in steps["runtime"], steps["runtime"]
+    # the release carries its own runtime: this checkout's wheel, unpacked; the device's numpy etc. are used;
+    # the JetPack 6 target's cuda-python (~=12.6.0) is shipped because the device's (13.x, the dev extra's) is not it
+    assert "edgechat-0.1.0-py3-none-any.whl + 1 dependency wheel(s) (cuda-python 12.6." in steps["runtime"], steps["runtime"]
+    assert "ONNX Runtime serves" in steps["device-check"], steps["device-check"]
     assert "from the device: " in steps["runtime"] and "numpy" in steps["runtime"]
     assert (device.install / "releases/tiny-release-one/runtime/edge/cli.py").is_file()
 
@@ -224,16 +226,107 @@ def test_runtime_ships_what_the_device_lacks(device, tiny_bundle, tmp_path, monk
 
     monkeypatch.setenv("EDGECHAT_CACHE", str(tmp_path / "cache"))
     base = runtime_set.requirements
-    monkeypatch.setattr(runtime_set, "requirements", lambda m, s: [*base(m, s), Requirement("six>=1.16")])
+    monkeypatch.setattr(runtime_set, "requirements", lambda m, s, target=None: [*base(m, s, target), Requirement("six>=1.16")])
     b = _variant(tiny_bundle.root, tmp_path / "six.bundle", "tiny-release-six")
     rep = deploy(str(b), device.target(), echo=_quiet)
     steps = dict(rep.steps)
-    assert "1 dependency wheel(s) (six " in steps["runtime"], steps["runtime"]
+    assert "2 dependency wheel(s) (cuda-python 12.6." in steps["runtime"] and ", six " in steps["runtime"], steps["runtime"]
     assert (device.install / "releases/tiny-release-six/runtime/six.py").is_file()
     assert device.current() == "releases/tiny-release-six"
 
-    monkeypatch.setattr(runtime_set, "requirements", lambda m, s: [Requirement("edgechat-no-such-dist==9.9")])
+    monkeypatch.setattr(runtime_set, "requirements", lambda m, s, target=None: [Requirement("edgechat-no-such-dist==9.9")])
     b2 = _variant(tiny_bundle.root, tmp_path / "nope.bundle", "tiny-release-nope")
     with pytest.raises(DeployError, match="deploy stopped at 'runtime'.*lacks edgechat-no-such-dist==9.9"):
         deploy(str(b2), device.target(), echo=_quiet)
     assert device.current() == "releases/tiny-release-six"
+
+
+# sitecustomize for a python that presents JetPack 6 (Python 3.10 on aarch64) and refuses the modules named in
+# EDGECHAT_TEST_HIDE, as if they were not installed (JetPack 6 has no cuda-python, and no ONNX Runtime until
+# the user installs one from a Jetson index)
+JETPACK6_SITE = r'''
+import importlib.abc, os, platform, sys
+platform.machine = lambda: "aarch64"
+platform.python_version = lambda: "3.10.12"
+HIDE = set(filter(None, os.environ.get("EDGECHAT_TEST_HIDE", "").split(",")))
+
+
+class _Hidden(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDE:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Hidden())
+'''
+
+
+def _jetpack6_python(folder: Path, hide: str) -> Path:
+    """A `python3` for the device that presents JetPack 6's Python (3.10, aarch64) without `hide`'s modules."""
+    (folder / "site").mkdir(parents=True)
+    (folder / "site/sitecustomize.py").write_text(JETPACK6_SITE)
+    exe = folder / "python3"
+    exe.write_text(f'#!/bin/sh\nEDGECHAT_TEST_HIDE={hide} PYTHONPATH={folder}/site${{PYTHONPATH:+:$PYTHONPATH}} '
+                   f'exec {sys.executable} "$@"\n')
+    exe.chmod(0o755)
+    return exe
+
+
+def _link(p: Path) -> str | None:
+    return os.readlink(p) if p.is_symlink() else None
+
+
+def test_jetpack6_device_is_told_what_to_install_then_gets_its_runtime(device, tiny_bundle, tmp_path):
+    """Issue #38 on JetPack 6 (L4T 36.4, Python 3.10, aarch64, no cuda-python, no ONNX Runtime): the deploy stops
+    before copying anything, naming the installs; once ONNX Runtime is there it ships cuda-python ~=12.6 for
+    aarch64/cp310 (never onnxruntime 1.32, which has no Python 3.10 wheel), checks the device and switches."""
+    before = _link(device.install / "current"), _link(device.install / "previous")
+    b = _variant(tiny_bundle.root, tmp_path / "jp6.bundle", "tiny-release-jp6")
+    bare = _jetpack6_python(tmp_path / "bare", hide="onnxruntime,cuda")
+    lines: list[str] = []
+    with pytest.raises(DeployError, match="deploy stopped at 'preflight': nothing on the device") as e:
+        deploy(str(b), device.target(python=str(bare)), echo=lines.append)
+    msg = str(e.value)
+    assert "(1) sudo apt install python3-libnvinfer" in msg, msg
+    assert "(2) PyPI has no ONNX Runtime for JetPack 6 (Python 3.10 / aarch64)" in msg and "pip install --index-url" in msg
+    assert "previous release is still current" in msg
+    text = "\n".join(lines)
+    assert "aarch64" in text and "3.10.12" in text and "runtime target  jetpack6" in text, text
+    assert (_link(device.install / "current"), _link(device.install / "previous")) == before
+    assert not (device.install / "releases/tiny-release-jp6").exists()  # stopped before the copy
+
+    # the user installs JetPack's onnxruntime-gpu from their Jetson index (here: this machine's, no longer hidden)
+    fixed = _jetpack6_python(tmp_path / "fixed", hide="cuda")
+    rep = deploy(str(b), device.target(python=str(fixed)), echo=_quiet)
+    steps = dict(rep.steps)
+    shipped = steps["runtime"].split("; from the device")[0]
+    assert "cuda-python 12.6." in shipped and "onnxruntime" not in shipped, steps["runtime"]
+    wheels = sorted(p.name for p in (device.install / "releases/tiny-release-jp6/wheels").glob("cuda_python-*"))
+    assert wheels and "cp310-cp310-manylinux_2_17_aarch64" in wheels[0], wheels
+    assert "no TensorRT Python bindings" in steps["device-check"] and "ONNX Runtime serves" in steps["device-check"]
+    assert steps["build-engine"].startswith("skipped: TensorRT 10.3 has no Python bindings there (sudo apt install python3-libnvinfer)")
+    assert device.current() == "releases/tiny-release-jp6"
+    assert _link(device.install / "previous") == (before[0] if before[0] and before[0] != "releases/tiny-release-jp6" else before[1])
+
+
+def test_jetpack6_with_tensorrt_but_no_usable_cuda_stops_before_the_engine_build(device, tiny_bundle, tmp_path):
+    """Issue #38's third failure: TensorRT's bindings are there but CUDA does not open through cuda-python (here
+    the aarch64 cp310 wheel the release ships cannot load on this x86 'device'; on a real JetPack 6 it is an
+    unpinned cuda-python 13 the r540 driver refuses). The device check stops before build-engine, naming the
+    pin, and nothing is switched. The `tensorrt` module here is an empty stand-in that only imports."""
+    py = _jetpack6_python(tmp_path / "trt", hide="cuda")
+    (tmp_path / "trt/site/tensorrt").mkdir()
+    (tmp_path / "trt/site/tensorrt/__init__.py").write_text('__version__ = "10.3.0"\n')
+    before = _link(device.install / "current"), _link(device.install / "previous")
+    b = _variant(tiny_bundle.root, tmp_path / "jp6trt.bundle", "tiny-release-jp6-trt")
+    lines: list[str] = []
+    with pytest.raises(DeployError, match="deploy stopped at 'device-check'") as e:
+        deploy(str(b), device.target(python=str(py)), echo=lines.append)
+    assert "CUDA does not open" in str(e.value) and 'pip install "cuda-python~=12.6.0"' in str(e.value), str(e.value)
+    assert any("TensorRT" in x and "10.3.0 (python)" in x for x in lines), lines
+    assert any(x.startswith("[runtime]") and "cuda-python 12.6." in x for x in lines), lines
+    assert not any(x.startswith("[build-engine]") for x in lines)
+    engines = json.loads((device.install / "releases/tiny-release-jp6-trt/bundle/manifest.json").read_text())["engines"]
+    assert not any(e["name"].startswith("trt") for e in engines)  # no engine was built
+    assert (_link(device.install / "current"), _link(device.install / "previous")) == before

@@ -64,6 +64,7 @@ def test_installed_wheel_finds_profiles(tmp_path):
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(whl)], check=True)
     code = ("import edge.device.profiles as p, sys; assert str(p.profiles_dir()).startswith(sys.argv[1]), p.profiles_dir(); "
+            "import edge.device.runtimes as r; assert 'jetpack6' in r.load_targets(), 'runtime targets not in the wheel'; "
             "print(','.join(p.available()))")
     out = subprocess.run([sys.executable, "-c", code, str(site)], cwd=tmp_path, capture_output=True, text=True,
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})

@@ -64,7 +64,8 @@ def engine_mismatch(fp: Fingerprint, m: Machine) -> str | None:
     if m.tensorrt_source and "python" not in m.tensorrt_source:
         return f"TensorRT {m.tensorrt} is here but not its Python bindings (apt install python3-libnvinfer on Jetson)"
     if not m.cuda_bindings:
-        return "no CUDA Python bindings for device buffers: pip install cuda-python (or pycuda)"
+        return ("no CUDA Python bindings for device buffers: pip install cuda-python (or pycuda) in the version the "
+                "driver takes: 'cuda-python~=12.6.0' on JetPack 6, 'cuda-python<13' on CUDA 12 drivers (docs/deploy.md)")
     return None
 
 
@@ -96,7 +97,8 @@ def decide(manifest: Manifest, m: Machine, engine: str | None = None) -> Choice:
     providers = set(m.ort_providers)
     if not m.onnxruntime:
         raise BundleError("ONNX Runtime is not installed and no TensorRT engine can run here: "
-                          "pip install 'edgechat[cpu]' (or 'edgechat[gpu]' on NVIDIA machines)")
+                          "pip install 'edgechat[cpu]' (or 'edgechat[gpu]' on a T4/L4 with a CUDA 12 driver; on a Jetson, "
+                          "JetPack's onnxruntime-gpu from a Jetson index: docs/deploy.md, 'What to install, per target')")
     gpu_eps = providers & {"TensorrtExecutionProvider", "CUDAExecutionProvider"}
     if not gpu_eps:
         skipped.append(f"ONNX Runtime GPU: onnxruntime {m.onnxruntime} here has only {', '.join(sorted(providers))}"

@@ -27,7 +27,8 @@ def _ort():
         import onnxruntime as ort
     except ImportError:
         raise MissingDependencyError("onnxruntime", "the edge runtime",
-                                     "pip install 'edgechat[cpu]' (or 'edgechat[gpu]' on NVIDIA machines, never both)") from None
+                                     "pip install 'edgechat[cpu]' (or 'edgechat[gpu]' on a T4/L4, never both; on a Jetson, JetPack's "
+                                     "onnxruntime-gpu from a Jetson index: docs/deploy.md)") from None
     return ort
 
 

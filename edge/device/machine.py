@@ -39,6 +39,8 @@ class Machine:
     tensorrt_source: str | None = None
     cuda: str | None = None
     cuda_bindings: str | None = None
+    cuda_python: str | None = None  # version of an importable cuda-python
+    driver: str | None = None  # NVIDIA driver version (nvidia-smi), e.g. "550.54.15"
     gpu_name: str | None = None
     gpu_sm: str | None = None
     gpu_error: str | None = None
@@ -132,6 +134,7 @@ def interpret(facts: dict) -> Machine:
     kw: dict = dict(
         arch=facts.get("arch", "?"), python=facts.get("python", "?"), tensorrt=facts.get("tensorrt"),
         tensorrt_source=facts.get("tensorrt_source"), cuda=facts.get("cuda"), cuda_bindings=facts.get("cuda_bindings"),
+        cuda_python=facts.get("cuda_python"), driver=facts.get("driver"),
         gpu_name=facts.get("gpu_name"), gpu_sm=facts.get("gpu_sm"), gpu_error=facts.get("gpu_error"),
         onnxruntime=facts.get("onnxruntime"), ort_providers=list(facts.get("ort_providers") or []),
         mem_total_gb=gb("mem_total_bytes"), mem_available_gb=gb("mem_available_bytes"),

@@ -64,9 +64,29 @@ def mem_total_bytes(root: Path = Path("/")) -> int | None:
     return _meminfo(root).get("MemTotal")
 
 
+def _importable(name: str) -> bool:
+    """Whether `import name` could find the module; False (never an exception) when a finder refuses it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _dist_version(*names: str) -> str | None:
+    """Installed version of the first of these distributions that is there (cuda-python's module is `cuda`)."""
+    from importlib import metadata  # noqa: PLC0415
+
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def _tensorrt(root: Path) -> tuple[str | None, str | None]:
     """(version, how it was found). The Python module first, then the C++ header JetPack installs."""
-    if importlib.util.find_spec("tensorrt") is not None:
+    if _importable("tensorrt"):
         try:
             import tensorrt  # noqa: PLC0415
 
@@ -128,7 +148,7 @@ def _gpu() -> dict:
 
 
 def _onnxruntime() -> dict:
-    if importlib.util.find_spec("onnxruntime") is None:
+    if not _importable("onnxruntime"):
         return {}
     try:
         import onnxruntime as ort  # noqa: PLC0415
@@ -165,8 +185,8 @@ def probe(install_root: str | None = None, root: str | None = None) -> dict:
         "tensorrt": trt,
         "tensorrt_source": trt_how,
         "cuda": _cuda(r),
-        "cuda_bindings": next((m for m, spec in (("cuda-python", "cuda"), ("pycuda", "pycuda"))
-                               if importlib.util.find_spec(spec) is not None), None),
+        "cuda_bindings": next((m for m, spec in (("cuda-python", "cuda"), ("pycuda", "pycuda")) if _importable(spec)), None),
+        "cuda_python": _dist_version("cuda-python") if _importable("cuda") else None,
         "systemd": bool(shutil.which("systemctl")) and Path("/run/systemd/system").is_dir(),
     }
     facts |= _gpu() | _onnxruntime()
