@@ -17,6 +17,7 @@ from edge import precisions
 from edge.bundle import EngineEntry, Fingerprint, Manifest
 from edge.errors import BundleError
 from edge.device.machine import Machine
+from edge.device.runtimes import CUDA_PYTHON_ADVICE
 
 CPU_ORDER = precisions.order("cpu")
 CUDA_ORDER = precisions.order("cuda")
@@ -64,8 +65,7 @@ def engine_mismatch(fp: Fingerprint, m: Machine) -> str | None:
     if m.tensorrt_source and "python" not in m.tensorrt_source:
         return f"TensorRT {m.tensorrt} is here but not its Python bindings (apt install python3-libnvinfer on Jetson)"
     if not m.cuda_bindings:
-        return ("no CUDA Python bindings for device buffers: pip install cuda-python (or pycuda) in the version the "
-                "driver takes: 'cuda-python~=12.6.0' on JetPack 6, 'cuda-python<13' on CUDA 12 drivers (docs/deploy.md)")
+        return f"no CUDA Python bindings for device buffers: {CUDA_PYTHON_ADVICE}"
     return None
 
 

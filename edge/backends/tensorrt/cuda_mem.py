@@ -169,8 +169,9 @@ def open_cuda():
         return CudaPython()
     if importlib.util.find_spec("pycuda") is not None:
         return PyCuda()
-    raise MissingDependencyError("cuda-python", "the TensorRT backend (device buffers)",
-                                 "pip install cuda-python (or pycuda)")
+    from edge.device.runtimes import CUDA_PYTHON_ADVICE
+
+    raise MissingDependencyError("cuda-python", "the TensorRT backend (device buffers)", CUDA_PYTHON_ADVICE)
 
 
 class DeviceArray:
