@@ -33,11 +33,11 @@ REQUIRED_GPU = ("cuda_driver_major", "min_driver", "tensorrt", "tensorrt_from", 
 TENSORRT_FROM = ("pip", "apt")
 
 
-@dataclass(frozen=True)
 CUDA_PYTHON_ADVICE = ("pip install cuda-python (or pycuda) in the version the driver takes: 'cuda-python~=12.6.0' on "
                       "JetPack 6, 'cuda-python<13' on CUDA 12 drivers, 'cuda-python<14' on R580+ (docs/deploy.md)")
 
 
+@dataclass(frozen=True)
 class RuntimeTarget:
     """One runtime a device can have (e.g. JetPack 6: Python 3.10, CUDA 12.6, TensorRT 10.3 from apt)."""
 
