@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from edge.errors import EdgeChatError
+from export.onnx_weights import tensor_types
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 # ops that move or select data without computing on it: they keep the precision of their float inputs
@@ -73,28 +74,6 @@ def _fp16(a: np.ndarray) -> np.ndarray:
     return np.clip(a, -FP16_MAX, FP16_MAX).astype(np.float16)
 
 
-def float_types(model) -> dict[str, int]:
-    """Element type of every tensor of the graph (shape inference on the graph alone, weights not read)."""
-    import onnx
-
-    g = model.graph
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    for init in probe.graph.initializer:  # only records reach the inference, not the weights
-        init.ClearField("raw_data")
-        init.ClearField("external_data")
-        init.data_location = onnx.TensorProto.DEFAULT
-        init.ClearField("float_data")
-    inferred = onnx.shape_inference.infer_shapes(probe, data_prop=False).graph
-    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.value_info, *g.input, *g.output]}
-    types |= {i.name: i.data_type for i in g.initializer}
-    for n in g.node:
-        if n.op_type == "Constant":
-            types[n.output[0]] = n.attribute[0].t.data_type if n.attribute[0].type == onnx.AttributeProto.TENSOR \
-                else onnx.TensorProto.FLOAT
-    return types
-
-
 def fp32_nodes(model, types: dict[str, int], opts: Fp16Options) -> set[str]:
     """Names of the nodes that compute in fp32 (the islands)."""
     from onnx import TensorProto
@@ -136,7 +115,7 @@ def convert(gw, opts: Fp16Options = Fp16Options()) -> dict:
     F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
     model = gw.model
     g = model.graph
-    types = float_types(model)
+    types = tensor_types(model)
     island = fp32_nodes(model, types, opts)
     inits = gw.names()
     producer = {o: n for n in g.node for o in n.output}
@@ -258,13 +237,9 @@ def _check_types(model) -> None:
     """Every node's inputs agree on their types (onnx's strict shape inference), or say which does not."""
     import onnx
 
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    for init in probe.graph.initializer:
-        init.ClearField("raw_data")
-        init.ClearField("external_data")
-        init.data_location = onnx.TensorProto.DEFAULT
+    from export.onnx_weights import check_types
+
     try:
-        onnx.shape_inference.infer_shapes(probe, strict_mode=True, data_prop=False)
+        check_types(model)
     except onnx.shape_inference.InferenceError as e:
         raise Fp16ConversionError(f"the fp16 graph does not type-check: {str(e).splitlines()[0]}") from None
