@@ -75,6 +75,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_plain_graph(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny model's plain fp32 graph alone (the export stage without the fused graph): folder with model.onnx."""
+    from export import onnx_export
+
+    dst = tmp_path_factory.mktemp("plain")
+    onnx_export.run(tiny_model_dir, dst, onnx_export.ExportOptions(fused=False, greedy_tokens=8))
+    return dst
+
+
+@pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory, tiny_model_dir):
     from export.recipe import BuildOptions, build
 
