@@ -93,6 +93,42 @@ def test_qdq_only_on_weight_matmuls_symmetric_and_finite(tiny_bundle):
     assert not dq_users & set(rec.metrics["float_matmuls"])
 
 
+def test_int8_qdq_embedding_is_dequantized_then_gathered(tiny_bundle):
+    """TensorRT reads INT8 only through Q/DQ: the int8-qdq graph's embedding is DequantizeLinear(INT8 table,
+    per-row scales) -> Gather on the ids, with no Gather or Cast of an INT8 tensor (export/trt_compat.py)."""
+    from export import trt_compat
+
+    g = _graph(tiny_bundle, "int8-qdq")
+    inits = {i.name: i for i in g.graph.initializer}
+    dq = {n.output[0]: n for n in g.graph.node if n.op_type == "DequantizeLinear"}
+    (embed,) = [n for n in g.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
+    table = dq[embed.input[0]]
+    assert inits[table.input[0]].data_type == onnx.TensorProto.INT8 and len(inits[table.input[0]].dims) == 2
+    assert list(inits[table.input[1]].dims) == [inits[table.input[0]].dims[0]]  # a scale per row (axis 0)
+    assert trt_compat.node_problems(g, "10.3") == []
+    # the CPU engines keep Gather on INT8 rows, then the scale (no whole-table dequantize per step)
+    cpu = _graph(tiny_bundle, "int8-dynamic")
+    (gather,) = [n for n in cpu.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
+    table = next(i for i in cpu.graph.initializer if i.name == gather.input[0])
+    assert table.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
+
+
+def test_tensorrt_embedding_form_gives_the_same_logits(tiny_plain_graph, tmp_path):
+    """DequantizeLinear -> Gather computes what Gather -> Cast -> scale does: the same rows, the same scales."""
+    import onnxruntime as ort
+
+    from conftest import embedding_forms
+
+    feed = {"input_ids": np.array([[5, 6, 7, 8, 300]]), "attention_mask": np.ones((1, 5), np.int64),
+            "position_ids": np.arange(5)[None]}
+    for i in range(2):
+        for kv in ("key", "value"):
+            feed[f"past_key_values.{i}.{kv}"] = np.zeros((1, 2, 0, 16), np.float32)
+    logits = {name: ort.InferenceSession(str(p)).run(["logits"], feed)[0]
+              for name, p in embedding_forms(tiny_plain_graph, tmp_path).items()}
+    np.testing.assert_array_equal(logits["dq-gather"], logits["gather-int8"])
+
+
 def test_smoothquant_recorded_and_compared(tiny_bundle):
     rec = next(s for s in tiny_bundle.manifest.stages if s.name == "quantize-int8-qdq")
     assert rec.params["smoothquant_alpha"] == 0.5
