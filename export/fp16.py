@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from edge.errors import EdgeChatError
+from edge.precisions import FP16, FP32
 from export.onnx_weights import tensor_types
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
@@ -231,9 +232,10 @@ def convert(gw, opts: Fp16Options = Fp16Options()) -> dict:
 
 
 def _short(t: int) -> str:
+    """The type's short name in node and tensor names ("fp16", "fp32")."""
     from onnx import TensorProto
 
-    return "fp16" if t == TensorProto.FLOAT16 else "fp32"
+    return FP16 if t == TensorProto.FLOAT16 else FP32
 
 
 def _check_types(model) -> None:

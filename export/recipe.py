@@ -39,7 +39,7 @@ FROM_FUSED = tuple(p for p in precisions.QUANTIZED if precisions.get(p).variant 
 STAGE_CODE = {"load": "export.load", "prune": "export.prune", "export-teacher": "export.onnx_export",
               "export-pruned": "export.onnx_export", "teacher-answers": "export.teacher_answers",
               "distill": "export.distill", "export": "export.onnx_export", "quantize": "export.quantize",
-              "evaluate": "export.evaluate", "acceptance": "export.draft", "head": "export.draft", "fp16": "export.fp16"}
+              "evaluate": "export.evaluate", "acceptance": "export.draft", "head": "export.draft", FP16: "export.fp16"}
 
 
 @dataclass(frozen=True)
