@@ -120,11 +120,29 @@ def tensor_types(model) -> dict[str, int]:
     return {k: v for k, v in types.items() if v}
 
 
-def check_types(model) -> None:
-    """Raise onnx's InferenceError when some node's inputs disagree on their types (strict shape inference)."""
+def type_mismatches(model) -> list[str]:
+    """Nodes whose inputs bound to one type variable of the op's schema (MatMul's A and B, Concat's inputs...)
+    have different types: what ONNX Runtime refuses at load and onnx's shape inference does not check."""
     import onnx
 
-    onnx.shape_inference.infer_shapes(_records_only(model), strict_mode=True, data_prop=False)
+    types = tensor_types(model)
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    out = []
+    for n in model.graph.node:
+        try:
+            schema = onnx.defs.get_schema(n.op_type, opsets.get(n.domain or "", 1), n.domain or "")
+        except onnx.defs.SchemaError:
+            continue  # a contrib op: its schema lives in ONNX Runtime
+        bound: dict[str, dict[int, str]] = {}
+        for k, name in enumerate(n.input):
+            if name and name in types and schema.inputs:
+                formal = schema.inputs[min(k, len(schema.inputs) - 1)]
+                bound.setdefault(formal.type_str, {}).setdefault(types[name], name)
+        for var, seen in bound.items():
+            if len(seen) > 1:
+                kinds = ", ".join(f"{onnx.TensorProto.DataType.Name(t)} ({name})" for t, name in sorted(seen.items()))
+                out.append(f"{n.op_type} '{n.name}': inputs of type {var} differ: {kinds}")
+    return out
 
 
 def weight_matmuls(model) -> list:

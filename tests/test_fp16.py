@@ -177,3 +177,28 @@ def test_fp16_graph_keeps_fp32_copies_only_where_islands_read(fp16_graph):
     assert metrics["kv_dtype"] == "float16" and metrics["size_ratio"] < 0.7
     consts = [numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node if n.op_type == "Constant"]
     assert all(np.isfinite(c).all() for c in consts if c.dtype == np.float16)
+
+
+def test_fp32_cache_option_keeps_the_graph_edge_fp32(tiny_model_dir, tiny_plain_graph, tmp_path):
+    """fp16_kv=False: fp32 past inputs and present outputs (cast at the edge), the graph's own readers of a
+    present tensor still reading the fp16 one; ONNX Runtime loads it and it decodes like fp32."""
+    dims = _dims(tiny_model_dir)
+    run(tiny_plain_graph, tmp_path, Fp16Options(fp16_kv=False))
+    dec = OrtDecoder(tmp_path / "model.onnx", dims, DecoderIO(), threads=1)
+    ref = OrtDecoder(tiny_plain_graph / "model.onnx", dims, DecoderIO(), threads=1)
+    assert dec._kv_dtype == np.float32
+    cache = dec.new_cache()
+    dec.prefill(PROMPTS[0], cache)
+    assert all(v.numpy().dtype == np.float32 for v in cache.values)
+    np.testing.assert_allclose(dec.prefill(PROMPTS[1], dec.new_cache()), ref.prefill(PROMPTS[1], ref.new_cache()), atol=1e-3)
+
+
+def test_type_mismatches_name_the_node():
+    from export.onnx_weights import type_mismatches
+
+    g = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["y"], name="mm")], "g",
+                          [helper.make_tensor_value_info("a", TensorProto.FLOAT16, [2, 2]),
+                           helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2, 2])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    assert type_mismatches(model) == ["MatMul 'mm': inputs of type T differ: FLOAT (b), FLOAT16 (a)"]
