@@ -131,7 +131,7 @@ def node_problems(model, tensorrt_version: str = DEFAULT_TENSORRT) -> list[str]:
             if name in QUANTIZED_TYPES:
                 fix = f"{name} reaches TensorRT only through Q/DQ: dequantize first (DequantizeLinear -> {n.op_type})"
             else:
-                fix = f"cast it to one of those at export, or keep this op in a type it takes"
+                fix = "cast it to one of those at export, or keep this op in a type it takes"
             problems.append(f"{where}: {what} is {name}; TensorRT {tensorrt_version} takes {n.op_type} on "
                             f"{', '.join(sorted(allowed))} only ({fix})")
     return problems
