@@ -124,16 +124,14 @@ def node_problems(model, tensorrt_version: str = DEFAULT_TENSORRT) -> list[str]:
         seen = [(f"input {k} '{n.input[k]}'", types.get(n.input[k])) for k in positions if k < len(n.input) and n.input[k]]
         if row.output:
             seen += [(f"output '{n.output[0]}'", types.get(n.output[0]))]
-        for what, t in seen:
-            name = TYPE_NAMES.get(t, str(t)) if t is not None else None
-            if name is None or name in allowed:
-                continue  # a type shape inference could not tell is left to the parser
-            if name in QUANTIZED_TYPES:
-                fix = f"{name} reaches TensorRT only through Q/DQ: dequantize first (DequantizeLinear -> {n.op_type})"
-            else:
-                fix = "cast it to one of those at export, or keep this op in a type it takes"
-            problems.append(f"{where}: {what} is {name}; TensorRT {tensorrt_version} takes {n.op_type} on "
-                            f"{', '.join(sorted(allowed))} only ({fix})")
+        bad = [(what, TYPE_NAMES.get(t, str(t))) for what, t in seen if t is not None and TYPE_NAMES.get(t) not in allowed]
+        if not bad:
+            continue  # (a type shape inference could not tell is left to the parser)
+        quantized = next((name for _, name in bad if name in QUANTIZED_TYPES), None)
+        fix = (f"{quantized} reaches TensorRT only through Q/DQ: dequantize first (DequantizeLinear -> {n.op_type})"
+               if quantized else "cast it to one of those at export, or keep this op in a type it takes")
+        problems.append(f"{where}: {', '.join(f'{what} is {name}' for what, name in bad)}; TensorRT {tensorrt_version} "
+                        f"takes {n.op_type} on {', '.join(sorted(allowed))} only ({fix})")
     return problems
 
 

@@ -121,6 +121,7 @@ def test_bundle_graphs_checked_for_tensorrt(tiny_bundle):
     q = {e.name: e.quality for e in tiny_bundle.manifest.engines}
     assert q["fp32"]["tensorrt_check"]["compatible"] and q["int8-qdq"]["tensorrt_check"]["compatible"]
     assert q["int8-qdq"]["tensorrt_check"]["qdq_nodes"] > 0
+    assert q["int8-qdq"]["tensorrt_check"]["tensorrt_version"] == trt_compat.DEFAULT_TENSORRT == "10.3"
     assert "tensorrt_check" not in q["int8-dynamic"]  # an ONNX Runtime graph, never given to TensorRT
     rep = trt_compat.check(tiny_bundle.path("engines/int8-dynamic/model.onnx"))
     assert not rep.compatible and "com.microsoft.MatMulNBits" in rep.problems[0]
@@ -462,3 +463,11 @@ def test_op_table_loads_with_its_sources():
     assert table.ops["DequantizeLinear"].allowed((10, 3)) == {"INT8", "FP8", "INT4"}
     assert table.ops["Gather"].inputs == (0,) and "INT8" not in table.ops["Gather"].allowed((11, 0))
     assert table.ops["Add"].allowed((9, 0)) is None  # the table starts at TensorRT 10
+
+
+def test_default_tensorrt_version_is_the_lowest_a_profile_names():
+    from edge.profiles import available
+    from export import trt_compat
+
+    named = {v for p in available() for v in load_profile(p).tensorrt_versions if "." in v}  # "10" is any 10.x
+    assert trt_compat.DEFAULT_TENSORRT == min(named, key=lambda v: tuple(map(int, v.split("."))))
