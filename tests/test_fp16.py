@@ -221,3 +221,13 @@ def test_rotary_island_keeps_far_positions_exact(tiny_model_dir, tiny_plain_grap
     ref = ort.InferenceSession(str(tiny_plain_graph / "model.onnx")).run(["logits"], f32)[0][0]
     err = {p.name: np.abs(_reference(p / "model.onnx", f16)[0] - ref).max() for p in (islands, norms_only)}
     assert err["islands"] < 2e-3 and err["norms"] > 4 * err["islands"], err
+
+
+def test_kv_dtype_is_read_from_the_declared_type_and_unknown_ones_refused():
+    """A bf16 cache used to read as fp16 ("float16" is in "tensor(bfloat16)"): now each type is looked up."""
+    from edge.errors import BundleError
+    from edge.ort_decoder import kv_dtype
+
+    assert kv_dtype("tensor(float16)", "g") is np.float16 and kv_dtype("tensor(float)", "g") is np.float32
+    with pytest.raises(BundleError, match="declares its past K/V as tensor\\(bfloat16\\).*re-export"):
+        kv_dtype("tensor(bfloat16)", "g")
