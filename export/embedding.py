@@ -61,8 +61,12 @@ def quantize_embedding(gw: GraphWeights, dequantize_first: bool = False) -> int:
             # Tied weights, TensorRT: gather rows from the LM head's dequantized [hidden, vocab] table (its own
             # DequantizeLinear, per vocabulary column), so the INT8 table is stored once and read through Q/DQ.
             dq = next(n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == shared_q)
+            first = type(dq)()
+            first.CopyFrom(dq)
+            model.graph.node.remove(dq)  # the head's DequantizeLinear comes later: move it before its new reader
             new = [
-                helper.make_node("Gather", [dq.output[0], node.input[1]], [out + ".t"], axis=1, name=pre + "/Gather"),
+                first,
+                helper.make_node("Gather", [first.output[0], node.input[1]], [out + ".t"], axis=1, name=pre + "/Gather"),
                 helper.make_node("Transpose", [out + ".t"], [out], perm=[1, 2, 0], name=pre + "/Transpose"),
             ]
             saved += table_bytes

@@ -106,12 +106,34 @@ def test_int8_qdq_embedding_is_dequantized_then_gathered(tiny_bundle):
     assert inits[table.input[0]].data_type == onnx.TensorProto.INT8 and len(inits[table.input[0]].dims) == 2
     assert list(inits[table.input[1]].dims) == [inits[table.input[0]].dims[0]]  # a scale per row (axis 0)
     assert trt_compat.node_problems(g, "10.3") == []
+    onnx.checker.check_model(g)  # nodes in topological order, as TensorRT's parser reads them
     # the CPU engines keep Gather on INT8 rows, then the scale (no whole-table dequantize per step)
     cpu = _graph(tiny_bundle, "int8-dynamic")
     cpu_inits = {i.name: i.data_type for i in cpu.graph.initializer}
     rows = [n for n in cpu.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
     assert any(cpu_inits.get(n.input[0]) in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8) for n in rows)
     assert not any(n.op_type == "DequantizeLinear" for n in cpu.graph.node)
+
+
+def test_int8_qdq_with_a_quantized_tied_head_gathers_from_the_heads_dequantized_table(tiny_bundle, tmp_path):
+    """keep_lm_head_float=False: the embedding reads rows of the LM head's own DequantizeLinear output (one INT8
+    table for both), and that node is moved before its new reader (TensorRT's parser and onnx's checker want the
+    nodes in topological order)."""
+    from export import trt_compat
+    from export.quantize import QuantizeOptions, run
+
+    work = tiny_bundle.root.with_name(tiny_bundle.root.name + ".work")
+    run(work / "export", work / "load", tmp_path, QuantizeOptions(mode="int8-qdq", samples=4, keep_lm_head_float=False,
+                                                                  smoothquant_ablation=False))
+    g = onnx.load(str(tmp_path / "model.onnx"))
+    onnx.checker.check_model(g)
+    order = {o: k for k, n in enumerate(g.graph.node) for o in n.output}
+    (embed,) = [n for n in g.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
+    dq = next(n for n in g.graph.node if n.output[0] == embed.input[0])
+    assert dq.op_type == "DequantizeLinear" and dq.input[0].endswith(".lm_head_T_quantized")
+    assert order[embed.input[0]] < order[embed.output[0]]
+    assert any(n.op_type == "MatMul" and dq.output[0] in n.input for n in g.graph.node)  # the head reads it too
+    assert trt_compat.node_problems(g, "10.3") == []
 
 
 def test_tensorrt_embedding_form_gives_the_same_logits(tiny_plain_graph, tmp_path):
