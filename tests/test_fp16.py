@@ -124,6 +124,7 @@ def test_islands_compute_in_fp32_and_the_rest_in_fp16(fp16_graph, tiny_plain_gra
     assert {t for k, t in io.items() if k.startswith(("past", "present"))} == {TensorProto.FLOAT16}
     names = [n.name for n in nodes]
     assert len(set(names)) == len(names) and all(names)
+    onnx.checker.check_model(onnx.load(str(fp16_graph[0] / "model.onnx")))  # topological order, valid types
     again = tmp_path / "again"
     again.mkdir()
     run(tiny_plain_graph, again)
