@@ -106,7 +106,7 @@ def test_int8_qdq_embedding_is_dequantized_then_gathered(tiny_bundle):
     assert inits[table.input[0]].data_type == onnx.TensorProto.INT8 and len(inits[table.input[0]].dims) == 2
     assert list(inits[table.input[1]].dims) == [inits[table.input[0]].dims[0]]  # a scale per row (axis 0)
     assert trt_compat.node_problems(g, "10.3") == []
-    onnx.checker.check_model(g)  # nodes in topological order, as TensorRT's parser reads them
+    onnx.checker.check_model(g)  # a valid ONNX graph: nodes in topological order
     # the CPU engines keep Gather on INT8 rows, then the scale (no whole-table dequantize per step)
     cpu = _graph(tiny_bundle, "int8-dynamic")
     cpu_inits = {i.name: i.data_type for i in cpu.graph.initializer}
@@ -117,8 +117,8 @@ def test_int8_qdq_embedding_is_dequantized_then_gathered(tiny_bundle):
 
 def test_int8_qdq_with_a_quantized_tied_head_gathers_from_the_heads_dequantized_table(tiny_bundle, tmp_path):
     """keep_lm_head_float=False: the embedding reads rows of the LM head's own DequantizeLinear output (one INT8
-    table for both), and that node is moved before its new reader (TensorRT's parser and onnx's checker want the
-    nodes in topological order)."""
+    table for both), and that node is moved before its new reader: the ONNX standard and onnx's checker want the
+    nodes in topological order (onnx-tensorrt sorts them itself, ModelImporter.cpp, so TensorRT would not mind)."""
     from export import trt_compat
     from export.quantize import QuantizeOptions, run
 
