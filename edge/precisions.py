@@ -53,7 +53,9 @@ INT8_QDQ, INT8_DYNAMIC, INT4_WEIGHT = "int8-qdq", "int8-dynamic", "int4-weight"
 
 TABLE: tuple[Precision, ...] = (
     Precision(FP32, "plain", 4.0, 0, cpu=2, cuda=1, ort_trt=2, trt_sources=(FP32,), exported=True),
-    Precision(FP16, "plain", 2.0, 1, cpu=4, cuda=0, ort_trt=1, trt_sources=(FP16, FP32)),
+    # the fp16 graph (export/fp16.py: fp32 islands for norms, softmax, rotary, logits) first; the fp32 graph with
+    # TensorRT 10's FP16 flag for bundles that have none. ONNX Runtime CPU runs it in fp32 kernels (no fp16 ones)
+    Precision(FP16, "plain", 2.0, 1, cpu=4, cuda=0, ort_trt=1, trt_sources=(FP16, FP32), exported=True),
     Precision(BF16, "plain", 2.0, 2, trt_sources=(BF16, FP32)),
     Precision(FP8, "plain", 1.0, 3),  # planner only: no engine of it is built yet
     Precision(INT8_QDQ, "plain", 1.0, 4, cpu=3, ort_trt=0, trt_sources=(INT8_QDQ,), head_bytes=2.0, embed_bytes=1.0,

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from edge.precisions import FP16, FP32, INT4_WEIGHT, INT8_QDQ
+from edge.precisions import EXPORTED as BUILD_CHOICES, FP16, FP32, INT4_WEIGHT, INT8_QDQ
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -206,7 +206,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("-o", "--output", required=True, help="bundle folder to write, e.g. smollm2.bundle")
     b.add_argument("--recipe", help="TOML recipe file (stages and their options); flags override it")
     b.add_argument("--precision", action="append",
-                   help="fp32, int8-dynamic, int8-qdq, int4-weight (repeatable; default: int8-dynamic). The bundle ships "
+                   help=f"{', '.join(BUILD_CHOICES)} (repeatable; default: int8-dynamic). The bundle ships "
                         "these; the fp32 graph is always measured as the reference, shipped only when asked for")
     b.add_argument("--max-context", type=Bounded(int, 64), help="context window recorded for the runtime (default: the model's, capped at 2048)")
     b.add_argument("--calibration", help="JSONL of chats ({\"messages\": [...]}) for calibration/eval instead of chitchat-dataset")

@@ -92,6 +92,59 @@ def graph_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in files if f.is_file())
 
 
+def _records_only(model):
+    """A copy of the graph whose initializers are records without data (what shape inference needs: types, dims)."""
+    import onnx
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    for init in probe.graph.initializer:
+        init.ClearField("raw_data")
+        init.ClearField("external_data")
+        init.data_location = onnx.TensorProto.DEFAULT
+    return probe
+
+
+def tensor_types(model) -> dict[str, int]:
+    """Element type (onnx.TensorProto enum) of every tensor of the graph, from onnx's shape inference on the graph
+    alone: no weight is read, so a graph of any size is typed in the memory of its nodes."""
+    import onnx
+
+    g = model.graph
+    inferred = onnx.shape_inference.infer_shapes(_records_only(model), data_prop=False).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.value_info, *g.input, *g.output]}
+    types |= {i.name: i.data_type for i in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].type == onnx.AttributeProto.TENSOR:
+            types[n.output[0]] = n.attribute[0].t.data_type
+    return {k: v for k, v in types.items() if v}
+
+
+def type_mismatches(model) -> list[str]:
+    """Nodes whose inputs bound to one type variable of the op's schema (MatMul's A and B, Concat's inputs...)
+    have different types: what ONNX Runtime refuses at load and onnx's shape inference does not check."""
+    import onnx
+
+    types = tensor_types(model)
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    out = []
+    for n in model.graph.node:
+        try:
+            schema = onnx.defs.get_schema(n.op_type, opsets.get(n.domain or "", 1), n.domain or "")
+        except onnx.defs.SchemaError:
+            continue  # a contrib op: its schema lives in ONNX Runtime
+        bound: dict[str, dict[int, str]] = {}
+        for k, name in enumerate(n.input):
+            if name and name in types and schema.inputs:
+                formal = schema.inputs[min(k, len(schema.inputs) - 1)]
+                bound.setdefault(formal.type_str, {}).setdefault(types[name], name)
+        for var, seen in bound.items():
+            if len(seen) > 1:
+                kinds = ", ".join(f"{onnx.TensorProto.DataType.Name(t)} ({name})" for t, name in sorted(seen.items()))
+                out.append(f"{n.op_type} '{n.name}': inputs of type {var} differ: {kinds}")
+    return out
+
+
 def weight_matmuls(model) -> list:
     """MatMul nodes whose B input is a constant 2-D weight (the only ones we quantize)."""
     inits = {i.name: i for i in model.graph.initializer}

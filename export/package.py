@@ -90,7 +90,8 @@ def run(hf_dir: Path, engines: list[EngineArtifact], stages: list[StageRecord], 
             if e.precision in TENSORRT_SOURCES and e.variant == "plain":  # graphs TensorRT builds engines from
                 rep = trt_compat.check(edir / "model.onnx")
                 quality["tensorrt_check"] = {"compatible": rep.compatible, "problems": rep.problems,
-                                             "opset": rep.opset, "qdq_nodes": rep.quantize_nodes + rep.dequantize_nodes}
+                                             "opset": rep.opset, "qdq_nodes": rep.quantize_nodes + rep.dequantize_nodes,
+                                             "tensorrt_version": trt_compat.DEFAULT_TENSORRT}  # the op table's
             io = io_for_variant(e.variant)
             if e.logit_ids is not None:
                 shutil.copy2(e.logit_ids, edir / e.logit_ids.name)

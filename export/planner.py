@@ -126,7 +126,7 @@ def weight_bytes(dims: ModelDims, precision: str, layout: Int4Layout | None = No
     """Bytes of weights at `precision`: the LM head and an input embedding at their own rates; int4-weight in
     `layout` (default: blocks of 32). A tied table is stored once where the runtime can gather the embedding
     from the head (unquantized, or an 8-bit MatMulNBits head); a quantized engine whose head is anything
-    else keeps a separate per-row INT8 embedding table beside it (export/quantize.py quantize_embedding)."""
+    else keeps a separate per-row INT8 embedding table beside it (export/embedding.py quantize_embedding)."""
     row = precisions.get(precision)
     table = dims.vocab_size * dims.hidden_size
     if precision == INT4_WEIGHT:

@@ -30,6 +30,7 @@ import numpy as np
 from edge import precisions
 from edge.errors import RecipeError
 from edge.precisions import INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
+from export.embedding import quantize_embedding
 from export.onnx_weights import GraphWeights, graph_bytes, lm_head_matmul, untie_lm_head, weight_matmuls
 
 log = logging.getLogger("edgechat")
@@ -129,86 +130,6 @@ class QuantizeOptions:
             raise RecipeError(f"unknown quantization mode {self.mode!r}: choose from {', '.join(MODES)}")
         if self.int8_kernel not in ("matmulinteger", "nbits"):
             raise RecipeError(f"int8_kernel must be 'matmulinteger' or 'nbits', got {self.int8_kernel!r}")
-
-
-# ----------------------------------------------------------------------------- graph helpers
-# Every edit goes through export.onnx_weights.GraphWeights: the graph in memory, the weights read one
-# tensor at a time from disk and streamed into one external data file on save, so a model of any size
-# (past protobuf's 2 GB) quantizes in memory bounded by its largest tensor plus the quantized output.
-
-
-def quantize_embedding(gw: GraphWeights) -> int:
-    """Replace Gather(fp32 table, ids) by a per-row symmetric INT8 table + scales. Returns bytes saved."""
-    from onnx import TensorProto, helper
-
-    model = gw.model
-    inits = gw.names()
-    saved = 0
-    for node in list(model.graph.node):
-        if node.op_type != "Gather" or node.input[0] not in inits or len(gw.shape(node.input[0])) != 2:
-            continue
-        if any(node.input[0] in n.input for n in model.graph.node if n is not node):
-            continue  # still shared with another consumer
-        base = node.input[0]
-        rows, cols = gw.shape(base)
-        table_bytes = rows * cols * 4
-        out = node.output[0]
-        pre = node.name or "/embed"
-        idx = list(model.graph.node).index(node)
-        shared_q, shared_s, shared_zp = base + ".lm_head_T_quantized", base + ".lm_head_T_scale", base + ".lm_head_T_zero_point"
-        nbits_q, nbits_s = base + ".lm_head_T_Q8", base + ".lm_head_T_scales"
-        nbits_users = [n for n in model.graph.node if n.op_type == "MatMulNBits" and len(n.input) > 1 and n.input[1] == nbits_q]
-        if nbits_q in inits and nbits_users and len(nbits_users[0].input) == 3:
-            # Tied weights, MatMulNBits 8-bit LM head: B is [vocab, blocks, 32] uint8 with an implicit
-            # zero point of 128 and per-block scales [vocab, blocks]; gather embedding rows from it.
-            gw.set(base + ".nbits_zp", np.array(128.0, np.float32))
-            gw.set(base + ".unsq_axes", np.array([-1], np.int64))
-            gw.set(base + ".row_shape", np.array([0, 0, -1], np.int64))
-            new = [
-                helper.make_node("Gather", [nbits_q, node.input[1]], [out + ".q"], name=pre + "/GatherQ8"),
-                helper.make_node("Cast", [out + ".q"], [out + ".f"], to=TensorProto.FLOAT, name=pre + "/Cast"),
-                helper.make_node("Sub", [out + ".f", base + ".nbits_zp"], [out + ".c"], name=pre + "/ZeroPoint"),
-                helper.make_node("Gather", [nbits_s, node.input[1]], [out + ".s1"], name=pre + "/GatherScale"),
-                helper.make_node("Unsqueeze", [out + ".s1", base + ".unsq_axes"], [out + ".s"], name=pre + "/UnsqueezeScale"),
-                helper.make_node("Mul", [out + ".c", out + ".s"], [out + ".b"], name=pre + "/Dequant"),
-                helper.make_node("Reshape", [out + ".b", base + ".row_shape"], [out], name=pre + "/Reshape"),
-            ]
-            saved += table_bytes
-        elif shared_q in inits and shared_s in inits and not gw.array(shared_zp).any():
-            # Tied weights: gather rows straight from the LM head's symmetric INT8 [hidden, vocab]
-            # table (per-vocab scales = per-row embedding scales), so the table is stored once.
-            gw.set(base + ".unsq_axes", np.array([-1], np.int64))
-            new = [
-                helper.make_node("Gather", [shared_q, node.input[1]], [out + ".q"], axis=1, name=pre + "/GatherInt8"),
-                helper.make_node("Transpose", [out + ".q"], [out + ".qt"], perm=[1, 2, 0], name=pre + "/Transpose"),
-                helper.make_node("Gather", [shared_s, node.input[1]], [out + ".s1"], name=pre + "/GatherScale"),
-                helper.make_node("Unsqueeze", [out + ".s1", base + ".unsq_axes"], [out + ".s"], name=pre + "/UnsqueezeScale"),
-                helper.make_node("Cast", [out + ".qt"], [out + ".f"], to=TensorProto.FLOAT, name=pre + "/Cast"),
-                helper.make_node("Mul", [out + ".f", out + ".s"], [out], name=pre + "/Dequant"),
-            ]
-            saved += table_bytes
-        else:
-            w = gw.array(base)
-            q, scale = np.empty(w.shape, np.int8), np.empty((w.shape[0], 1), np.float32)
-            for i in range(0, w.shape[0], 4096):  # a block of rows at a time: no table-sized temporaries
-                blk = w[i:i + 4096].astype(np.float32, copy=False)
-                scale[i:i + 4096] = np.maximum(np.abs(blk).max(axis=1, keepdims=True), 1e-8) / 127.0
-                q[i:i + 4096] = np.clip(np.round(blk / scale[i:i + 4096]), -127, 127)
-            del w
-            gw.set(base + ".int8", q)
-            gw.set(base + ".scale", scale.astype(np.float32))
-            new = [
-                helper.make_node("Gather", [base + ".int8", node.input[1]], [out + ".q"], name=pre + "/GatherInt8"),
-                helper.make_node("Gather", [base + ".scale", node.input[1]], [out + ".s"], name=pre + "/GatherScale"),
-                helper.make_node("Cast", [out + ".q"], [out + ".f"], to=TensorProto.FLOAT, name=pre + "/Cast"),
-                helper.make_node("Mul", [out + ".f", out + ".s"], [out], name=pre + "/Dequant"),
-            ]
-            saved += table_bytes - q.nbytes - scale.nbytes
-        gw.remove(base)
-        model.graph.node.remove(node)
-        for k, n in enumerate(new):
-            model.graph.node.insert(idx + k, n)
-    return saved
 
 
 # ----------------------------------------------------------------------------- modes
@@ -656,7 +577,7 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
         if not ort_wrote and path != out or ort_wrote and not path.exists():
             continue
         g = GraphWeights(path) if ort_wrote else gw
-        saved = quantize_embedding(g)
+        saved = quantize_embedding(g, dequantize_first=opts.mode == INT8_QDQ)  # TensorRT's form in the Q/DQ graph
         g.save(path)
         if path == out:
             metrics["embedding_bytes_saved"] = saved

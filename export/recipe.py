@@ -24,7 +24,7 @@ else:  # pragma: no cover
 from edge.bundle import Bundle, StageRecord
 from edge import precisions
 from edge.errors import RecipeError
-from edge.precisions import FP32, INT4_WEIGHT, INT8_DYNAMIC
+from edge.precisions import FP16, FP32, INT4_WEIGHT, INT8_DYNAMIC
 from export.console import fmt_bytes
 from export.distill import DistillOptions
 from export.draft import DraftOptions
@@ -39,7 +39,7 @@ FROM_FUSED = tuple(p for p in precisions.QUANTIZED if precisions.get(p).variant 
 STAGE_CODE = {"load": "export.load", "prune": "export.prune", "export-teacher": "export.onnx_export",
               "export-pruned": "export.onnx_export", "teacher-answers": "export.teacher_answers",
               "distill": "export.distill", "export": "export.onnx_export", "quantize": "export.quantize",
-              "evaluate": "export.evaluate", "acceptance": "export.draft", "head": "export.draft"}
+              "evaluate": "export.evaluate", "acceptance": "export.draft", "head": "export.draft", FP16: "export.fp16"}
 
 
 @dataclass(frozen=True)
@@ -273,6 +273,15 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
     stamps: dict[str, str] = {}  # each quantized engine's stage stamp (what a later stage was measured on)
     for precision in opts.precisions:
         if precision == FP32:
+            continue
+        if precision == FP16:  # converted, not quantized: the fp32 plain graph with fp32 islands kept
+            from export import fp16
+
+            fopts = fp16.Fp16Options()
+            f_dir, rec = stage(FP16, dataclasses.asdict(fopts) | {"export": exported},
+                               lambda d, o=fopts: fp16.run(fp32_dir, d, o))
+            records.append(rec)
+            engines.append(package.EngineArtifact(FP16, f_dir, FP16))
             continue
         from export import quantize
 

@@ -9,14 +9,20 @@ rejects must be caught here, on the workstation, where it can still be fixed. Wh
   the standard ops onnx-tensorrt lists as unsupported (MatMulInteger, DynamicQuantizeLinear, ...);
 - explicit quantization the way TensorRT wants it: INT8 Q/DQ only (no UINT8), zero points all 0,
   scales finite and positive, activations quantized per tensor, weights per channel only along the
-  output axis of the MatMul/Gemm they feed.
+  output axis of the MatMul/Gemm they feed;
+- every node's op and input types against export/tensorrt_ops.toml, the per-op type table of
+  onnx-tensorrt's docs/operators.md for a TensorRT version (`node_problems`): a Gather or Cast of an
+  INT8 tensor, an fp16 op TensorRT has no fp16 kernel for, an op the table does not have.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -32,10 +38,101 @@ UNSUPPORTED_OPS = frozenset({
     "SoftmaxCrossEntropyLoss", "SplitToSequence", "StringNormalizer", "TfIdfVectorizer", "Unique",
 })
 STANDARD_DOMAINS = ("", "ai.onnx")
+OPS_TABLE = Path(__file__).with_name("tensorrt_ops.toml")
+DEFAULT_TENSORRT = "10.3"  # the lowest TensorRT the device profiles name (JetPack 6.2 on every Orin)
+# onnx.TensorProto element types by the names operators.md uses
+TYPE_NAMES = {1: "FP32", 2: "UINT8", 3: "INT8", 4: "UINT16", 5: "INT16", 6: "INT32", 7: "INT64", 8: "STRING", 9: "BOOL",
+              10: "FP16", 11: "DOUBLE", 12: "UINT32", 13: "UINT64", 16: "BF16", 17: "FP8", 22: "INT4", 21: "UINT4"}
+QUANTIZED_TYPES = ("INT8", "INT4", "FP8")
 
 
 class TensorRTCompatibilityError(EdgeChatError):
     """The ONNX graph uses something TensorRT's parser rejects."""
+
+
+@dataclass(frozen=True)
+class OpTypes:
+    """One op's row of export/tensorrt_ops.toml: the input types TensorRT takes, per version."""
+    op: str
+    types: dict[str, frozenset[str]]  # table version ("10.0") -> the types of `inputs`
+    inputs: tuple[int, ...] | None = None  # positions the types are about (None: every input)
+    output: bool = False  # the output's type is checked too (Cast's `to`, a Constant's value)
+
+    def allowed(self, version: tuple[int, ...]) -> frozenset[str] | None:
+        """The types at the newest table version <= `version` (None: the op is newer than that TensorRT)."""
+        known = [v for v in self.types if _version(v) <= version]
+        return self.types[max(known, key=_version)] if known else None
+
+
+@dataclass(frozen=True)
+class OpTable:
+    source: str
+    versions: dict[str, str]  # table version -> where its rows come from
+    ops: dict[str, OpTypes]
+
+
+def _version(v: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in v.split(".")[:2])
+    except ValueError:
+        raise ValueError(f"TensorRT version {v!r} is not like 10.3 or 11") from None
+
+
+@lru_cache(maxsize=4)
+def load_op_table(path: Path = OPS_TABLE) -> OpTable:
+    """The op x input-type table (export/tensorrt_ops.toml), checked as it is read."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+
+    raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    ops = {}
+    for op, row in raw["ops"].items():
+        unknown = set(row) - {"types", "inputs", "output"}
+        bad = {t for types in row["types"].values() for t in types} - set(TYPE_NAMES.values())
+        if unknown or bad or not set(row["types"]) <= set(raw["versions"]):
+            raise ValueError(f"{path} [ops.{op}]: unknown keys {sorted(unknown)}, types {sorted(bad)} or versions "
+                             f"{sorted(set(row['types']) - set(raw['versions']))}")
+        ops[op] = OpTypes(op, {v: frozenset(t) for v, t in row["types"].items()},
+                          tuple(row["inputs"]) if "inputs" in row else None, bool(row.get("output", False)))
+    return OpTable(raw["source"], dict(raw["versions"]), ops)
+
+
+def node_problems(model, tensorrt_version: str = DEFAULT_TENSORRT) -> list[str]:
+    """One line per node TensorRT `tensorrt_version`'s ONNX parser would refuse by its op or its input types
+    (export/tensorrt_ops.toml): the op, the node, the type, what the table allows and the fix. Types come from
+    onnx's shape inference on the graph alone (no weight is read). Contrib-domain ops are check()'s to report."""
+    from export.onnx_weights import tensor_types
+
+    table = load_op_table()
+    version = _version(tensorrt_version)
+    types = tensor_types(model)
+    problems = []
+    for n in model.graph.node:
+        if n.domain not in STANDARD_DOMAINS:
+            continue
+        where = f"{n.op_type} '{n.name or n.output[0]}'"
+        row = table.ops.get(n.op_type)
+        allowed = row.allowed(version) if row else None
+        if row is None or allowed is None:
+            problems.append(f"{where}: {n.op_type} is not in export/tensorrt_ops.toml for TensorRT {tensorrt_version}: "
+                            "add its row from onnx-tensorrt's docs/operators.md if TensorRT supports it, or export the "
+                            "graph without it")
+            continue
+        positions = range(len(n.input)) if row.inputs is None else row.inputs
+        seen = [(f"input {k} '{n.input[k]}'", types.get(n.input[k])) for k in positions if k < len(n.input) and n.input[k]]
+        if row.output:
+            seen += [(f"output '{n.output[0]}'", types.get(n.output[0]))]
+        bad = [(what, TYPE_NAMES.get(t, str(t))) for what, t in seen if t is not None and TYPE_NAMES.get(t) not in allowed]
+        if not bad:
+            continue  # (a type shape inference could not tell is left to the parser)
+        quantized = next((name for _, name in bad if name in QUANTIZED_TYPES), None)
+        fix = (f"{quantized} reaches TensorRT only through Q/DQ: dequantize first (DequantizeLinear -> {n.op_type})"
+               if quantized else "cast it to one of those at export, or keep this op in a type it takes")
+        problems.append(f"{where}: {', '.join(f'{what} is {name}' for what, name in bad)}; TensorRT {tensorrt_version} "
+                        f"takes {n.op_type} on {', '.join(sorted(allowed))} only ({fix})")
+    return problems
 
 
 @dataclass
@@ -54,8 +151,9 @@ class CompatReport:
         return asdict(self) | {"compatible": self.compatible}
 
 
-def check(model_or_path) -> CompatReport:
-    """Inspect a graph (onnx.ModelProto or path; external weights are not loaded unless needed)."""
+def check(model_or_path, tensorrt_version: str = DEFAULT_TENSORRT) -> CompatReport:
+    """Inspect a graph (onnx.ModelProto or path; external weights are not loaded unless needed) for TensorRT
+    `tensorrt_version`."""
     from onnx import numpy_helper
 
     model = model_or_path
@@ -83,6 +181,7 @@ def check(model_or_path) -> CompatReport:
         rep.problems.append(f"ops TensorRT does not support: {', '.join(bad)} (int8-dynamic graphs are for ONNX "
                             "Runtime; TensorRT takes INT8 as QuantizeLinear/DequantizeLinear pairs)")
 
+    rep.problems += node_problems(model, tensorrt_version)
     inits = {i.name: i for i in g.initializer}
     consts = {n.output[0]: n for n in g.node if n.op_type == "Constant"}
     consumers: dict[str, list] = {}

@@ -1,11 +1,13 @@
 """One prepared check for a machine with an NVIDIA GPU (scripts/gpu_check.sh runs it): what no CPU test shows.
 
-1. ONNX Runtime CUDA EP decode of the bundle's fp32 and int8 graphs: greedy tokens against the same graph
-   on CPU, and tokens/s on both;
+1. ONNX Runtime CUDA EP decode of the bundle's fp32, fp16 and int8 graphs: greedy tokens against the same
+   graph on CPU, and tokens/s on both (the fp16 graph's fp16 kernels run only here: ONNX Runtime CPU computes
+   its MatMuls in fp32);
 2. one distillation step with AMP on CUDA (bf16 where the GPU has it, else fp16 + GradScaler, as
    export.distill chooses) against the same step in fp32 on CPU: loss and gradient norm;
-3. if TensorRT imports: build fp16 and int8-qdq engines into a copy of the bundle (edge.backends.tensorrt.builder) and
-   decode with TensorRTDecoder, greedy tokens against ONNX Runtime CPU, tokens/s.
+3. if TensorRT imports: build fp16 (from the bundle's fp16 graph, strongly typed) and int8-qdq engines into a
+   copy of the bundle (edge.backends.tensorrt.builder) and decode with TensorRTDecoder, greedy tokens against ONNX
+   Runtime CPU, tokens/s.
 
 Writes one JSON (schema `SCHEMA`, checked by `validate`); on a machine without a GPU every CUDA part says
 {"status": "no GPU", "reason": ...} and the file is still written (tests/test_gpu_check.py checks that).
@@ -81,7 +83,7 @@ def ort_cuda(bundle_path: Path, new_tokens: int) -> dict:
                                "(install onnxruntime-gpu instead of onnxruntime)")
     bundle = Bundle.open(bundle_path)
     names = [e.name for e in bundle.manifest.engines if e.fingerprint.format == "onnx"
-             and e.fingerprint.precision in ("fp32", "int8-dynamic", "int8-qdq")]
+             and e.fingerprint.precision in ("fp32", "fp16", "int8-dynamic", "int8-qdq")]
     engines = {}
     for name in names:
         try:
@@ -193,7 +195,7 @@ def tiny_bundle(work: Path) -> tuple[Path, Path]:
 
     model = make_tiny_model(work / "tiny-llama", hidden=256, heads=4, kv_heads=2, intermediate=768, layers=4)
     out = work / "tiny.bundle"
-    build(BuildOptions(output=out, model=str(model), precisions=("fp32", "int8-dynamic", "int8-qdq"),
+    build(BuildOptions(output=out, model=str(model), precisions=("fp32", "fp16", "int8-dynamic", "int8-qdq"),
                        max_context=256, eval_samples=2, calibration_samples=4), log=lambda s: None)
     return out, model
 

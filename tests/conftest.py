@@ -75,6 +75,34 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_plain_graph(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny model's plain fp32 graph alone (the export stage without the fused graph): folder with model.onnx."""
+    from export import onnx_export
+
+    dst = tmp_path_factory.mktemp("plain")
+    onnx_export.run(tiny_model_dir, dst, onnx_export.ExportOptions(fused=False, greedy_tokens=8))
+    return dst
+
+
+def embedding_forms(plain: Path, tmp_path: Path) -> dict[str, Path]:
+    """The plain fp32 graph with its embedding quantized in both forms (export/embedding.py): "gather-int8"
+    (Gather on the INT8 table, Cast, scale: ONNX Runtime's, and the int8-qdq graph's before it took TensorRT's)
+    and "dq-gather" (DequantizeLinear, then Gather: TensorRT's)."""
+    from export.embedding import quantize_embedding
+    from export.onnx_weights import GraphWeights, untie_lm_head
+
+    out = {}
+    for name, first in (("gather-int8", False), ("dq-gather", True)):
+        gw = GraphWeights(plain / "model.onnx")
+        untie_lm_head(gw)
+        quantize_embedding(gw, dequantize_first=first)
+        (tmp_path / name).mkdir()
+        gw.save(tmp_path / name / "model.onnx")
+        out[name] = tmp_path / name / "model.onnx"
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory, tiny_model_dir):
     from export.recipe import BuildOptions, build
 

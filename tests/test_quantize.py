@@ -93,6 +93,65 @@ def test_qdq_only_on_weight_matmuls_symmetric_and_finite(tiny_bundle):
     assert not dq_users & set(rec.metrics["float_matmuls"])
 
 
+def test_int8_qdq_embedding_is_dequantized_then_gathered(tiny_bundle):
+    """TensorRT reads INT8 only through Q/DQ: the int8-qdq graph's embedding is DequantizeLinear(INT8 table,
+    per-row scales) -> Gather on the ids, with no Gather or Cast of an INT8 tensor (export/trt_compat.py)."""
+    from export import trt_compat
+
+    g = _graph(tiny_bundle, "int8-qdq")
+    inits = {i.name: i for i in g.graph.initializer}
+    dq = {n.output[0]: n for n in g.graph.node if n.op_type == "DequantizeLinear"}
+    (embed,) = [n for n in g.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
+    table = dq[embed.input[0]]
+    assert inits[table.input[0]].data_type == onnx.TensorProto.INT8 and len(inits[table.input[0]].dims) == 2
+    assert list(inits[table.input[1]].dims) == [inits[table.input[0]].dims[0]]  # a scale per row (axis 0)
+    assert trt_compat.node_problems(g, "10.3") == []
+    onnx.checker.check_model(g)  # a valid ONNX graph: nodes in topological order
+    # the CPU engines keep Gather on INT8 rows, then the scale (no whole-table dequantize per step)
+    cpu = _graph(tiny_bundle, "int8-dynamic")
+    cpu_inits = {i.name: i.data_type for i in cpu.graph.initializer}
+    rows = [n for n in cpu.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
+    assert any(cpu_inits.get(n.input[0]) in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8) for n in rows)
+    assert not any(n.op_type == "DequantizeLinear" for n in cpu.graph.node)
+
+
+def test_int8_qdq_with_a_quantized_tied_head_gathers_from_the_heads_dequantized_table(tiny_bundle, tmp_path):
+    """keep_lm_head_float=False: the embedding reads rows of the LM head's own DequantizeLinear output (one INT8
+    table for both), and that node is moved before its new reader: the ONNX standard and onnx's checker want the
+    nodes in topological order (onnx-tensorrt sorts them itself, ModelImporter.cpp, so TensorRT would not mind)."""
+    from export import trt_compat
+    from export.quantize import QuantizeOptions, run
+
+    work = tiny_bundle.root.with_name(tiny_bundle.root.name + ".work")
+    run(work / "export", work / "load", tmp_path, QuantizeOptions(mode="int8-qdq", samples=4, keep_lm_head_float=False,
+                                                                  smoothquant_ablation=False))
+    g = onnx.load(str(tmp_path / "model.onnx"))
+    onnx.checker.check_model(g)
+    order = {o: k for k, n in enumerate(g.graph.node) for o in n.output}
+    (embed,) = [n for n in g.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
+    dq = next(n for n in g.graph.node if n.output[0] == embed.input[0])
+    assert dq.op_type == "DequantizeLinear" and dq.input[0].endswith(".lm_head_T_quantized")
+    assert order[embed.input[0]] < order[embed.output[0]]
+    assert any(n.op_type == "MatMul" and dq.output[0] in n.input for n in g.graph.node)  # the head reads it too
+    assert trt_compat.node_problems(g, "10.3") == []
+
+
+def test_tensorrt_embedding_form_gives_the_same_logits(tiny_plain_graph, tmp_path):
+    """DequantizeLinear -> Gather computes what Gather -> Cast -> scale does: the same rows, the same scales."""
+    import onnxruntime as ort
+
+    from conftest import embedding_forms
+
+    feed = {"input_ids": np.array([[5, 6, 7, 8, 300]]), "attention_mask": np.ones((1, 5), np.int64),
+            "position_ids": np.arange(5)[None]}
+    for i in range(2):
+        for kv in ("key", "value"):
+            feed[f"past_key_values.{i}.{kv}"] = np.zeros((1, 2, 0, 16), np.float32)
+    logits = {name: ort.InferenceSession(str(p)).run(["logits"], feed)[0]
+              for name, p in embedding_forms(tiny_plain_graph, tmp_path).items()}
+    np.testing.assert_array_equal(logits["dq-gather"], logits["gather-int8"])
+
+
 def test_smoothquant_recorded_and_compared(tiny_bundle):
     rec = next(s for s in tiny_bundle.manifest.stages if s.name == "quantize-int8-qdq")
     assert rec.params["smoothquant_alpha"] == 0.5

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import embedding_forms, run_cli
 from edge.backends.choose import decide, engine_mismatch
 from edge.bundle import Bundle, EngineEntry, Fingerprint, ModelDims
 from edge.errors import BundleError
@@ -122,6 +122,7 @@ def test_bundle_graphs_checked_for_tensorrt(tiny_bundle):
     q = {e.name: e.quality for e in tiny_bundle.manifest.engines}
     assert q["fp32"]["tensorrt_check"]["compatible"] and q["int8-qdq"]["tensorrt_check"]["compatible"]
     assert q["int8-qdq"]["tensorrt_check"]["qdq_nodes"] > 0
+    assert q["int8-qdq"]["tensorrt_check"]["tensorrt_version"] == trt_compat.DEFAULT_TENSORRT == "10.3"
     assert "tensorrt_check" not in q["int8-dynamic"]  # an ONNX Runtime graph, never given to TensorRT
     rep = trt_compat.check(tiny_bundle.path("engines/int8-dynamic/model.onnx"))
     assert not rep.compatible and "com.microsoft.MatMulNBits" in rep.problems[0]
@@ -404,3 +405,70 @@ def test_cpu_flags_read_x86_and_arm_cpuinfo(tmp_path):
     (tmp_path / "proc/cpuinfo").write_text("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")
     assert cpu_flags(tmp_path) == {"fp", "asimd", "bf16", "i8mm"}
     assert cpu_flags(tmp_path / "nowhere") == set()
+
+
+# ----------------------------------------------------------------------------- op x input-type table
+
+
+@pytest.mark.parametrize("version", ["10.3", "11.0"])
+def test_node_types_checked_against_the_tensorrt_table(tiny_plain_graph, tmp_path, version):
+    """The old int8-qdq embedding (Gather and Cast on INT8) is flagged, node by node, with the fix; the
+    DequantizeLinear -> Gather form, the fp32 and the fp16 graphs pass."""
+    import onnx
+
+    from export import fp16, trt_compat
+
+    forms = embedding_forms(tiny_plain_graph, tmp_path)
+    old = trt_compat.node_problems(onnx.load(str(forms["gather-int8"]), load_external_data=False), version)
+    assert len(old) == 2, old
+    gather, cast = old
+    assert gather.startswith("Gather '/model/embed_tokens/Gather/GatherInt8': input 0") and " is INT8;" in gather
+    assert f"TensorRT {version} takes Gather on BF16, BOOL, FP16, FP32, INT32, INT64 only" in gather
+    assert "dequantize first (DequantizeLinear -> Gather)" in gather
+    assert cast.startswith("Cast '/model/embed_tokens/Gather/Cast'") and " is INT8;" in cast
+    assert not trt_compat.check(forms["gather-int8"]).compatible  # check() reports them too
+    (tmp_path / "fp16").mkdir()
+    fp16.run(tiny_plain_graph, tmp_path / "fp16")
+    for path in (forms["dq-gather"], tiny_plain_graph / "model.onnx", tmp_path / "fp16" / "model.onnx"):
+        model = onnx.load(str(path), load_external_data=False)
+        assert trt_compat.node_problems(model, version) == [], path
+        assert trt_compat.check(path, version).compatible, path
+
+
+def test_op_outside_the_table_and_an_fp16_op_tensorrt_lacks_are_flagged():
+    from onnx import TensorProto, helper
+
+    from export import trt_compat
+
+    def graph(op: str, dtype: int):
+        g = helper.make_graph([helper.make_node(op, ["x"], ["y"], name="n")], "g",
+                              [helper.make_tensor_value_info("x", dtype, [2, 3])],
+                              [helper.make_tensor_value_info("y", dtype, [2, 3])])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+    assert trt_compat.node_problems(graph("Hardmax", TensorProto.FLOAT), "10.3") == [
+        "Hardmax 'n': Hardmax is not in export/tensorrt_ops.toml for TensorRT 10.3: add its row from onnx-tensorrt's "
+        "docs/operators.md if TensorRT supports it, or export the graph without it"]
+    (p,) = trt_compat.node_problems(graph("Relu", TensorProto.DOUBLE), "10.3")
+    assert "input 0 'x' is DOUBLE; TensorRT 10.3 takes Relu on BF16, FP16, FP32, INT32, INT64 only" in p
+    assert trt_compat.node_problems(graph("Relu", TensorProto.FLOAT16), "10.3") == []
+    with pytest.raises(ValueError, match="not like 10.3"):
+        trt_compat.node_problems(graph("Relu", TensorProto.FLOAT), "ten")
+
+
+def test_op_table_loads_with_its_sources():
+    from export import trt_compat
+
+    table = trt_compat.load_op_table()
+    assert "onnx-tensorrt" in table.source and "10.0" in table.versions
+    assert table.ops["DequantizeLinear"].allowed((10, 3)) == {"INT8", "FP8", "INT4"}
+    assert table.ops["Gather"].inputs == (0,) and "INT8" not in table.ops["Gather"].allowed((11, 0))
+    assert table.ops["Add"].allowed((9, 0)) is None  # the table starts at TensorRT 10
+
+
+def test_default_tensorrt_version_is_the_lowest_a_profile_names():
+    from edge.device.profiles import available
+    from export import trt_compat
+
+    named = {v for p in available() for v in load_profile(p).tensorrt_versions if "." in v}  # "10" is any 10.x
+    assert trt_compat.DEFAULT_TENSORRT == min(named, key=lambda v: tuple(map(int, v.split("."))))

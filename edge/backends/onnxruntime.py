@@ -83,7 +83,7 @@ class OrtDecoder(Decoder):
         self.device = "cuda" if self.providers[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else "cpu"
         self._check_dims()
         past0 = next(i for i in self.session.get_inputs() if i.name == self.past_names[0])
-        self._kv_dtype = np.float16 if "float16" in past0.type else np.float32
+        self._kv_dtype = kv_dtype(past0.type, self.name)
 
     @classmethod
     def from_entry(cls, bundle: Bundle, entry: EngineEntry, threads: int | None = None,
@@ -215,6 +215,18 @@ class OrtDecoder(Decoder):
     def share(self, array: np.ndarray):
         """An OrtValue over `array`'s memory, no copy (a fused CPU cache binds views of its slots)."""
         return _ort().OrtValue.ortvalue_from_numpy(array)
+
+
+KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # ONNX Runtime's names of the K/V types
+
+
+def kv_dtype(declared: str, name: str) -> type:
+    """The numpy dtype of the K/V cache, as the graph declares its past inputs (fp16 graphs keep an fp16 cache)."""
+    try:
+        return KV_DTYPES[declared]
+    except KeyError:
+        raise BundleError(f"{name} declares its past K/V as {declared}; this runtime keeps {' or '.join(KV_DTYPES)} "
+                          "caches: re-export the engine with edge-export (fp32 or fp16)") from None
 
 
 def _logit_ids(bundle: Bundle, rel: str, vocab: int) -> np.ndarray:

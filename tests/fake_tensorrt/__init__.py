@@ -277,9 +277,8 @@ class OnnxParser:
                 self.errors.append(ParserError(f"No importer registered for op: {n.op_type}. Attempting to "
                                                "import as plugin. Plugin not found.", n.name))
         if not self.errors:  # onnx-tensorrt's operator table: which input types each op takes, per version
-            from export import trt_compat
+            from export.trt_compat import node_problems
 
-            node_problems = getattr(trt_compat, "node_problems", lambda *a: [])  # MERGE-TODO
             self.errors += [ParserError(f"Unsupported: {p}") for p in node_problems(m, __version__)]
         if self.errors:
             for e in self.errors:
