@@ -285,3 +285,73 @@ def test_the_tensorrt_ep_gets_the_engines_profiles(tiny_bundle, monkeypatch):
     _, decode = profiles
     lo, _, hi = decode.shapes[io.attention_mask]
     assert all(lo[1] <= past + 1 <= hi[1] for past in range(1, m.model.max_context))
+
+
+# ----------------------------------------------------------------------------- the formats each TensorRT takes
+
+
+@pytest.fixture(scope="module")
+def fp16_bundle(tmp_path_factory, tiny_model_dir):
+    """A tiny bundle with the fp32, fp16 (fp32 islands) and int8-qdq graphs TensorRT builds from."""
+    from export.recipe import BuildOptions, build
+
+    out = tmp_path_factory.mktemp("bundles") / "trt.bundle"
+    return build(BuildOptions(output=out, model=str(tiny_model_dir), precisions=("fp32", "fp16", "int8-qdq"),
+                              max_context=256, eval_samples=2, calibration_samples=8), log=lambda s: None).root
+
+
+def _golden_same_as_fp32(bundle_path, engine: str) -> tuple[int, int]:
+    from edge.decode.generate import Generator
+    from edge.decode.golden import recheck
+
+    b = Bundle.open(bundle_path)
+    res = recheck(Generator.from_bundle(b, engine=engine), b.manifest, reference="fp32")
+    same, asked = res["same_as_reference"].split("/")
+    return int(same), int(asked)
+
+
+def test_tensorrt11_builds_fp16_from_the_fp16_graph_with_fp32s_golden_answers(fake_gpu, fp16_bundle, tmp_path,
+                                                                              monkeypatch, capsys):
+    """TensorRT 11 has no FP16 flag: `--precision fp16` builds the bundle's fp16 graph as a strongly typed
+    network (the stand-in then runs it in the graph's own types), and it answers the golden prompts as fp32 does."""
+    import fake_tensorrt
+
+    from edge.cli import main
+
+    monkeypatch.setattr(fake_tensorrt, "__version__", "11.4.0")
+    path = tmp_path / "b.bundle"
+    shutil.copytree(fp16_bundle, path)
+    assert main(["build-engine", str(path), "--profile", PROFILE, "--precision", "fp16"]) == 0, capsys.readouterr().err
+    e = Bundle.open(path, verify="full").manifest.engine("trt-fp16-sm87")
+    assert e.quality["built_from"] == "fp16" and e.fingerprint.tensorrt_version == "11.4.0"
+    header = _header(Bundle.open(path).path(e.file))
+    assert header["strongly_typed"] and header["flags"] == []
+    assert e.quality["golden_same_as_source"].split("/")[0] == e.quality["golden_same_as_source"].split("/")[1]
+    same, asked = _golden_same_as_fp32(path, "trt-fp16-sm87")
+    assert same == asked and asked >= 3
+
+
+def test_tensorrt103_parses_the_int8_qdq_graph_and_refuses_the_old_embedding(fake_gpu, fp16_bundle, tmp_path,
+                                                                            tiny_plain_graph, capsys):
+    """TensorRT 10.3's parser (onnx-tensorrt's op x type table) takes the int8-qdq graph, whose embedding is
+    DequantizeLinear -> Gather, and its engine gives the graph's golden answers; the old form (Gather on the
+    INT8 table, then Cast) is refused by the same parser, naming the node."""
+    import tensorrt as trt
+
+    from conftest import embedding_forms
+    from edge.cli import main
+
+    path = tmp_path / "b.bundle"
+    shutil.copytree(fp16_bundle, path)
+    assert main(["build-engine", str(path), "--profile", PROFILE, "--precision", "int8-qdq"]) == 0, \
+        capsys.readouterr().err
+    e = Bundle.open(path, verify="full").manifest.engine("trt-int8-qdq-sm87")
+    same, asked = e.quality["golden_same_as_source"].split("/")
+    assert same == asked and int(asked) >= 3
+    forms = embedding_forms(tiny_plain_graph, tmp_path)
+    for form, ok in (("dq-gather", True), ("gather-int8", False)):
+        logger = trt.Logger()
+        parser = trt.OnnxParser(trt.Builder(logger).create_network(0), logger)
+        assert parser.parse_from_file(str(forms[form])) is ok, form
+        if not ok:
+            assert "Gather" in str(parser.get_error(0)) or "Cast" in str(parser.get_error(0))
