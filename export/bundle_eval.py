@@ -35,11 +35,11 @@ class EvalRequest:
     threads: int | None = None
 
 
-def _onnx_logits(path: Path, dims, io: dict, threads: int | None) -> Logits:
+def _onnx_logits(path: Path, dims, io: dict, threads: int | None, precision: str | None = None) -> Logits:
     from edge.io_contract import DecoderIO
     from edge.backends.onnxruntime import OrtDecoder
 
-    dec = OrtDecoder(path, dims, DecoderIO.from_dict(io), threads=threads)
+    dec = OrtDecoder(path, dims, DecoderIO.from_dict(io), threads=threads, precision=precision)
 
     def run(ids: list[int]) -> np.ndarray:
         x = np.array([ids[:-1]])
@@ -93,7 +93,8 @@ def evaluate_bundle(req: EvalRequest) -> dict:
     models: dict[str, tuple[Logits, int]] = {}  # name -> (logits, size in bytes)
     for e in m.engines:
         if e.fingerprint.format == "onnx":
-            models[e.name] = (_onnx_logits(bundle.path(e.file), m.model, m.engine_io(e), req.threads), m.engine_bytes(e.name))
+            models[e.name] = (_onnx_logits(bundle.path(e.file), m.model, m.engine_io(e), req.threads, e.fingerprint.precision),
+                              m.engine_bytes(e.name))
     ggufs = {f"llama.cpp {Path(g).stem}": g for g in req.ggufs}
     if req.llama_cpp:
         from export.eval_gguf import same_weights

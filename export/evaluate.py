@@ -159,7 +159,8 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
 
     tok = chat_tokenizer(hf_dir)
     decs = {e.name: OrtDecoder(e.folder / "model.onnx", model_dims(getattr(e, "dims_dir", None) or hf_dir, opts.max_context),
-                            io_for_variant(e.variant), threads=opts.threads, name=e.name) for e in engines}
+                            io_for_variant(e.variant), threads=opts.threads, name=e.name, precision=e.precision)
+            for e in engines}
     ref = "teacher" if "teacher" in decs else FP32
     chats = load_chats(opts.data, "evaluation", opts.samples)
     parts: dict[str, list[dict]] = {n: [] for n in decs}

@@ -152,6 +152,35 @@ def test_tensorrt_embedding_form_gives_the_same_logits(tiny_plain_graph, tmp_pat
     np.testing.assert_array_equal(logits["dq-gather"], logits["gather-int8"])
 
 
+def test_onnx_runtime_cpu_runs_the_qdq_graph_as_written(tiny_bundle):
+    """On ONNX Runtime's CPU provider the int8-qdq graph runs with its Q/DQ unfused (edge.precisions'
+    cpu_session_config): what TensorRT's Q/DQ semantics compute, the weights' DequantizeLinear folded once (not
+    the whole embedding table dequantized every call); logits as ORT's fused int8 kernels give them."""
+    from edge.backends.onnxruntime import OrtDecoder
+    from edge.io_contract import DecoderIO
+
+    m = tiny_bundle.manifest
+    e = m.engine("int8-qdq")
+    io = DecoderIO.from_dict(m.engine_io(e))
+    ids = list(range(5, 40))
+    out = {}
+    for precision in ("int8-qdq", None):
+        dec = OrtDecoder(tiny_bundle.path(e.file), m.model, io, threads=1, precision=precision)
+        assert _config(dec, "session.disable_quant_qdq") == ("1" if precision else None)
+        out[precision] = dec.prefill(ids, dec.new_cache(capacity=64))
+    np.testing.assert_allclose(out["int8-qdq"], out[None], atol=1e-4)
+    gpu = OrtDecoder(tiny_bundle.path(e.file), m.model, io, threads=1, precision="int8-qdq",
+                     providers=["CUDAExecutionProvider", "CPUExecutionProvider"])  # not CPU alone: left as it is
+    assert _config(gpu, "session.disable_quant_qdq") is None
+
+
+def _config(dec, key: str) -> str | None:
+    try:
+        return dec.session.get_session_options().get_session_config_entry(key)
+    except RuntimeError:  # ONNX Runtime's answer for a key never set
+        return None
+
+
 def test_smoothquant_recorded_and_compared(tiny_bundle):
     rec = next(s for s in tiny_bundle.manifest.stages if s.name == "quantize-int8-qdq")
     assert rec.params["smoothquant_alpha"] == 0.5

@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from edge import precisions
 from edge.bundle import Bundle, EngineEntry, ModelDims
 from edge.backends.decoder import Decoder, KVCache
 from edge.errors import BundleError, ContextOverflowError, DimensionError, MissingDependencyError
@@ -38,10 +39,11 @@ class OrtDecoder(Decoder):
     def __init__(self, path: str | os.PathLike, dims: ModelDims, io: DecoderIO, threads: int | None = None,
                  providers: list | None = None, name: str | None = None, spin: bool = True,
                  session_config: dict[str, str] | None = None, arena: bool = True,
-                 logit_ids: np.ndarray | None = None) -> None:
+                 logit_ids: np.ndarray | None = None, precision: str | None = None) -> None:
         """`providers`: execution provider names, or (name, options) pairs; `session_config`: extra ONNX Runtime
         session config entries (scripts/sweep_ort.py measures them);
-        `arena`: ONNX Runtime's CPU memory arena; `logit_ids`: the vocabulary ids of a cut LM head's columns."""
+        `arena`: ONNX Runtime's CPU memory arena; `logit_ids`: the vocabulary ids of a cut LM head's columns;
+        `precision`: the graph's, whose CPU session settings (edge.precisions) apply when it runs on CPU alone."""
         ort = _ort()
         super().__init__(dims, io, name or os.path.basename(str(path)))
         self.logit_ids = logit_ids
@@ -53,7 +55,9 @@ class OrtDecoder(Decoder):
         so.inter_op_num_threads = 1
         if not spin:  # a server has other threads (HTTP, clients): idle ORT workers must not busy-wait on the cores
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        for key, value in (session_config or {}).items():
+        cpu_only = all(n == "CPUExecutionProvider" for n in names)
+        own = dict(precisions.get(precision).cpu_session_config) if precision and cpu_only else {}
+        for key, value in (own | (session_config or {})).items():
             so.add_session_config_entry(key, value)
         so.enable_cpu_mem_arena = arena
         so.log_severity_level = 3
@@ -92,7 +96,8 @@ class OrtDecoder(Decoder):
         m = bundle.manifest
         io = DecoderIO.from_dict(m.engine_io(entry))
         ids = _logit_ids(bundle, io.logit_ids, m.model.vocab_size) if io.logit_ids else None
-        dec = cls(bundle.path(entry.file), m.model, io, threads, providers, name=entry.file, spin=spin, logit_ids=ids)
+        dec = cls(bundle.path(entry.file), m.model, io, threads, providers, name=entry.file, spin=spin, logit_ids=ids,
+                  precision=entry.fingerprint.precision)
         dec.engine = entry
         return dec
 
