@@ -63,9 +63,10 @@ TABLE: tuple[Precision, ...] = (
     Precision(FP16, "plain", 2.0, 1, cpu=4, cuda=0, ort_trt=1, trt_sources=(FP16, FP32), exported=True),
     Precision(BF16, "plain", 2.0, 2, trt_sources=(BF16, FP32)),
     Precision(FP8, "plain", 1.0, 3),  # planner only: no engine of it is built yet
-    Precision(INT8_QDQ, "plain", 1.0, 4, cpu=3, ort_trt=0, trt_sources=(INT8_QDQ,), head_bytes=2.0, embed_bytes=1.0,
+    Precision(INT8_QDQ, "plain", 1.0, 4, cpu=3, ort_trt=0, trt_sources=(INT8_QDQ,), head_bytes=4.0, embed_bytes=1.0,
               exported=True, quantized=True, cpu_session_config=(("session.disable_quant_qdq", "1"),)),
-    # the head left in float (TensorRT runs it in FP16)
+    # the head is left in fp32: a strongly typed network (TensorRT 11, and EdgeChat's Q/DQ builds on 10) runs it,
+    # and every other unquantized layer, in the graph's fp32, not FP16
     Precision(INT8_DYNAMIC, "fused", nbits_bytes(8, 32, True), 5, cpu=0, cuda=3, embed_bytes=1.0, exported=True,
               quantized=True),
     Precision(INT4_WEIGHT, "fused", nbits_bytes(4, 32, False), 6, cpu=1, cuda=2, head_bytes=nbits_bytes(8, INT4_HEAD_BLOCK, True),
