@@ -217,3 +217,16 @@ def test_design_page_names_only_files_that_exist():
             missing.append(name)
     assert len(named) > 20, f"docs/design.md names only {len(named)} paths: is the pattern right?"
     assert not missing, f"docs/design.md names paths that do not exist: {missing}"
+
+
+def test_messages_become_a_prompt_in_one_place():
+    """The CLI's chat, the page and the API write a conversation (tools included) into prompt ids through
+    edge/decode/conversation.py alone: no other module of edge/ calls the template or the tool format."""
+    callers = []
+    for path in (ROOT / "edge").rglob("*.py"):
+        if _module(path) in ("edge.decode.conversation", "edge.decode.tokenizer", "edge.decode.tools"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("encode_chat", "prompt_messages"):
+                callers.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert not callers, "conversation -> prompt outside edge/decode/conversation.py:\n" + "\n".join(callers)

@@ -34,7 +34,7 @@ def taken(monkeypatch):
 def test_cli_page_and_api_answer_through_the_same_loop(tiny_bundle, taken, capsys):
     from fastapi.testclient import TestClient
 
-    from edge.decode.chat import fit_messages
+    from edge.decode import conversation
     from edge.cli import main
     from edge.decode.generate import Generator
     from edge.serve.service import Service, create_app
@@ -55,7 +55,8 @@ def test_cli_page_and_api_answer_through_the_same_loop(tiny_bundle, taken, capsy
         async def page() -> str:
             """What edge/serve/webui.py's answer() does with a typed message: fit the chat, service.generate."""
             cfg = gen.sampling(max_new_tokens=n, temperature=0.0)
-            ids, _, _ = fit_messages(gen, [{"role": "user", "content": PROMPT}], cfg.max_new_tokens)
+            ids = conversation.prompt(gen.tokenizer, [{"role": "user", "content": PROMPT}],
+                                      fit=(gen.max_context, cfg.max_new_tokens)).ids
             _, events = await service.generate(ids, cfg)
             return "".join([ev.text async for ev in events])
 

@@ -1,7 +1,7 @@
-"""A multi-turn conversation that always fits the context window.
+"""The CLI's multi-turn chat (edge-chat repl), which always fits the context window.
 
-When history grows past the context, the oldest user/assistant turns are
-dropped (the system prompt is kept) and the caller is told how many.
+When history grows past the context, the oldest user/assistant turns are dropped (the system prompt is kept)
+and the caller is told how many: edge.decode.conversation fits and writes the prompt, as for the page and the API.
 """
 
 from __future__ import annotations
@@ -10,38 +10,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from edge.decode import conversation
 from edge.errors import ContextOverflowError
 from edge.decode.generate import Generator
 from edge.decode.text_stream import StreamEvent
 from edge.decode.sampling import SamplingConfig
 
 log = logging.getLogger("edgechat")
-
-
-def fit_messages(gen: Generator, messages: list[dict], reserve: int,
-                 tools: list[dict] | None = None) -> tuple[list[int], list[dict], int]:
-    """Drop the oldest non-system turns until prompt + `reserve` new tokens fit (`tools`: for a template
-    that renders them itself, see edge.decode.tools).
-
-    Returns (prompt ids, kept messages, number of messages dropped).
-    """
-    limit = gen.max_context - reserve
-    system = [m for m in messages[:1] if m["role"] == "system"]
-    rest = messages[len(system):]
-    dropped = 0
-    while True:
-        kept = system + rest
-        ids = gen.tokenizer.encode_chat(kept, tools=tools)
-        if len(ids) <= limit:
-            return ids, kept, dropped
-        if len(rest) <= 1:
-            raise ContextOverflowError(
-                f"the last message alone needs {len(ids)} tokens but only {limit} fit "
-                f"(context {gen.max_context} minus {reserve} for the answer): shorten it or lower max_new_tokens")
-        # drop a whole turn: the oldest message and, if it was a user turn, its answer
-        drop = 2 if len(rest) > 2 and rest[0]["role"] == "user" and rest[1]["role"] == "assistant" else 1
-        rest = rest[drop:]
-        dropped += drop
 
 
 @dataclass
@@ -59,17 +34,18 @@ class Chat:
         self.messages.append({"role": "user", "content": text})
         reserve = min(cfg.max_new_tokens, self.gen.max_context // 4)
         try:
-            ids, kept, dropped = fit_messages(self.gen, self.messages, reserve)
+            fitted = conversation.prompt(self.gen.tokenizer, self.messages, fit=(self.gen.max_context, reserve))
         except ContextOverflowError:
             self.messages.pop()
             raise
-        if dropped:
-            log.warning("context full: dropped the %d oldest message(s) to fit %d tokens", dropped, self.gen.max_context)
-            self.messages = kept
-        self.last_dropped = dropped
+        if fitted.dropped:
+            log.warning("context full: dropped the %d oldest message(s) to fit %d tokens", fitted.dropped,
+                        self.gen.max_context)
+            self.messages = fitted.messages
+        self.last_dropped = fitted.dropped
         reply = []
         try:
-            for ev in self.gen.stream(ids, cfg):
+            for ev in self.gen.stream(fitted.ids, cfg):
                 reply.append(ev.text)
                 yield ev
         finally:  # also when the answer is stopped (Ctrl-C, close()): the history keeps what was said

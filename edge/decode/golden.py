@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from edge.bundle import Bundle, EngineEntry, Manifest
+from edge.decode import conversation
 from edge.precisions import FP32
 from edge.decode.sampling import SamplingConfig
 
@@ -31,7 +32,7 @@ def recheck(gen, manifest: Manifest, reference: str | None = None) -> dict:
     cfg = SamplingConfig(max_new_tokens=GOLDEN_TOKENS)
     rows, same, passed, checked = [], 0, 0, 0
     for prompt, g in ref.items():
-        text, _ = gen.complete(gen.tokenizer.encode_chat([{"role": "user", "content": prompt}]), cfg)
+        text, _ = gen.complete(conversation.prompt(gen.tokenizer, [{"role": "user", "content": prompt}]).ids, cfg)
         text = text.strip()
         ok = any(k.lower() in text.lower() for k in g.get("expect") or []) if g.get("expect") else None
         same += text == g["answer"]

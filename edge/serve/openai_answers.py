@@ -15,9 +15,9 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
-from edge.decode import tools as toolfmt
+from edge.decode import conversation, tools as toolfmt
 from edge.serve.openai_schema import MAX_N, BadRequest, ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from edge.decode.grammar import GrammarVocab, compile_json, token_bytes
+from edge.decode.grammar import token_bytes
 from edge.decode.logits import RowLogits, TokenLogprob, token_logprob
 from edge.decode.sampling import MAX_SEED, SamplingConfig
 
@@ -79,23 +79,15 @@ async def chat_rows(service, body: ChatCompletionRequest) -> Rows:
     vocab = gen.decoder.dims.vocab_size
     tools = [t.model_dump() for t in body.tools] if body.tools else None
     choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
-    native = bool(tools) and toolfmt.template_takes_tools(gen.tokenizer.spec.chat_template)
-    messages = body.conversation()
-    if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-        messages = toolfmt.prompt_messages(messages, tools, native)
-    prompt = gen.tokenizer.encode_chat(messages, tools=tools if native else None)
+    prompt = conversation.prompt(gen.tokenizer, body.conversation(), tools).ids
+    rf = body.response_format
+    named = rf.json_schema if rf is not None and rf.type == "json_schema" else None
 
     def compile_grammar():
-        gv = GrammarVocab.for_tokenizer(gen.tokenizer, vocab)
-        rf = body.response_format
-        if tools and choice != "none":
-            return toolfmt.call_grammar(gv, tools, choice, parallel=body.parallel_tool_calls is True)
-        if rf is not None and rf.type == "json_object":
-            return compile_json(gv, None)
-        if rf is not None and rf.type == "json_schema":
-            assert rf.json_schema is not None
-            return compile_json(gv, rf.json_schema.schema_, what=f"response_format json_schema '{rf.json_schema.name}'")
-        return None
+        return conversation.constraint(
+            gen.tokenizer, vocab, tools, choice, parallel_tool_calls=body.parallel_tool_calls is True,
+            json_schema=named.schema_ if named else None, json_mode=rf is not None and rf.type == "json_object",
+            what=f"response_format json_schema '{named.name}'" if named else "the JSON schema")
 
     needs = (tools and choice != "none") or (body.response_format is not None and body.response_format.type != "text")
     grammar = await asyncio.to_thread(compile_grammar) if needs else None

@@ -21,9 +21,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr
 
 from edge.decode import tools as toolfmt
-from edge.decode.chat import fit_messages
+from edge.decode import conversation
 from edge.errors import EdgeChatError
-from edge.decode.grammar import GrammarVocab, compile_json
 from edge.decode.logits import RowLogits
 
 SYSTEM_FONTS = ["ui-sans-serif", "system-ui", "-apple-system", "Segoe UI", "Roboto", "sans-serif"]
@@ -50,14 +49,10 @@ def page_constraint(gen, json_mode: bool, schema_text: str, tools_text: str, cho
             for t in tools)):
         raise EdgeChatError('Tools must be a JSON list of {"type": "function", "function": {"name": ..., '
                             '"parameters": {...}}}')
-    vocab = gen.decoder.dims.vocab_size
-    if tools and choice != "none":
-        grammar = toolfmt.call_grammar(GrammarVocab.for_tokenizer(gen.tokenizer, vocab), tools, choice, False)
-        return tools, RowLogits(grammar=grammar)
-    if json_mode:
-        schema = parsed(schema_text, "JSON schema") if (schema_text or "").strip() else None
-        return tools, RowLogits(grammar=compile_json(GrammarVocab.for_tokenizer(gen.tokenizer, vocab), schema))
-    return tools, None
+    schema = parsed(schema_text, "JSON schema") if json_mode and (schema_text or "").strip() else None
+    grammar = conversation.constraint(gen.tokenizer, gen.decoder.dims.vocab_size, tools, choice, json_schema=schema,
+                                      json_mode=json_mode)
+    return tools, RowLogits(grammar=grammar) if grammar is not None else None
 
 
 def show_message(m: dict) -> dict:
@@ -177,13 +172,11 @@ def build_ui(service) -> gr.Blocks:
             try:
                 tool_list, logits = await asyncio.to_thread(page_constraint, gen, as_json, schema_text, tools_text,
                                                             choice)
-                native = bool(tool_list) and toolfmt.template_takes_tools(gen.tokenizer.spec.chat_template)
-                if tool_list or any(m.get("tool_calls") for m in convo):
-                    convo = toolfmt.prompt_messages(convo, tool_list, native)
                 cfg = gen.sampling(max_new_tokens=int(n), temperature=float(temp), top_p=float(p))
-                ids, kept, dropped = fit_messages(gen, convo, min(cfg.max_new_tokens, gen.max_context // 2),
-                                                  tools=tool_list if native else None)
-                req, events = await service.generate(ids, cfg, logits=logits)
+                fitted = conversation.prompt(gen.tokenizer, convo, tool_list,
+                                             fit=(gen.max_context, min(cfg.max_new_tokens, gen.max_context // 2)))
+                dropped = fitted.dropped
+                req, events = await service.generate(fitted.ids, cfg, logits=logits)
                 answers.running(entry, req)
             except EdgeChatError as e:
                 yield msgs, show(msgs), f"⚠️ {e}"
