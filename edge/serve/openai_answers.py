@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
-from edge.decode import conversation, tools as toolfmt
+from edge.decode import conversation
 from edge.serve.openai_schema import MAX_N, BadRequest, ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from edge.decode.grammar import token_bytes
 from edge.decode.logits import RowLogits, TokenLogprob, token_logprob
@@ -192,22 +192,6 @@ def score_prompt(gen, ids: list[int], top: int) -> list[TokenLogprob]:
     out = [TokenLogprob(ids[0], float("nan"))]
     out += [token_logprob(logits[j - 1], ids[j], top) for j in range(1, len(ids))]
     return out
-
-
-# -- answers -------------------------------------------------------------------------------------------
-
-def chat_choice(i: int, text: str, last, lps: list[TokenLogprob], rows: Rows, table: list[bytes] | None) -> dict:
-    """One choice of a chat completion: the message (tool calls parsed out), finish reason, logprobs."""
-    finish = {"cancelled": "stop", None: "stop"}.get(last.finish_reason, last.finish_reason)
-    msg: dict[str, Any] = {"role": "assistant", "content": text}
-    if rows.tools and rows.tool_choice != "none":
-        parsed = toolfmt.parse_calls(text)
-        if parsed.tool_calls:
-            msg = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
-            if finish == "stop":
-                finish = "tool_calls"
-    logprobs = {"content": chat_logprobs(table, lps)} if table is not None else None
-    return {"index": i, "message": msg, "finish_reason": finish, "logprobs": logprobs}
 
 
 async def merged_events(reqs: list, q: asyncio.Queue, n: int) -> AsyncIterator[tuple[int, Any]]:

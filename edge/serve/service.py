@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from edge.serve import openai_answers as api_answers
 from edge.serve import openai_schema as api_schema
-from edge.serve import sse
+from edge.serve import openai_writer as writer
 from edge.decode.scheduler import QueueFullError, Request, Scheduler
 from edge.errors import ContextOverflowError, EdgeChatError
 from edge.decode.grammar import GrammarError
@@ -335,7 +335,7 @@ def _failed(service: Service, lasts: list) -> None:
         if last.finish_reason == "error":
             raise APIError(500, f"generation failed: {last.stats.get('error')}", type_="server_error")
     if any(last.finish_reason == "timeout" for last in lasts):
-        raise APIError(504, sse.timeout_message(service), type_="timeout_error", code="request_timeout")
+        raise APIError(504, writer.timeout_message(service), type_="timeout_error", code="request_timeout")
 
 
 async def _chat(service: Service, request: HTTPRequest):
@@ -349,7 +349,7 @@ async def _chat(service: Service, request: HTTPRequest):
     try:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse.chat_sse(service, cid, created, api_answers.merged_events(reqs, q, n), n,
+            return StreamingResponse(writer.chat_sse(service, cid, created, api_answers.merged_events(reqs, q, n), n,
                                                rows, table, include_usage, len(rows.prompts[0])),
                                      media_type="text/event-stream", background=BackgroundTask(_cancel_all, reqs),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -362,10 +362,7 @@ async def _chat(service: Service, request: HTTPRequest):
         return Response(status_code=499)
     texts, lps, lasts = got
     _failed(service, lasts)
-    choices = [api_answers.chat_choice(i, texts[i], lasts[i], lps[i], rows, table) for i in range(n)]
-    return {"id": cid, "object": "chat.completion", "created": created, "model": service.model_id,
-            "choices": choices, "usage": sse.usage(lasts, len(rows.prompts[0])),
-            "system_fingerprint": f"edgechat-{service.precision}"}
+    return writer.chat_completion(service, cid, created, texts, lasts, lps, rows, table)
 
 
 async def _completions(service: Service, request: HTTPRequest):
@@ -384,7 +381,7 @@ async def _completions(service: Service, request: HTTPRequest):
                     lambda ids=ids: api_answers.score_prompt(gen, ids, rows.score_top)))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse.completion_sse(service, cid, created, api_answers.merged_events(reqs, q, len(reqs)),
+            return StreamingResponse(writer.completion_sse(service, cid, created, api_answers.merged_events(reqs, q, len(reqs)),
                                                      rows, table, scored, body.logprobs, include_usage),
                                      media_type="text/event-stream", background=BackgroundTask(_cancel_all, reqs),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -397,24 +394,8 @@ async def _completions(service: Service, request: HTTPRequest):
         return Response(status_code=499)
     texts, lps, lasts = got
     _failed(service, lasts)
-    choices = []
-    n = body.n or 1
-    for p, prompt_text in enumerate(rows.prompt_texts):
-        for j in range(n):
-            k = len(choices)
-            row = k if reqs else None
-            text = texts[row] if row is not None else ""
-            pre = prompt_text if rows.echo else ""
-            lp = None
-            if body.logprobs is not None:
-                mine = (scored[p] if rows.echo and scored else []) + (lps[row] if row is not None else [])
-                lp = api_answers.completion_logprobs(table, mine)
-            finish = sse.finish(lasts[row].finish_reason) if row is not None else "length"
-            choices.append({"index": k, "text": pre + text, "logprobs": lp, "finish_reason": finish})
-    prompt_tokens = sum(len(p) for p in rows.prompts)
-    return {"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
-            "choices": choices, "usage": sse.usage(lasts, prompt_tokens),
-            "system_fingerprint": f"edgechat-{service.precision}"}
+    return writer.text_completion(service, cid, created, texts, lasts, lps, rows, table, scored, body.logprobs,
+                                  body.n or 1)
 
 
 async def _plan_completion(service: Service, body):

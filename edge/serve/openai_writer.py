@@ -1,6 +1,7 @@
-"""Server-sent events of chat and text completions, and the pieces answers share (finish reason, usage,
-the timeout message): OpenAI's chunk shapes for n rows, tool calls held back until they parse, logprobs per
-chunk."""
+"""Every OpenAI answer shape, whole and streamed, written in one place: the envelope (id, object, created,
+model, system_fingerprint), the finish reason, usage, error bodies; a chat completion's choices (tool calls
+parsed out) and a text completion's (echo, logprobs); and the server-sent events of both for n rows (tool
+calls held back until they parse, logprobs per chunk). edge.serve.service only hands it the rows' results."""
 
 from __future__ import annotations
 
@@ -26,7 +27,55 @@ def timeout_message(service: Service) -> str:
 
 
 def finish(reason: str | None) -> str:
+    """OpenAI's finish_reason for the loop's (a cancelled answer ended as asked: "stop")."""
     return {"cancelled": "stop", None: "stop"}.get(reason, reason)
+
+
+def envelope(service: Service, cid: str, created: int, kind: str) -> dict[str, Any]:
+    """The fields every answer and chunk starts with."""
+    return {"id": cid, "object": kind, "created": created, "model": service.model_id,
+            "system_fingerprint": f"edgechat-{service.precision}"}
+
+
+def chat_choice(i: int, text: str, last, lps: list, rows, table: list[bytes] | None) -> dict:
+    """One choice of a chat completion: the message (tool calls parsed out), finish reason, logprobs."""
+    reason = finish(last.finish_reason)
+    msg: dict[str, Any] = {"role": "assistant", "content": text}
+    if rows.tools and rows.tool_choice != "none":
+        parsed = toolfmt.parse_calls(text)
+        if parsed.tool_calls:
+            msg = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+            if reason == "stop":
+                reason = "tool_calls"
+    logprobs = {"content": api_answers.chat_logprobs(table, lps)} if table is not None else None
+    return {"index": i, "message": msg, "finish_reason": reason, "logprobs": logprobs}
+
+
+def chat_completion(service: Service, cid: str, created: int, texts: list[str], lasts: list, lps: list, rows,
+                    table: list[bytes] | None) -> dict:
+    """A whole chat completion of n rows."""
+    return envelope(service, cid, created, "chat.completion") | {
+        "choices": [chat_choice(i, texts[i], lasts[i], lps[i], rows, table) for i in range(len(texts))],
+        "usage": usage(lasts, len(rows.prompts[0]))}
+
+
+def text_completion(service: Service, cid: str, created: int, texts: list[str], lasts: list, lps: list, rows,
+                    table: list[bytes], scored: list, logprobs: int | None, n: int) -> dict:
+    """A whole text completion: n choices per prompt, each the echoed prompt (asked) and the row's text."""
+    choices = []
+    for p, prompt_text in enumerate(rows.prompt_texts):
+        for _ in range(n):
+            k = len(choices)
+            row = k if lasts else None  # max_tokens 0 with echo: no rows ran
+            lp = None
+            if logprobs is not None:
+                mine = (scored[p] if rows.echo and scored else []) + (lps[row] if row is not None else [])
+                lp = api_answers.completion_logprobs(table, mine)
+            choices.append({"index": k, "text": (prompt_text if rows.echo else "") + (texts[row] if row is not None else ""),
+                            "logprobs": lp, "finish_reason": finish(lasts[row].finish_reason) if row is not None
+                            else "length"})
+    return envelope(service, cid, created, "text_completion") | {
+        "choices": choices, "usage": usage(lasts, sum(len(p) for p in rows.prompts))}
 
 
 def usage(lasts: list, prompt_tokens: int) -> dict:
@@ -54,10 +103,8 @@ async def chat_sse(service: Service, cid: str, created: int, events: AsyncIterat
     def chunk(i: int, delta: dict, finish: str | None = None, usage: dict | None = None, choices: bool = True,
               lps: list | None = None) -> str:
         logprobs = {"content": api_answers.chat_logprobs(table, lps or [])} if table is not None and choices else None
-        body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created,
-                                "model": service.model_id, "system_fingerprint": f"edgechat-{service.precision}",
-                                "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
-                                if choices else []}
+        body = envelope(service, cid, created, "chat.completion.chunk") | {
+            "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}] if choices else []}
         if usage is not None:
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -109,12 +156,10 @@ async def completion_sse(service: Service, cid: str, created: int, events: Async
                           rows, table, scored: list, logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
     """Text-completion chunks: the echoed prompt first (with its logprobs), then each row's text as it comes."""
     def chunk(k: int, text: str, finish: str | None = None, lps: list | None = None, usage: dict | None = None) -> str:
-        body: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
-                                "system_fingerprint": f"edgechat-{service.precision}",
-                                "choices": [] if usage is not None else [{
-                                    "index": k, "text": text, "finish_reason": finish,
-                                    "logprobs": None if logprobs is None else
-                                    api_answers.completion_logprobs(table, lps or [])}]}
+        body = envelope(service, cid, created, "text_completion") | {
+            "choices": [] if usage is not None else [{
+                "index": k, "text": text, "finish_reason": finish,
+                "logprobs": None if logprobs is None else api_answers.completion_logprobs(table, lps or [])}]}
         if usage is not None:
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
