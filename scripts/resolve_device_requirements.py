@@ -25,8 +25,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from packaging.markers import default_environment  # noqa: E402
-from packaging.requirements import Requirement  # noqa: E402
 
 from edge.device.machine import Machine  # noqa: E402
 from edge.device.runtimes import RuntimeTarget, load_targets  # noqa: E402
@@ -63,15 +61,7 @@ class Resolution:
 def base_requirements(python: str, arch: str) -> list[str]:
     """edgechat's own [project].dependencies, markers evaluated for the target."""
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    env = default_environment() | {"python_version": python, "python_full_version": python + ".0",
-                                   "platform_machine": arch, "sys_platform": "linux", "extra": ""}
-    out = []
-    for text in deps:
-        r = Requirement(text)
-        if r.marker is None or r.marker.evaluate(env):
-            r.marker = None
-            out.append(str(r))
-    return out
+    return RuntimeTarget.pins(tuple(deps), python, arch)
 
 
 def pip_env() -> dict[str, str]:

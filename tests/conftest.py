@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -149,6 +150,37 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("EDGECHAT_CACHE", str(tmp_path / "cache"))
     fake_tensorrt.LOG.clear()
     return dev
+
+
+TRT_PROFILE = "orin-nano-8gb"  # what the TensorRT stand-in plays (an SM 8.7 Orin)
+
+
+@pytest.fixture
+def bundle_copy(tiny_bundle, tmp_path):
+    """A copy of the tiny bundle a test may add engines to."""
+    dst = tmp_path / "b.bundle"
+    shutil.copytree(tiny_bundle.root, dst)
+    return dst
+
+
+def build_trt(path, precision: str = "fp32", recheck: bool = False, profile: str = TRT_PROFILE, **kw):
+    """Build a TensorRT engine into the bundle at `path` on the stand-in (with the golden check when `recheck`)."""
+    from edge.backends.tensorrt.builder import build_engine, plan_build
+    from edge.bundle import Bundle
+    from edge.decode.golden import engine_recheck
+    from edge.device.machine import detect
+
+    here = detect()
+    bundle = Bundle.open(path)
+    plan = plan_build(bundle, profile, precision, tensorrt_version=here.tensorrt, available_gb=8.0, **kw)
+    return build_engine(plan, here, recheck=engine_recheck(bundle, plan.source.name) if recheck else None)
+
+
+def trt_errors() -> list[str]:
+    """Every error the stand-in's TensorRT loggers recorded in this test."""
+    import fake_tensorrt
+
+    return [m for s, m in fake_tensorrt.LOG if s <= fake_tensorrt.Logger.ERROR]
 
 
 def assert_batched_steps_equal_alone(dec, prompts: list[list[int]], tokens: list[int], capacity: int, atol: float,

@@ -12,7 +12,6 @@ own numerics (an FP16 build computes in fp32 here) and speed; scripts/gpu_check.
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
 
 import numpy as np
@@ -21,31 +20,7 @@ import pytest
 from edge.bundle import Bundle
 from edge.errors import BundleError
 
-PROFILE = "orin-nano-8gb"
-
-
-@pytest.fixture
-def bundle_copy(tiny_bundle, tmp_path):
-    dst = tmp_path / "b.bundle"
-    shutil.copytree(tiny_bundle.root, dst)
-    return dst
-
-
-def _errors() -> list[str]:
-    import fake_tensorrt
-
-    return [m for s, m in fake_tensorrt.LOG if s <= fake_tensorrt.Logger.ERROR]
-
-
-def _build(path, precision: str, recheck: bool = False, **kw):
-    from edge.backends.tensorrt.builder import build_engine, plan_build
-    from edge.decode.golden import engine_recheck
-    from edge.device.machine import detect
-
-    bundle = Bundle.open(path)
-    here = detect()
-    plan = plan_build(bundle, PROFILE, precision, tensorrt_version=here.tensorrt, available_gb=8.0, **kw)
-    return build_engine(plan, here, recheck=engine_recheck(bundle, plan.source.name) if recheck else None)
+from conftest import TRT_PROFILE as PROFILE, build_trt as _build, trt_errors as _errors  # noqa: E402
 
 
 def test_stand_in_is_what_the_probe_sees(fake_gpu):

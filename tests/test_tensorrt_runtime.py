@@ -15,25 +15,7 @@ import pytest
 from edge.bundle import Bundle
 from edge.errors import BundleError
 
-PROFILE = "orin-nano-8gb"
-
-
-@pytest.fixture
-def bundle_copy(tiny_bundle, tmp_path):
-    dst = tmp_path / "b.bundle"
-    shutil.copytree(tiny_bundle.root, dst)
-    return dst
-
-
-def _build(path, precision: str = "fp32", recheck: bool = False, **kw):
-    from edge.backends.tensorrt.builder import build_engine, plan_build
-    from edge.decode.golden import engine_recheck
-    from edge.device.machine import detect
-
-    here = detect()
-    bundle = Bundle.open(path)
-    plan = plan_build(bundle, PROFILE, precision, tensorrt_version=here.tensorrt, available_gb=8.0, **kw)
-    return build_engine(plan, here, recheck=engine_recheck(bundle, plan.source.name) if recheck else None)
+from conftest import TRT_PROFILE as PROFILE, build_trt as _build, trt_errors as _errors  # noqa: E402
 
 
 def _header(path) -> dict:
@@ -41,12 +23,6 @@ def _header(path) -> dict:
 
     blob = path.read_bytes()
     return json.loads(blob[16:16 + int.from_bytes(blob[8:16], "little")])
-
-
-def _errors() -> list[str]:
-    import fake_tensorrt
-
-    return [m for s, m in fake_tensorrt.LOG if s <= fake_tensorrt.Logger.ERROR]
 
 
 # ----------------------------------------------------------------------------- TensorRT 11
