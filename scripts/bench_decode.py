@@ -162,24 +162,19 @@ def row_edgechat_stream(spec: dict) -> dict:
 
 
 def row_edgechat_lookup(spec: dict) -> dict:
-    """Our decoder with prompt-lookup speculative decoding (edge.decode.speculative), greedy."""
+    """Our decoder with prompt-lookup speculative decoding (edge.decode.speculative), greedy, through the
+    scheduler's loop (Generator.stream), drafting at every step (k adapts to the acceptance; no pacing)."""
     from edge.decode.sampling import SamplingConfig
-    from edge.decode.speculative import AdaptiveK, SpecStats, speculative_tokens
+    from edge.decode.speculative import AdaptiveK, Pacer, RowSpeculator, lookup_draft
 
     b, g = _generator(spec)
     cfg = SamplingConfig(max_new_tokens=spec["new"], ignore_eos=True)
     for warm in (True, False):
-        stats = SpecStats()
-        t0 = time.perf_counter()
-        it = speculative_tokens(g.decoder, spec["prompt_ids"], cfg, g.tokenizer.eos_ids, g.max_context,
-                                policy=AdaptiveK(k_max=spec.get("k_max", 8)), stats=stats)
-        tokens = [next(it)]
-        t1 = time.perf_counter()
-        tokens += list(it)
-        t2 = time.perf_counter()
-    return {"ttft_ms": (t1 - t0) * 1000, "decode_tok_s": (len(tokens) - 1) / (t2 - t1), "tokens": tokens,
-            "speculative": stats.as_dict(), "verify_cost": verify_cost(g.decoder, spec["prompt_ids"])} | \
-        _engine_facts(b, spec["engine"])
+        speculator = RowSpeculator(lookup_draft, AdaptiveK(k_max=spec.get("k_max", 8)), Pacer(always=True))
+        last = list(g.stream(spec["prompt_ids"], cfg, speculator=speculator))[-1]
+    return {"ttft_ms": last.stats["ttft_s"] * 1000, "decode_tok_s": last.stats["decode_tok_s"],
+            "tokens": last.token_ids, "speculative": speculator.stats.as_dict(),
+            "verify_cost": verify_cost(g.decoder, spec["prompt_ids"])} | _engine_facts(b, spec["engine"])
 
 
 def verify_cost(d, ids: list[int], sizes=(1, 2, 3, 5, 9), reps: int = 8) -> dict:

@@ -83,3 +83,32 @@ def test_cli_page_and_api_answer_through_the_same_loop(tiny_bundle, taken, capsy
         service.scheduler.stop()
     assert cli_tokens == api_tokens == page_tokens
     assert cli_text == api_text == page_text
+
+
+@pytest.fixture
+def steps(monkeypatch) -> list[int]:
+    """How many decode steps (plain or speculative) the scheduler runs, counted at `Scheduler._step`."""
+    count = [0]
+    real = Scheduler._step
+
+    def spy(self) -> None:
+        count[0] += 1
+        real(self)
+
+    monkeypatch.setattr(Scheduler, "_step", spy)
+    return count
+
+
+def test_the_builds_draft_acceptance_is_measured_in_the_scheduler_loop(tiny_bundle, tmp_path, steps, taken):
+    """`export/draft.py measure` (the acceptance and speedup the manifest ships): both answers to every chat, the
+    plain one and the drafted one, are the scheduler's steps and every token is taken by `_accept`, and the
+    drafted answer's steps checked the draft's tokens."""
+    from export.draft import DraftOptions, measure
+
+    engine = tiny_bundle.manifest.engine("int8-dynamic")
+    loaded = tiny_bundle.root.with_name(tiny_bundle.root.name + ".work") / "load"  # the build's load stage
+    opts = DraftOptions(precision="int4-weight", acceptance_chats=2, acceptance_tokens=12, k=3)  # its own int4 drafts
+    out = measure(tiny_bundle.path(engine.file), "fused", loaded, tiny_bundle.root, tmp_path, opts, 256, threads=1)
+    assert out["chats"] == 2 and out["drafted"] > 0 and out["identical_answers"] == "2/2"
+    assert len(taken) == 2 * out["tokens"]  # the plain answers and the drafted ones, token by token
+    assert out["tokens"] - out["chats"] < steps[0] < 2 * out["tokens"]  # drafted steps yield more than one token
