@@ -112,3 +112,14 @@ def test_the_builds_draft_acceptance_is_measured_in_the_scheduler_loop(tiny_bund
     assert out["chats"] == 2 and out["drafted"] > 0 and out["identical_answers"] == "2/2"
     assert len(taken) == 2 * out["tokens"]  # the plain answers and the drafted ones, token by token
     assert out["tokens"] - out["chats"] < steps[0] < 2 * out["tokens"]  # drafted steps yield more than one token
+
+
+def test_the_evaluate_stages_speed_is_timed_in_the_scheduler_loop(fused_generator, steps, taken):
+    """`export/evaluate.py speed` (the manifest's decode tok/s and TTFT): every run is an answer of the
+    scheduler's, EOS ignored, one step per token after the first."""
+    from export.evaluate import speed
+
+    ids = fused_generator.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    out = speed(fused_generator, ids, new_tokens=6, runs=2)
+    assert set(out) == {"ttft_ms", "decode_tok_s"} and out["ttft_ms"] > 0 and out["decode_tok_s"] > 0
+    assert steps[0] == 3 * 5 and len(taken) == 3 * 6  # a warm-up and two timed runs
