@@ -123,3 +123,30 @@ def test_the_evaluate_stages_speed_is_timed_in_the_scheduler_loop(fused_generato
     out = speed(fused_generator, ids, new_tokens=6, runs=2)
     assert set(out) == {"ttft_ms", "decode_tok_s"} and out["ttft_ms"] > 0 and out["decode_tok_s"] > 0
     assert steps[0] == 3 * 5 and len(taken) == 3 * 6  # a warm-up and two timed runs
+
+
+def test_scoring_a_prompt_runs_the_calls_of_its_prefill(fused_generator, monkeypatch):
+    """/v1/completions' echo + logprobs scores the prompt with the very calls a prefill of it runs (fixed
+    boundaries, edge.backends.decoder.next_boundary), and the last position's logits are the prefill's."""
+    import numpy as np
+
+    from edge.serve.openai_answers import score_prompt
+
+    dec = fused_generator.decoder
+    ids = (fused_generator.tokenizer.encode_chat([{"role": "user", "content": PROMPT}]) * 4)[:40]  # past 16 and 32
+    calls: list[tuple[int, int]] = []
+    real = dec.forward
+
+    def spy(x, cache, last_only=True):
+        calls.append((cache.length, np.asarray(x).shape[-1]))
+        return real(x, cache, last_only)
+
+    monkeypatch.setattr(dec, "forward", spy)
+    last = dec.prefill(ids, dec.new_cache(capacity=len(ids) + 1))
+    prefill_calls, calls[:] = list(calls), []
+    scored = score_prompt(fused_generator, ids, top=2)
+    assert prefill_calls == [(0, 16), (16, 16), (32, 8)] and calls == prefill_calls
+    assert len(scored) == len(ids) and [s.token for s in scored] == ids
+    every = dec.prefill(ids, dec.new_cache(capacity=len(ids) + 1), last_only=False)
+    assert every.shape[:2] == (1, len(ids))
+    np.testing.assert_array_equal(every[0, -1], last[0])
