@@ -1,5 +1,7 @@
 """One decode loop (docs/design.md): the CLI, the page and the API answer the same request with the same
-tokens, and every one of them gets its tokens from `Scheduler._accept` (the one place a token is taken)."""
+tokens, and every one of them gets its tokens from `Scheduler._accept` (the one place a token is taken); the
+numbers the build ships (the draft's acceptance, the evaluate stage's speed) come from the scheduler's steps;
+scoring a prompt runs the calls of its prefill."""
 
 from __future__ import annotations
 
