@@ -38,6 +38,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from edge.decode.cache import cache_kind  # noqa: E402
 from edge.errors import EdgeChatError  # noqa: E402
 from edge.device.probe import cpu_name  # noqa: E402
 # 55 tokens with SmolLM2's chat template (system prompt included)
@@ -473,7 +474,7 @@ def main() -> int:
         specs[f"edgechat {e}"] = {"kind": "edgechat", "bundle": str(b.root), "engine": e}
         if not a.no_lookup and e == "int8-dynamic":
             specs[f"edgechat {e} + lookup"] = {"kind": "edgechat-lookup", "bundle": str(b.root), "engine": e}
-        if a.draft and m.engine(e).fingerprint.variant != "fused":
+        if a.draft and not cache_kind(m.engine(e).fingerprint.variant == "fused").can_verify:  # as edge-chat asks
             skipped.append(f"edgechat {e} + draft: a {m.engine(e).fingerprint.variant} graph cannot verify drafts "
                            "(edge-chat --draft refuses it too)")
         elif a.draft:  # both through the scheduler, as edge-chat runs them
