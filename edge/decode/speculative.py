@@ -25,15 +25,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from edge.errors import EdgeChatError
 from edge.decode.sampling import SamplingConfig
-
-if TYPE_CHECKING:
-    from edge.decode.scheduler import _Row
 
 log = logging.getLogger("edgechat")
 
@@ -42,6 +39,12 @@ class Drafter(Protocol):
     def __call__(self, seq: list[int], k: int) -> list[int]:
         """Up to k guesses for the tokens after `seq` (may be fewer, or none)."""
         ...
+
+
+class DraftRow(Protocol):
+    """What a proposer reads of the row it drafts for (the scheduler's row): the tokens so far, prompt included."""
+
+    seen: list[int]
 
 
 def lookup_draft(seq: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -329,7 +332,7 @@ class RowSpeculator:
         """The scheduler did other work between steps (edge.decode.scheduler)."""
         self.pacer.interrupted()
 
-    def propose(self, row: "_Row | None", room: int) -> list[int]:
+    def propose(self, row: DraftRow | None, room: int) -> list[int]:
         """Draft tokens to follow `row.seen` (at most `room`), or [] for a plain step; `row` None: this step
         cannot speculate (it is not timed, and a draft model falls behind while others share the steps)."""
         if row is None:
