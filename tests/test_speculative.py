@@ -533,3 +533,32 @@ def test_pacer_takes_back_the_longer_wait_of_a_try_it_could_not_time():
 
     assert tries(False) == [7, 15, 31]
     assert tries(True) == [7, 15, 23, 39]
+
+
+def test_a_failing_verify_call_fails_only_its_answer(fused_generator, monkeypatch):
+    """A speculative step whose verify call raises ends that answer with "error", as a failed plain step does:
+    the loop goes on without a restart, and the next answer (drafts checked again) is the plain one."""
+    from edge.decode.cache import SharedBatchCache
+    from edge.decode.scheduler import Scheduler
+
+    gen = fused_generator
+    ids = gen.tokenizer.encode_chat(PROMPTS[1])
+    cfg = SamplingConfig(max_new_tokens=20, ignore_eos=True)
+    want = plain(gen, ids, cfg)
+    real, fails = SharedBatchCache.verify, [RuntimeError("verify call failed")]
+
+    def verify(self, tokens: list[int]) -> np.ndarray:
+        if fails:
+            raise fails.pop()
+        return real(self, tokens)
+
+    monkeypatch.setattr(SharedBatchCache, "verify", verify)
+    sched = Scheduler(gen, max_batch=2).start()
+    sched.speculator = spec = RowSpeculator.fixed(lambda seq, k: [1] * k, 2)  # drafts at every step
+    try:
+        failed = sched.submit(ids, cfg).answer(timeout=60)[1]
+        assert failed.finish_reason == "error" and "verify call failed" in failed.stats["error"]
+        assert sched.submit(ids, cfg).answer(timeout=60)[1].token_ids == want
+        assert sched.restarts == 0 and spec.stats.calls > 0
+    finally:
+        sched.stop()
