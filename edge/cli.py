@@ -21,6 +21,7 @@ def _verify_mode(args: argparse.Namespace) -> str:
 
 def _gen(args: argparse.Namespace, spin: bool = True):
     from edge.bundle import Bundle
+    from edge.decode.cache import can_verify
     from edge.decode.generate import Generator
 
     draft = _draft_bundle(args)  # before the target loads: a bad --draft fails in a second
@@ -33,17 +34,17 @@ def _gen(args: argparse.Namespace, spin: bool = True):
     gen.speculative = getattr(args, "speculative", False)
     log = logging.getLogger("edgechat")
     draft_engine = getattr(args, "draft_engine", None)
-    can_verify = gen.decoder.io.fused and gen.decoder.device == "cpu"
+    verifies = can_verify(gen.decoder)  # the scheduler's cache for this engine checks drafts (edge.decode.cache)
     engine = getattr(gen.decoder, "engine", None)
     engine_name = engine.name if engine is not None else gen.decoder.name
     # commands without --no-draft (golden re-checks) never draft
     if draft is None and bundle.manifest.draft and not getattr(args, "no_draft", True):
-        if can_verify:  # the bundle's own draft (edge-export build --draft): on by default
+        if verifies:  # the bundle's own draft (edge-export build --draft): on by default
             return _own_draft(gen, bundle, args.threads)
         log.info("the bundle's draft model is not used: engine %s cannot verify drafts here (a fused graph on "
                  "CPU can: int8-dynamic or int4-weight)", engine_name)
     if draft is not None:
-        if not can_verify:
+        if not verifies:
             raise EdgeChatError(f"--draft: engine {engine_name} cannot verify drafts here (speculative steps "
                                 "run on a fused graph on CPU: int8-dynamic or int4-weight); drop --draft")
         # the draft's idle threads sleep: spinning, they would take the cores from the target's call

@@ -179,47 +179,57 @@ def vocab_size(hf_dir: Path) -> int:
 
 def measure(target_onnx: Path, target_variant: str, hf_dir: Path, draft_root: Path, dst: Path, opts: DraftOptions,
             max_context: int, threads: int | None = None, data: str | None = None) -> dict:
-    """Greedy answers to held-out chats, each twice on the target's engine: plainly and checking the draft's
-    k tokens per call, interleaved. Acceptance (accepted / drafted), tokens per target call, both speeds here,
-    and whether the answers were the same (a quantized target's checked logits differ slightly from a single
-    step's, so a near tie can flip; docs/speed.md)."""
+    """Greedy answers to held-out chats, each twice on the target's engine through the scheduler's loop (what
+    edge-chat runs): plainly and with the draft proposing k tokens at every step (`RowSpeculator.fixed`),
+    interleaved. Acceptance (accepted / drafted), tokens per target call, both speeds here, and whether the
+    answers were the same (a quantized target's checked logits differ slightly from a single step's, so a near
+    tie can flip; docs/speed.md)."""
     from tqdm import tqdm
 
     from edge.bundle import Bundle
     from edge.io_contract import io_for_variant
     from edge.backends.load import load_decoder
     from edge.backends.onnxruntime import OrtDecoder
+    from edge.decode.cache import can_verify
+    from edge.decode.generate import Generator
     from edge.decode.sampling import SamplingConfig
-    from edge.decode.speculative import AdaptiveK, ModelDrafter, SpecStats, _no_draft, speculative_tokens
+    from edge.decode.speculative import ModelDrafter, RowSpeculator, SpecStats
     from export.data import load_chats
     from export.load import chat_tokenizer, model_dims
 
-    tok = chat_tokenizer(hf_dir)
     target = OrtDecoder(target_onnx, model_dims(hf_dir, max_context), io_for_variant(target_variant), threads=threads,
                         name="target")
+    if not can_verify(target):
+        raise RecipeError(f"the draft's acceptance is measured on a target engine that checks drafts; a "
+                          f"{target_variant} graph on CPU does not (int8-dynamic or int4-weight do)")
+    gen = Generator(chat_tokenizer(hf_dir), target)
     draft = Bundle.open(draft_root, verify="full")
     draft_dec, _ = load_decoder(draft, opts.precision, threads, providers=["CPUExecutionProvider"], spin=False)
     chats = load_chats(data, "evaluation", opts.acceptance_chats)  # held out: the user's chats if given
     cfg = SamplingConfig(max_new_tokens=opts.acceptance_tokens)
     stats = SpecStats()
+    steps = 0  # the scheduler's decode steps with the draft (target calls after each prefill)
     seconds = {"plain": 0.0, "draft": 0.0}
     tokens = {"plain": 0, "draft": 0}
     same = 0
     for chat in tqdm(chats, desc="draft acceptance", unit="chat"):
-        prompt = tok.encode_chat(chat[:1])
+        prompt = gen.tokenizer.encode_chat(chat[:1])
         answers = {}
         for mode in ("plain", "draft"):
-            drafter = ModelDrafter(draft_dec, target.dims.vocab_size) if mode == "draft" else _no_draft
+            spec = None
+            if mode == "draft":  # a fresh draft model's cache per chat; one count over them all
+                spec = RowSpeculator.fixed(ModelDrafter(draft_dec, target.dims.vocab_size), opts.k)
+                spec.stats = stats
             t = time.perf_counter()
-            answers[mode] = list(speculative_tokens(target, prompt, cfg, tok.eos_ids, max_context, drafter,
-                                                    AdaptiveK(k_max=opts.k, k_min=opts.k),
-                                                    stats if mode == "draft" else None))
+            answers[mode] = list(gen.stream(prompt, cfg, speculator=spec))[-1].token_ids
             seconds[mode] += time.perf_counter() - t
             tokens[mode] += len(answers[mode])
+            if spec is not None and gen.scheduler is not None:
+                steps += gen.scheduler.steps
         same += answers["plain"] == answers["draft"]
     rate = {m: tokens[m] / seconds[m] if seconds[m] else 0.0 for m in seconds}
     out = {"acceptance": round(stats.acceptance, 4), "k": opts.k, "drafted": stats.drafted, "accepted": stats.accepted,
-           "tokens_per_target_call": round(tokens["draft"] / max(1, stats.calls + len(chats)), 3),
+           "tokens_per_target_call": round(tokens["draft"] / max(1, steps + len(chats)), 3),
            "chats": len(chats), "tokens": tokens["draft"], "identical_answers": f"{same}/{len(chats)}",
            "plain_tok_s": round(rate["plain"], 1), "draft_tok_s": round(rate["draft"], 1),
            "speedup_here": round(rate["draft"] / rate["plain"], 3) if rate["plain"] else None,

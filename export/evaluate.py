@@ -11,7 +11,6 @@ Writes the report too.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,21 +97,16 @@ def summarize(parts: list[dict]) -> dict:
     return out
 
 
-def speed(dec: Decoder, prompt_ids: list[int], new_tokens: int, runs: int) -> dict:
-    """Median TTFT (prefill + first token) and decode tok/s, EOS ignored, after a warm-up."""
+def speed(gen: Generator, prompt_ids: list[int], new_tokens: int, runs: int) -> dict:
+    """Median TTFT (prefill + first token) and decode tok/s of a greedy answer of `new_tokens` tokens, EOS
+    ignored, after a warm-up: through `Generator.stream`, the loop users run (its own timing of each answer)."""
+    cfg = SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True)
     ttfts, rates = [], []
     for r in range(runs + 1):
-        cache = dec.new_cache(capacity=len(prompt_ids) + new_tokens)
-        t0 = time.perf_counter()
-        logits = dec.prefill(prompt_ids, cache)[0]
-        tok = int(np.argmax(logits))
-        t1 = time.perf_counter()
-        for _ in range(new_tokens - 1):
-            tok = int(np.argmax(dec.forward(np.array([[tok]]), cache)[0]))
-        t2 = time.perf_counter()
+        stats = list(gen.stream(prompt_ids, cfg))[-1].stats
         if r:  # run 0 is the warm-up
-            ttfts.append(t1 - t0)
-            rates.append((new_tokens - 1) / (t2 - t1))
+            ttfts.append(stats["ttft_s"])
+            rates.append(stats["decode_tok_s"])
     return {"ttft_ms": statistics.median(ttfts) * 1000, "decode_tok_s": statistics.median(rates)}
 
 
@@ -211,12 +205,12 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
         if getattr(e, "report_only", False) and not getattr(e, "lineage", False) and not getattr(e, "reference", False):
             results["engines"][e.name] = q  # quality only: no golden answers or timing for ablations
             continue
-        q |= speed(d, bench_ids, opts.bench_tokens, opts.bench_runs)
+        gen = Generator(tok, d)
+        q |= speed(gen, bench_ids, opts.bench_tokens, opts.bench_runs)
         q["bench_prompt_tokens"] = len(bench_ids)
         if getattr(e, "lineage", False):
             results["engines"][e.name] = q  # teacher / pruned-only: speed too, golden answers only for what ships
             continue
-        gen = Generator(tok, d)
         passed = 0
         for g in GOLDEN:
             text, last = gen.complete(tok.encode_chat([{"role": "user", "content": g["prompt"]}]), greedy)

@@ -23,6 +23,7 @@ else:  # pragma: no cover
 
 from edge.bundle import Bundle, StageRecord
 from edge import precisions
+from edge.decode.cache import cache_kind
 from edge.errors import RecipeError
 from edge.precisions import FP16, FP32, INT4_WEIGHT, INT8_DYNAMIC
 from export.console import fmt_bytes
@@ -100,7 +101,8 @@ class BuildOptions:
         for name, kind in (("prune", PruneOptions), ("distill", DistillOptions), ("draft", DraftOptions)):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), kind):
                 raise RecipeError(f"{name} must be a [{name}] table of options in a recipe, got {getattr(self, name)!r}")
-        if self.draft is not None and not (self.fused and any(p in FROM_FUSED for p in self.precisions)):
+        # the draft is checked by the scheduler's cache for one of this build's engines on CPU (edge.decode.cache)
+        if self.draft is not None and not any(cache_kind(self.fused and p in FROM_FUSED).can_verify for p in self.precisions):
             raise RecipeError("a draft model is checked by a fused CPU engine (int8-dynamic or int4-weight), which this "
                               f"build does not make (it builds {', '.join(self.precisions)}"
                               f"{', --no-fused' if not self.fused else ''}): add --precision int8-dynamic")

@@ -38,6 +38,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from edge.decode.cache import cache_kind  # noqa: E402
 from edge.errors import EdgeChatError  # noqa: E402
 from edge.device.probe import cpu_name  # noqa: E402
 # 55 tokens with SmolLM2's chat template (system prompt included)
@@ -162,24 +163,19 @@ def row_edgechat_stream(spec: dict) -> dict:
 
 
 def row_edgechat_lookup(spec: dict) -> dict:
-    """Our decoder with prompt-lookup speculative decoding (edge.decode.speculative), greedy."""
+    """Our decoder with prompt-lookup speculative decoding (edge.decode.speculative), greedy, through the
+    scheduler's loop (Generator.stream), drafting at every step (k adapts to the acceptance; no pacing)."""
     from edge.decode.sampling import SamplingConfig
-    from edge.decode.speculative import AdaptiveK, SpecStats, speculative_tokens
+    from edge.decode.speculative import AdaptiveK, Pacer, RowSpeculator, lookup_draft
 
     b, g = _generator(spec)
     cfg = SamplingConfig(max_new_tokens=spec["new"], ignore_eos=True)
     for warm in (True, False):
-        stats = SpecStats()
-        t0 = time.perf_counter()
-        it = speculative_tokens(g.decoder, spec["prompt_ids"], cfg, g.tokenizer.eos_ids, g.max_context,
-                                policy=AdaptiveK(k_max=spec.get("k_max", 8)), stats=stats)
-        tokens = [next(it)]
-        t1 = time.perf_counter()
-        tokens += list(it)
-        t2 = time.perf_counter()
-    return {"ttft_ms": (t1 - t0) * 1000, "decode_tok_s": (len(tokens) - 1) / (t2 - t1), "tokens": tokens,
-            "speculative": stats.as_dict(), "verify_cost": verify_cost(g.decoder, spec["prompt_ids"])} | \
-        _engine_facts(b, spec["engine"])
+        speculator = RowSpeculator(lookup_draft, AdaptiveK(k_max=spec.get("k_max", 8)), Pacer(always=True))
+        last = list(g.stream(spec["prompt_ids"], cfg, speculator=speculator))[-1]
+    return {"ttft_ms": last.stats["ttft_s"] * 1000, "decode_tok_s": last.stats["decode_tok_s"],
+            "tokens": last.token_ids, "speculative": speculator.stats.as_dict(),
+            "verify_cost": verify_cost(g.decoder, spec["prompt_ids"])} | _engine_facts(b, spec["engine"])
 
 
 def verify_cost(d, ids: list[int], sizes=(1, 2, 3, 5, 9), reps: int = 8) -> dict:
@@ -478,7 +474,7 @@ def main() -> int:
         specs[f"edgechat {e}"] = {"kind": "edgechat", "bundle": str(b.root), "engine": e}
         if not a.no_lookup and e == "int8-dynamic":
             specs[f"edgechat {e} + lookup"] = {"kind": "edgechat-lookup", "bundle": str(b.root), "engine": e}
-        if a.draft and m.engine(e).fingerprint.variant != "fused":
+        if a.draft and not cache_kind(m.engine(e).fingerprint.variant == "fused").can_verify:  # as edge-chat asks
             skipped.append(f"edgechat {e} + draft: a {m.engine(e).fingerprint.variant} graph cannot verify drafts "
                            "(edge-chat --draft refuses it too)")
         elif a.draft:  # both through the scheduler, as edge-chat runs them

@@ -201,38 +201,52 @@ _SPEC_INT8_NOT_EXACT = pytest.mark.xfail(
            "(int8: after 28 tokens on this prompt; SmolLM2, AVX2 EPYC, 2026-12-05). Issue 22")
 
 
-@pytest.mark.parametrize("engine", ["fp32", pytest.param("int8-dynamic", marks=_SPEC_INT8_NOT_EXACT)])
-def test_speculative_greedy_equals_plain_greedy(smol_bundle, engine):
-    """Speculative decoding (edge.decode.speculative) on the real model: token for token the plain greedy answer,
-    for k = 1..8 with drafts that are partly wrong, and for prompt lookup."""
+def _verifying(smol_bundle, engine: str):
+    """A generator whose engine checks drafts: the shipped int8-dynamic, or for fp32 the export stage's fused
+    fp32 graph (the shipped fp32 engine is the plain graph, whose cache does not verify drafts)."""
+    from edge.io_contract import FUSED_IO
+    from edge.backends.onnxruntime import OrtDecoder
     from edge.decode.generate import Generator
-    from edge.decode.sampling import SamplingConfig
-    from edge.decode.speculative import SpecStats, speculative_tokens
-
-    from test_speculative import FixedK, oracle
 
     gen = Generator.from_bundle(smol_bundle, engine=engine, threads=2)
+    if engine == "fp32":
+        fused = smol_bundle.root.with_name(smol_bundle.root.name + ".work") / "export" / "fused" / "model.onnx"
+        gen = Generator(gen.tokenizer, OrtDecoder(fused, gen.decoder.dims, FUSED_IO, threads=2, name="fp32-fused"))
+    assert gen.decoder.io.fused
+    return gen
+
+
+@pytest.mark.parametrize("engine", ["fp32", pytest.param("int8-dynamic", marks=_SPEC_INT8_NOT_EXACT)])
+def test_speculative_greedy_equals_plain_greedy(smol_bundle, engine):
+    """Speculative decoding through the scheduler (edge.decode.speculative proposes) on the real model: token for
+    token the plain greedy answer, for k = 1..8 with drafts that are partly wrong, and for prompt lookup."""
+    from edge.decode.sampling import SamplingConfig
+    from edge.decode.speculative import SpecStats
+
+    from test_speculative import oracle, spec
+
+    gen = _verifying(smol_bundle, engine)
     cfg = SamplingConfig(max_new_tokens=64, ignore_eos=True)
     ids = gen.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the history of the city of Kyoto, its "
                                       "temples and gardens, and why so many people like to visit it in the autumn months."}])
     want = gen.tokens(ids, cfg)
     for k in (None, *range(1, 9)):
         stats = SpecStats()
-        kw = {"policy": FixedK(k), "drafter": oracle(want, len(ids), wrong_every=3)} if k else {}
-        got = list(speculative_tokens(gen.decoder, ids, cfg, gen.tokenizer.eos_ids, gen.max_context, stats=stats, **kw))
+        kw = {"k": k, "drafter": oracle(want, len(ids), wrong_every=3)} if k else {}
+        got = spec(gen, ids, cfg, stats=stats, **kw)
         assert got == want, f"k={k or 'lookup'}: first difference at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
 
 
 def test_draft_model_greedy_equals_plain_greedy(smol_bundle):
-    """A real draft model (the bundle's int8 engine drafting for its fp32 graph, edge.decode.speculative.ModelDrafter):
-    token for token the fp32 greedy answer for k = 1..8, with drafts accepted and rejected."""
+    """A real draft model (the bundle's int8 engine drafting for the fp32 fused graph, ModelDrafter) through the
+    scheduler: token for token the fp32 greedy answer for k = 1..8, with drafts accepted and rejected."""
     from edge.decode.generate import Generator
     from edge.decode.sampling import SamplingConfig
-    from edge.decode.speculative import ModelDrafter, SpecStats, speculative_tokens
+    from edge.decode.speculative import ModelDrafter, SpecStats
 
-    from test_speculative import FixedK
+    from test_speculative import spec
 
-    gen = Generator.from_bundle(smol_bundle, engine="fp32", threads=2)
+    gen = _verifying(smol_bundle, "fp32")
     draft = Generator.from_bundle(smol_bundle, engine="int8-dynamic", threads=2, spin=False)
     drafter = ModelDrafter(draft.decoder, gen.decoder.dims.vocab_size)  # one drafter: its cache follows each k
     cfg = SamplingConfig(max_new_tokens=48, ignore_eos=True)
@@ -240,8 +254,7 @@ def test_draft_model_greedy_equals_plain_greedy(smol_bundle):
     want = gen.tokens(ids, cfg)
     stats = SpecStats()
     for k in range(1, 9):
-        got = list(speculative_tokens(gen.decoder, ids, cfg, gen.tokenizer.eos_ids, gen.max_context,
-                                      drafter=drafter, policy=FixedK(k), stats=stats))
+        got = spec(gen, ids, cfg, drafter=drafter, k=k, stats=stats)
         assert got == want, f"k={k}: first difference at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
     assert 0 < stats.accepted < stats.drafted
 

@@ -70,11 +70,12 @@ def test_the_bundle_ships_a_verified_draft_with_its_measured_acceptance(built):
 
 
 def test_the_recorded_acceptance_is_what_the_runtime_gets(built):
-    """Recount the acceptance with the shipped engines (greedy, k = 4): the build's number is not invented."""
+    """Recount the acceptance with the shipped engines through the scheduler's loop (greedy, k = 4 at every
+    step): the build's number is not invented."""
     from edge.bundle import Bundle
     from edge.decode.generate import Generator
     from edge.decode.sampling import SamplingConfig
-    from edge.decode.speculative import AdaptiveK, ModelDrafter, SpecStats, speculative_tokens
+    from edge.decode.speculative import ModelDrafter, RowSpeculator, SpecStats
     from export.data import load_chats
 
     b, _, _ = built
@@ -83,9 +84,9 @@ def test_the_recorded_acceptance_is_what_the_runtime_gets(built):
     draft = Generator.from_bundle(bundle.draft_bundle(), engine="int8-dynamic", threads=1, spin=False)
     stats = SpecStats()
     for chat in load_chats(None, "evaluation", 3):
-        list(speculative_tokens(target.decoder, target.tokenizer.encode_chat(chat[:1]), SamplingConfig(max_new_tokens=16),
-                                target.tokenizer.eos_ids, 256, ModelDrafter(draft.decoder, target.decoder.dims.vocab_size),
-                                AdaptiveK(k_max=4, k_min=4), stats))
+        spec = RowSpeculator.fixed(ModelDrafter(draft.decoder, target.decoder.dims.vocab_size), 4)
+        spec.stats = stats
+        list(target.stream(target.tokenizer.encode_chat(chat[:1]), SamplingConfig(max_new_tokens=16), speculator=spec))
     acc = bundle.manifest.draft["acceptance"]
     assert (stats.drafted, stats.accepted) == (acc["drafted"], acc["accepted"])
 

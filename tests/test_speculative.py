@@ -1,5 +1,6 @@
-"""Speculative decoding (edge.decode.speculative): greedy output is the plain greedy output token for token,
-sampled output is distributed as the target's, and a rollback leaves the cache as a fresh prefill would."""
+"""Speculative decoding (edge.decode.speculative proposes, edge.decode.scheduler checks): greedy output is the
+plain greedy output token for token, sampled output is distributed as the target's, and a draft model's
+rollback leaves its cache as a fresh prefill would."""
 
 from __future__ import annotations
 
@@ -8,29 +9,25 @@ import pytest
 
 from edge.decode.generate import Generator
 from edge.decode.sampling import SamplingConfig
-from edge.decode.speculative import (AdaptiveK, SpecStats, accept_sampled, lookup_draft, rollback, speculative_tokens,
-                              target_probs)
+from edge.decode.speculative import (AdaptiveK, Pacer, RowSpeculator, SpecStats, accept_sampled, lookup_draft, rollback,
+                                     target_probs)
 
 PROMPTS = [[{"role": "user", "content": "What is the capital of Japan? The capital of Japan is"}],
            [{"role": "user", "content": "Hello! How are you doing today? Hello! How are you"}]]
 
 
-class FixedK:
-    """Always draft exactly k tokens (the adaptive policy would settle on few with a random model)."""
-
-    def __init__(self, k: int) -> None:
-        self.k, self.k_max = k, k
-
-    def update(self, drafted: int, accepted: int) -> None:
-        pass
-
-
 def plain(gen: Generator, ids: list[int], cfg: SamplingConfig) -> list[int]:
-    return list(gen.stream(ids, cfg))[-1].token_ids
+    return list(gen.stream(ids, cfg, speculator=None))[-1].token_ids
 
 
-def spec(gen: Generator, ids: list[int], cfg: SamplingConfig, **kw) -> list[int]:
-    return list(speculative_tokens(gen.decoder, ids, cfg, gen.tokenizer.eos_ids, gen.max_context, **kw))
+def spec(gen: Generator, ids: list[int], cfg: SamplingConfig, drafter=lookup_draft, k: int | None = None,
+         stats: SpecStats | None = None) -> list[int]:
+    """The answer through the scheduler's loop with a proposer that drafts at every step it may: exactly k
+    tokens (`RowSpeculator.fixed`), or k adapted to the acceptance (k None); `stats` counts them."""
+    speculator = RowSpeculator.fixed(drafter, k) if k else RowSpeculator(drafter, pacer=Pacer(always=True))
+    if stats is not None:
+        speculator.stats = stats
+    return list(gen.stream(ids, cfg, speculator=speculator))[-1].token_ids
 
 
 def oracle(answer: list[int], prompt_len: int, wrong_every: int):
@@ -67,7 +64,7 @@ def test_adaptive_k_follows_acceptance():
     assert pol.k == 1
 
 
-@pytest.mark.parametrize("engine", ["int8-dynamic", "fp32"])  # fused in-place cache, plain growing cache
+@pytest.mark.parametrize("engine", ["int8-dynamic", "int4-weight"])  # the fused in-place caches that check drafts
 @pytest.mark.parametrize("k", range(1, 9))
 def test_greedy_identical_for_every_k(tiny_bundle, engine, k):
     gen = Generator.from_bundle(tiny_bundle, engine=engine, threads=1)
@@ -76,10 +73,27 @@ def test_greedy_identical_for_every_k(tiny_bundle, engine, k):
         ids = gen.tokenizer.encode_chat(msgs)
         want = plain(gen, ids, cfg)
         stats = SpecStats()
-        got = spec(gen, ids, cfg, drafter=oracle(want, len(ids), wrong_every=3), policy=FixedK(k), stats=stats)
+        got = spec(gen, ids, cfg, drafter=oracle(want, len(ids), wrong_every=3), k=k, stats=stats)
         assert got == want, f"{engine} k={k}"
         assert stats.accepted > 0 and stats.accepted < stats.drafted  # both paths ran
-        assert spec(gen, ids, cfg, policy=FixedK(k)) == want  # prompt lookup
+        assert spec(gen, ids, cfg, k=k) == want  # prompt lookup
+
+
+def test_a_plain_graph_never_drafts(tiny_generator):
+    """The plain graph's cache cannot check drafts (`can_verify` False): a proposer that would draft at every
+    step is never asked for a draft there, and the answer is the plain one."""
+    from edge.decode.cache import BatchCache, can_verify
+
+    gen = tiny_generator
+    assert not gen.decoder.io.fused and not can_verify(gen.decoder) and not BatchCache.can_verify
+    ids = gen.tokenizer.encode_chat(PROMPTS[1])
+    cfg = SamplingConfig(max_new_tokens=20, ignore_eos=True)
+    want = plain(gen, ids, cfg)
+    stats = SpecStats()
+    assert spec(gen, ids, cfg, drafter=oracle(want, len(ids), wrong_every=3), k=4, stats=stats) == want
+    assert stats.calls == stats.drafted == 0
+    with pytest.raises(Exception, match="cannot verify drafts"):
+        gen.scheduler.cache.verify([1, 2])
 
 
 def test_greedy_identical_with_eos_and_penalty(fused_generator):
@@ -87,7 +101,7 @@ def test_greedy_identical_with_eos_and_penalty(fused_generator):
     ids = gen.tokenizer.encode_chat(PROMPTS[1])
     for cfg in (SamplingConfig(max_new_tokens=60), SamplingConfig(max_new_tokens=30, repetition_penalty=1.3)):
         want = plain(gen, ids, cfg)
-        assert spec(gen, ids, cfg, drafter=oracle(want, len(ids), 2), policy=FixedK(4)) == want
+        assert spec(gen, ids, cfg, drafter=oracle(want, len(ids), 2), k=4) == want
         assert spec(gen, ids, cfg) == want
 
 
@@ -98,10 +112,10 @@ def test_context_end_same_as_plain(tiny_bundle):
     cfg = SamplingConfig(max_new_tokens=50, ignore_eos=True)
     want = plain(gen, ids, cfg)
     assert len(want) == 7
-    assert spec(gen, ids, cfg, drafter=oracle(want, len(ids), 5), policy=FixedK(8)) == want
+    assert spec(gen, ids, cfg, drafter=oracle(want, len(ids), 5), k=8) == want
 
 
-@pytest.mark.parametrize("engine", ["int8-dynamic", "fp32"])
+@pytest.mark.parametrize("engine", ["int8-dynamic", "fp32"])  # a draft model's own cache: fused or plain
 def test_rollback_equals_fresh_prefill(tiny_bundle, engine):
     gen = Generator.from_bundle(tiny_bundle, engine=engine, threads=1)
     d = gen.decoder
@@ -167,31 +181,6 @@ def test_accept_sampled_matches_target(fused_generator):
     assert chi_square_ok(counts, p0, 20000)[0] > chi_square_ok(counts, p0, 20000)[1]
 
 
-def test_speculative_sampling_end_to_end_matches_target(fused_generator):
-    """Second answer token through speculative_tokens (drafted, so accept/reject decides it) against its exact
-    marginal sum_t1 p(t1) p(t2 | t1), computed with the target."""
-    gen = fused_generator
-    d = gen.decoder
-    ids = gen.tokenizer.encode_chat(PROMPTS[1])
-    cfg0 = SamplingConfig(temperature=1.0, top_k=3, max_new_tokens=2, ignore_eos=True)
-    c = d.new_cache(capacity=len(ids) + 4)
-    p1 = target_probs(d.prefill(ids, c)[0], cfg0)
-    marginal = np.zeros_like(p1)
-    for t1 in np.flatnonzero(p1):
-        c = d.new_cache(capacity=len(ids) + 4)
-        marginal += p1[t1] * target_probs(d.prefill(ids + [int(t1)], c)[0], cfg0)
-    common = int(np.argmax(marginal))
-    draws = 1500
-    seconds = []
-    for s in range(draws):
-        cfg = SamplingConfig(temperature=1.0, top_k=3, max_new_tokens=2, ignore_eos=True, seed=s)
-        out = spec(gen, ids, cfg, drafter=lambda seq, k: [common], policy=FixedK(1))
-        seconds.append(out[1])
-    counts = np.bincount(seconds, minlength=p1.size)
-    stat, crit = chi_square_ok(counts, marginal, draws)
-    assert stat < crit, f"chi-square {stat:.1f} >= {crit:.1f}"
-
-
 @pytest.mark.parametrize("engine", ["int8-dynamic", "int4-weight"])
 def test_scheduler_speculative_step_same_answer(tiny_bundle, engine):
     """Generator.stream with the scheduler's speculative step (one greedy row): same tokens, text and finish
@@ -227,8 +216,7 @@ def test_scheduler_speculation_stays_off_for_a_seeded_answer(fused_generator):
 
 
 def test_scheduler_speculative_sampling_matches_the_target(fused_generator, monkeypatch):
-    """An unseeded sampled answer through the scheduler's speculative step (edge-chat's path, not
-    speculative_tokens): its second token, decided by accept/reject of a fixed draft token, follows the exact
+    """An unseeded sampled answer through the scheduler's speculative step (edge-chat's path): its second token, decided by accept/reject of a fixed draft token, follows the exact
     marginal sum_t1 p(t1) p(t2 | t1) (chi-square over many answers; the generators are seeded here only so the
     test is repeatable)."""
     from edge.decode import sampling
@@ -314,7 +302,7 @@ def test_draft_model_greedy_identical(fused_generator, drafts, which, k):
     stats = SpecStats()
     for msgs in PROMPTS:
         ids = gen.tokenizer.encode_chat(msgs)
-        assert spec(gen, ids, cfg, drafter=drafter, policy=FixedK(k), stats=stats) == plain(gen, ids, cfg), which
+        assert spec(gen, ids, cfg, drafter=drafter, k=k, stats=stats) == plain(gen, ids, cfg), which
     assert stats.drafted > 0  # long accepted runs (its own int4 engine) and rejections (another model) both ran
     assert stats.accepted > 0 if which == "int4-self" else stats.accepted < stats.drafted
 
@@ -545,3 +533,32 @@ def test_pacer_takes_back_the_longer_wait_of_a_try_it_could_not_time():
 
     assert tries(False) == [7, 15, 31]
     assert tries(True) == [7, 15, 23, 39]
+
+
+def test_a_failing_verify_call_fails_only_its_answer(fused_generator, monkeypatch):
+    """A speculative step whose verify call raises ends that answer with "error", as a failed plain step does:
+    the loop goes on without a restart, and the next answer (drafts checked again) is the plain one."""
+    from edge.decode.cache import SharedBatchCache
+    from edge.decode.scheduler import Scheduler
+
+    gen = fused_generator
+    ids = gen.tokenizer.encode_chat(PROMPTS[1])
+    cfg = SamplingConfig(max_new_tokens=20, ignore_eos=True)
+    want = plain(gen, ids, cfg)
+    real, fails = SharedBatchCache.verify, [RuntimeError("verify call failed")]
+
+    def verify(self, tokens: list[int]) -> np.ndarray:
+        if fails:
+            raise fails.pop()
+        return real(self, tokens)
+
+    monkeypatch.setattr(SharedBatchCache, "verify", verify)
+    sched = Scheduler(gen, max_batch=2).start()
+    sched.speculator = spec = RowSpeculator.fixed(lambda seq, k: [1] * k, 2)  # drafts at every step
+    try:
+        failed = sched.submit(ids, cfg).answer(timeout=60)[1]
+        assert failed.finish_reason == "error" and "verify call failed" in failed.stats["error"]
+        assert sched.submit(ids, cfg).answer(timeout=60)[1].token_ids == want
+        assert sched.restarts == 0 and spec.stats.calls > 0
+    finally:
+        sched.stop()

@@ -128,16 +128,17 @@ class Decoder(ABC):
         prefill boundary on a fused graph (see `next_boundary`), `prefill_chunk` on a plain one."""
         return next_boundary(done) - done if self.io.fused else self.prefill_chunk
 
-    def prefill(self, ids: list[int] | np.ndarray, cache: KVCache) -> np.ndarray:
+    def prefill(self, ids: list[int] | np.ndarray, cache: KVCache, last_only: bool = True) -> np.ndarray:
         """Run `ids` after what `cache` holds, one `prefill_span` per call, so the same prompt always runs
-        the same calls (whether its start was computed here or copied from the prompt cache); returns the
-        last position's logits."""
+        the same calls (whether its start was computed here or copied from the prompt cache, and whether it
+        is answered or scored); returns the last position's logits [1, vocab], or every position's
+        [1, len(ids), vocab] (`last_only` False: scoring a prompt)."""
         ids = np.asarray(ids, dtype=np.int64)
-        logits = None
+        parts = []
         start = 0
         while start < len(ids):
             end = start + self.prefill_span(cache.length)
-            logits = self.forward(ids[start:end], cache)
+            parts.append(self.forward(ids[start:end], cache, last_only=last_only))
             start = end
-        assert logits is not None, "empty prompt"
-        return logits
+        assert parts, "empty prompt"
+        return parts[-1] if last_only else np.concatenate(parts, axis=1)

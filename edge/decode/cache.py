@@ -1,9 +1,12 @@
 """The KV caches behind the decode loop (edge.decode.scheduler): many rows of different lengths in one batch.
 
-Both kinds do the same things for the scheduler, which never asks which one it has: `admit` a
+Every kind does the same things for the scheduler, which never asks which one it has: `admit` a
 prompt as a new row (prefilled alone, batch 1, the calls `Decoder.prefill` runs), `step` every row by
 one token, `remove` rows that finished, prefill one long prompt a span at a time in a side row between
-steps (`side_row` ... `add_side`), and `remember` a finished prompt for the prompt cache.
+steps (`side_row` ... `add_side`), and `remember` a finished prompt for the prompt cache. A cache says
+once whether it can check a draft (`can_verify`: speculative decoding's `verify` + `rollback` of a lone
+row); only the fused in-place cache on CPU can (a rejected draft costs it nothing but a length), and
+everything that asks where drafts can be checked (the scheduler, edge-chat, the build) reads that flag.
 
 - plain graphs (`BatchCache`): rows are kept right-aligned in a [batch, kv_heads, width,
   head_dim] tensor per layer with the unused left columns masked out by `attention_mask`;
@@ -26,10 +29,11 @@ from edge.errors import EdgeChatError
 from edge.backends.decoder import Decoder, KVCache, boundary_at_or_below
 
 class RowCache(Protocol):
-    """What the scheduler asks of a batch cache (both kinds below implement it)."""
+    """What the scheduler asks of a batch cache (every kind below implements it)."""
 
     lengths: list[int]  # tokens cached per row, in the scheduler's row order
     reused: int  # prompt tokens the last admitted row took from the prompt cache
+    can_verify: bool  # `verify` and `rollback` work here (speculative decoding checks drafts on this cache)
 
     def __len__(self) -> int: ...
     def admit(self, prompt: list[int]) -> np.ndarray: ...
@@ -42,12 +46,28 @@ class RowCache(Protocol):
     def add_side(self) -> None: ...
     def drop_side(self) -> None: ...
     def fresh(self) -> "RowCache": ...
+    def verify(self, tokens: list[int]) -> np.ndarray: ...
+    def rollback(self, length: int) -> None: ...
+
+
+class _NoVerify:
+    """A cache that cannot check drafts: its `verify` and `rollback` refuse, saying why (`can_verify` is False,
+    so the scheduler never calls them)."""
+
+    can_verify = False
+
+    def verify(self, tokens: list[int]) -> np.ndarray:
+        raise EdgeChatError(f"{type(self).__name__} cannot verify drafts (speculative steps run on a fused graph on "
+                            "CPU: int8-dynamic or int4-weight)")
+
+    def rollback(self, length: int) -> None:
+        self.verify([])
 
 
 PROMPT_CACHE_MB = 64  # K/V kept of recent conversations (fused graphs): SmolLM2-135M takes 45 KB a token, ~1,450 tokens
 
 
-class BatchCache:
+class BatchCache(_NoVerify):
     """Right-aligned KV rows of different lengths in one tensor per layer (see the module docstring)."""
 
     def __init__(self, decoder: Decoder) -> None:
@@ -203,6 +223,8 @@ class SharedBatchCache:
     buffer[:n], a view that shares memory with the buffer: nothing is copied per step. A row
     that leaves is closed up by moving the rows after it (one copy of their K/V, once).
     """
+
+    can_verify = True  # a rejected draft is forgotten by setting the row's length back (see rollback)
 
     def __init__(self, decoder: Decoder, slots: int, capacity: int = 256, prompt_cache_bytes: int = 0) -> None:
         if decoder.device != "cpu":
@@ -420,7 +442,7 @@ class SharedBatchCache:
         return logits[:, 0]
 
 
-class OneRowCache:
+class OneRowCache(_NoVerify):
     """One row, any graph, any device: a single user's answer on a fused graph whose K/V live on a GPU, where
     `SharedBatchCache` cannot go (it moves rows through numpy views of host memory). The row is a plain
     `Decoder.new_cache`, prefilled by `Decoder.prefill` and stepped by `Decoder.forward`: the calls a batch
@@ -485,10 +507,24 @@ class OneRowCache:
 ONE_ROW_CAPACITY = 256  # columns a OneRowCache allocates up front (as SharedBatchCache's default); it grows by doubling
 
 
+def cache_kind(fused: bool, device: str = "cpu", slots: int = 1) -> type:
+    """Which batch cache a graph calls for: a fused graph on a GPU serves one row at a time (`OneRowCache`;
+    batching it there is refused by SharedBatchCache), on CPU shares one in-place buffer; a plain graph's
+    rows are re-laid out per join (`BatchCache`)."""
+    if fused and device != "cpu" and slots == 1:
+        return OneRowCache
+    return SharedBatchCache if fused else BatchCache
+
+
+def can_verify(decoder: Decoder) -> bool:
+    """Whether the scheduler's cache for this decoder checks drafts (its `can_verify`): asked before loading
+    a draft model (edge-chat), read from the cache the decoder would get, never restated."""
+    return cache_kind(decoder.io.fused, decoder.device).can_verify
+
+
 def batch_cache(decoder: Decoder, slots: int, prompt_cache_bytes: int = 0) -> RowCache:
-    """The batch cache the decoder's graph calls for (a prompt cache on fused graphs only). A fused graph on a
-    GPU serves one row at a time (`OneRowCache`); batching it there is refused by SharedBatchCache."""
-    if decoder.io.fused and decoder.device != "cpu" and slots == 1:
-        return OneRowCache(decoder)
-    return SharedBatchCache(decoder, slots, prompt_cache_bytes=prompt_cache_bytes) if decoder.io.fused \
-        else BatchCache(decoder)
+    """The batch cache the decoder's graph calls for (`cache_kind`; a prompt cache on fused graphs only)."""
+    kind = cache_kind(decoder.io.fused, decoder.device, slots)
+    if kind is SharedBatchCache:
+        return SharedBatchCache(decoder, slots, prompt_cache_bytes=prompt_cache_bytes)
+    return kind(decoder)

@@ -7,7 +7,7 @@ the CLI, the REPL and the export's evaluation get their tokens from the very cod
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from edge.bundle import Bundle
 from edge.backends.decoder import Decoder
@@ -15,6 +15,9 @@ from edge.decode.sampling import SamplingConfig
 from edge.decode.scheduler import Scheduler
 from edge.decode.text_stream import StreamEvent
 from edge.decode.tokenizer import ChatTokenizer
+
+if TYPE_CHECKING:
+    from edge.decode.speculative import RowSpeculator
 
 
 class Generator:
@@ -32,6 +35,8 @@ class Generator:
         self.drafter = None  # edge.decode.speculative.ModelDrafter (use_draft); None: prompt lookup drafts
         self.draft_name = ""  # the draft's model and engine, for the server's start line and logs
         self.draft_source = ""  # where the draft came from: "--draft", or the bundle's own with its acceptance
+        self.speculator: "RowSpeculator | None" = None  # the latest answer's proposer (its stats)
+        self.scheduler: Scheduler | None = None  # the latest answer's loop (its steps)
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, engine: str | None = None, threads: int | None = None,
@@ -53,11 +58,13 @@ class Generator:
             base["stop"] = tuple([base["stop"]] if isinstance(base["stop"], str) else base["stop"])
         return SamplingConfig(**base)
 
-    def stream(self, prompt_ids: list[int], cfg: SamplingConfig,
-               cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
-        """The answer's text as it is generated; the last event has finish_reason and stats."""
-        sched = Scheduler(self, max_batch=1, max_queue=1, prompt_cache_mb=0)
-        sched.speculator = self.speculator = self.make_speculator()
+    def stream(self, prompt_ids: list[int], cfg: SamplingConfig, cancel: threading.Event | None = None,
+               speculator: "RowSpeculator | None" = None) -> Iterator[StreamEvent]:
+        """The answer's text as it is generated; the last event has finish_reason and stats. `speculator`: draft
+        with this proposer instead of the generator's own (a measurement, e.g. `RowSpeculator.fixed`); the
+        scheduler that ran is left in `self.scheduler` (its `steps`)."""
+        self.scheduler = sched = Scheduler(self, max_batch=1, max_queue=1, prompt_cache_mb=0)
+        sched.speculator = self.speculator = speculator if speculator is not None else self.make_speculator()
         yield from sched.generate(prompt_ids, cfg, cancel)
 
     def use_draft(self, draft: "Generator", source: str = "--draft") -> None:

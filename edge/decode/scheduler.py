@@ -10,6 +10,12 @@ between decode steps, so the answers already streaming keep streaming instead of
 whole prefill; it then joins the batch. A finished, cancelled or timed-out request leaves at once and
 its slot is free for the next step; on a fused graph its prompt's K/V go into the prompt cache.
 
+Speculative decoding is a kind of step, not a loop of its own: a proposer (`speculator`, e.g.
+edge.decode.speculative.RowSpeculator) only proposes draft tokens for a lone row; the scheduler checks them
+in one call (`RowCache.verify`), takes each token through `_accept` as a plain step would, and rolls the
+cache back past the first token the target did not agree with. `steps` counts every decode step, plain or
+speculative: the build's draft acceptance and the evaluate stage's speed are measured through this loop.
+
 One request cannot stop the others: an error while serving a request fails that request (its
 consumer gets a final event with finish_reason "error"), and a supervisor restarts the loop if it
 ever fails as a whole (counted in `restarts`, reported by /health). The scheduler thread is the only
@@ -162,6 +168,23 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+class Proposer(Protocol):
+    """What proposes drafts for the scheduler's speculative step (edge.decode.speculative.RowSpeculator)."""
+
+    def propose(self, row: "_Row | None", room: int) -> list[int]:
+        """Up to `room` draft tokens to follow the lone row's `seen` tokens (`row` None: no row can be drafted
+        for this step, e.g. a second user); [] for a plain step."""
+        ...
+
+    def checked(self, drafted: int, accepted: int) -> None:
+        """The scheduler checked the proposed draft: `accepted` of its `drafted` tokens were kept."""
+        ...
+
+    def interrupted(self) -> None:
+        """The scheduler did other work between steps (admitted a request, ran a call)."""
+        ...
+
+
 class Model(Protocol):
     """What the loop reads of the model it serves: its decoder, tokenizer and context. The Generator (which
     owns a Scheduler) is one; the loop needs nothing else of it."""
@@ -201,7 +224,8 @@ class Scheduler:
         self.error: str | None = None  # the last failure of the loop as a whole (it was restarted)
         self.restarts = 0
         self._calls: deque = deque()  # (fn, Future): run on the scheduler thread between steps (see call)
-        self.speculator = None  # edge.decode.speculative.RowSpeculator: speculative steps while one greedy row decodes
+        self.speculator: Proposer | None = None  # drafts for speculative steps while one row decodes alone
+        self.steps = 0  # decode steps run (plain or speculative), prefills not counted
 
     # -- client side -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], cfg: SamplingConfig,
@@ -538,18 +562,31 @@ class Scheduler:
                 self._emit_final(self.rows[i].req, self.rows[i].text, why)
             self._leave([i for i, _ in gone])
 
+    def _draftable(self) -> _Row | None:
+        """The row a draft may be proposed for: the only one, nothing being prefilled beside it, on a cache that
+        verifies drafts, with no logits processors (grammar, logprobs) and no seed (a verify call's logits differ
+        in the last bits from a single step's on quantized engines, and a seeded answer must not depend on
+        whether the pacer, timing this machine, chose to draft)."""
+        if len(self.rows) != 1 or self.prefilling is not None or not self.cache.can_verify:
+            return None
+        row = self.rows[0]
+        return row if row.logits is None and row.req.cfg.seed is None else None
+
     def _step(self) -> None:
-        if self.speculator is not None and self.speculator.step(self):  # one greedy user: edge.decode.speculative
-            return
+        self.steps += 1
+        if self.speculator is not None:
+            row = self._draftable()
+            room = 0 if row is None else min(row.req.cfg.max_new_tokens - row.n,
+                                             self.gen.max_context - self.cache.lengths[0] - 2)
+            draft = self.speculator.propose(row, room)[:max(room, 0)]
+            if row is not None and draft:
+                self._speculative_step(row, draft)
+                return
         t = time.perf_counter()
         try:
             logits = self.cache.step([r.last for r in self.rows])
         except Exception as e:  # the step itself failed: its rows cannot go on; the rest of the queue can
-            log.log(self._fail_level, "a decode step failed; failing its %d rows", len(self.rows), exc_info=True)
-            for r in self.rows:
-                self._emit_final(r.req, r.text, "error", _why(e))
-            self.rows = []
-            self.cache.remove(list(range(len(self.cache))))
+            self._step_failed(e)
             return
         self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - t)
         if self.metrics is not None:
@@ -557,6 +594,37 @@ class Scheduler:
         finished = [i for i, r in enumerate(self.rows) if not self._accept(r, logits[i], self.cache.lengths[i])]
         if finished:
             self._leave(finished)
+
+    def _speculative_step(self, row: _Row, draft: list[int]) -> None:
+        """One target call checks the lone row's last token and the draft after it. Each position's token is
+        taken by `_accept` (the row's own sampler: a draft token is kept when it is the pick, which for a
+        point-mass draft is speculative sampling, so sampled tokens follow the sampler's distribution exactly;
+        EOS, stop strings and limits end the answer as a plain step would); the cache then forgets everything
+        after the first token that was not the draft's (a correction, or the bonus when all were kept)."""
+        base = self.cache.lengths[0]
+        try:
+            logits = self.cache.verify([row.last] + draft)
+        except Exception as e:
+            self._step_failed(e)
+            return
+        for i in range(len(draft) + 1):
+            if not self._accept(row, logits[i], base + i + 1):  # the answer ended at this token
+                self.cache.rollback(base + i + 1)
+                self._leave([0])
+                break
+            if i == len(draft) or row.last != draft[i]:
+                self.cache.rollback(base + i + 1)
+                break
+        assert self.speculator is not None
+        self.speculator.checked(len(draft), i)
+
+    def _step_failed(self, e: Exception) -> None:
+        """A decode step itself failed: its rows cannot go on (each ends with "error"); the rest of the queue can."""
+        log.log(self._fail_level, "a decode step failed; failing its %d rows", len(self.rows), exc_info=True)
+        for r in self.rows:
+            self._emit_final(r.req, r.text, "error", _why(e))
+        self.rows = []
+        self.cache.remove(list(range(len(self.cache))))
 
     def _leave(self, rows: list[int]) -> None:
         """Rows whose answers ended leave the batch; a fused graph's prompt cache keeps their prompts' K/V."""

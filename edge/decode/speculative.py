@@ -1,16 +1,19 @@
 """Speculative decoding: guess k tokens cheaply, let the target check them all in one call.
 
 At batch 1 a decode step is bound by reading the weights, not by arithmetic, so the target scoring
-k + 1 positions in one call costs little more than scoring one. A drafter proposes k tokens; the target
-runs [pending] + draft and returns logits at every position; we keep the longest prefix of the draft the
-target agrees with, plus one token of the target's own (the correction, or a bonus when all k agree).
-The rejected tokens' K/V is rolled back (for the fused in-place cache that is just the cache length).
+k + 1 positions in one call costs little more than scoring one. A drafter proposes k tokens; the scheduler
+(edge.decode.scheduler, the one decode loop) runs [pending] + draft in one call, keeps the longest prefix of the
+draft the target agrees with, plus one token of the target's own (the correction, or a bonus when all k agree),
+and rolls the rejected tokens' K/V back (for the fused in-place cache that is just the row's length). This
+module only proposes: what to draft (`lookup_draft`, `ModelDrafter`), how many (`AdaptiveK`) and whether
+drafting pays right now (`Pacer`), put together in `RowSpeculator`, the scheduler's proposer.
 
 Greedy: a drafted token is kept only if it is what the target would have picked there, so the output is
 the target's greedy output (computed in wider calls: the test suite checks it is token for token the same).
 Sampled: speculative sampling (Leviathan et al. 2023, Chen et al. 2023): keep draft token x with
 probability min(1, p(x) / q(x)), on rejection draw from max(p - q, 0) renormalised, so every emitted
-token is distributed exactly as the target's p. A prompt-lookup draft is a point mass (q(x) = 1).
+token is distributed exactly as the target's p (`accept_sampled`). Our drafts are point masses (q(x) = 1:
+prompt lookup, a greedy draft model), for which keeping x when the row's own sampler picks it is that rule.
 
 Draft-free drafter: prompt lookup (n-gram): the last n tokens seen before, earlier in the prompt or the
 answer, are followed by what followed them then. It costs no model and helps when answers quote their
@@ -20,10 +23,9 @@ input (summaries, code edits, extraction); on free prose it rarely drafts and th
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -37,6 +39,12 @@ class Drafter(Protocol):
     def __call__(self, seq: list[int], k: int) -> list[int]:
         """Up to k guesses for the tokens after `seq` (may be fewer, or none)."""
         ...
+
+
+class DraftRow(Protocol):
+    """What a proposer reads of the row it drafts for (the scheduler's row): the tokens so far, prompt included."""
+
+    seen: list[int]
 
 
 def lookup_draft(seq: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -189,7 +197,7 @@ def accept_sampled(p: np.ndarray, draft: list[int], rng: np.random.Generator,
 
 
 def rollback(decoder, cache, length: int) -> None:
-    """Forget the cache past `length` tokens. The fused in-place buffers are only read up to the cache length,
+    """Forget a decoder cache past `length` tokens (a draft model's own cache, ModelDrafter). The fused in-place buffers are only read up to the cache length,
     so the stale columns are overwritten by the next call; a plain graph's past tensors are cut."""
     if length >= cache.length:
         return
@@ -200,7 +208,7 @@ def rollback(decoder, cache, length: int) -> None:
 
 @dataclass
 class SpecStats:
-    calls: int = 0  # target calls after the prefill
+    calls: int = 0  # target calls that checked a draft
     drafted: int = 0
     accepted: int = 0
 
@@ -211,73 +219,6 @@ class SpecStats:
     def as_dict(self) -> dict:
         return {"target_calls": self.calls, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": self.acceptance}
-
-
-def speculative_tokens(decoder, prompt_ids: list[int], cfg: SamplingConfig, eos_ids: set[int] | list[int],
-                       max_context: int, drafter: Drafter = lookup_draft, policy: AdaptiveK | None = None,
-                       stats: SpecStats | None = None, cancel: threading.Event | None = None) -> Iterator[int]:
-    """Token ids after the prompt, as `Generator.tokens` yields them (same stop rules: EOS not yielded,
-    max_new_tokens, end of context), each target call checking a draft."""
-    from edge.decode.sampling import Sampler
-
-    policy = policy or AdaptiveK()
-    stats = stats if stats is not None else SpecStats()
-    sampler = Sampler(cfg)  # greedy picks (with repetition penalty) exactly as the plain loop does
-    rng = np.random.default_rng(cfg.seed)
-    eos = set(eos_ids)
-    budget = min(cfg.max_new_tokens, max_context - len(prompt_ids))  # the plain loop's limits
-    cache = decoder.new_cache(capacity=len(prompt_ids) + cfg.max_new_tokens + policy.k_max + 1)
-    seq = list(prompt_ids)
-    logits = decoder.prefill(prompt_ids, cache)[0]
-    pending = pick(sampler, cfg, logits[None], [], seq, rng)[0]
-    emitted = 0
-    while True:
-        if pending in eos and not cfg.ignore_eos:
-            return
-        yield pending
-        seq.append(pending)
-        emitted += 1
-        if emitted >= budget or (cancel is not None and cancel.is_set()):
-            return
-        k = min(policy.k, budget - emitted, max_context - cache.length - 1)
-        draft = drafter(seq, k)[:k] if k > 0 else []
-        base = cache.length
-        out = decoder.forward(np.array([[pending] + draft]), cache, last_only=not draft)
-        stats.calls += 1
-        rows = out[0] if draft else out
-        new = pick(sampler, cfg, rows, draft, seq, rng)
-        if draft:
-            policy.update(len(draft), len(new) - 1)
-            stats.drafted += len(draft)
-            stats.accepted += len(new) - 1
-            rollback(decoder, cache, base + len(new))  # pending + the accepted drafts
-        for tok in new[:-1]:  # accepted drafts: emitted like any token (EOS and limits checked)
-            if tok in eos and not cfg.ignore_eos:
-                return
-            yield tok
-            seq.append(tok)
-            emitted += 1
-            if emitted >= budget or (cancel is not None and cancel.is_set()):
-                return
-        pending = new[-1]
-
-
-def pick(sampler, cfg: SamplingConfig, rows: np.ndarray, draft: list[int], seq: list[int],
-         rng: np.random.Generator) -> list[int]:
-    """Check a draft against the target's logits rows ([len(draft) + 1, vocab]): the kept drafts + one token."""
-    penal = cfg.repetition_penalty != 1.0
-    if cfg.greedy:
-        out: list[int] = []
-        for i in range(len(draft) + 1):
-            seen = np.asarray(seq + out) if penal else None
-            t = sampler(rows[i], seen)
-            out.append(t)
-            if i == len(draft) or t != draft[i]:
-                return out
-        return out
-    p = np.stack([target_probs(rows[i], cfg, np.asarray(seq + draft[:i]) if penal else None)
-                  for i in range(len(draft) + 1)])
-    return accept_sampled(p, draft, rng)
 
 
 @dataclass
@@ -300,8 +241,9 @@ class Pacer:
     tries per answer, not 2x, and one that starts paying takes over at its next try."""
 
     def __init__(self, explore: int = 16, max_interval: int = 256, smoothing: float = 0.2,
-                 clock=time.perf_counter) -> None:
+                 clock=time.perf_counter, always: bool = False) -> None:
         self.explore, self.max_interval, self.smoothing, self.clock = explore, max_interval, smoothing, clock
+        self.always = always  # speculate at every step it may, timed or not (a measurement of the draft itself)
         self.per_token: dict[str, float | None] = {"spec": None, "plain": None}
         self._last: _Timing | None = None  # the step being timed
         self._row = None  # the row of the latest timed step (a new one resets the wait between tries)
@@ -346,6 +288,8 @@ class Pacer:
             self._last.start += seconds
 
     def speculate(self) -> bool:
+        if self.always:
+            return True
         spec, plain = self.per_token["spec"], self.per_token["plain"]
         if spec is None or plain is None:  # measure both first: speculate, then one plain step
             return spec is None
@@ -361,15 +305,12 @@ class Pacer:
 
 
 class RowSpeculator:
-    """The scheduler's speculative step (edge.decode.scheduler): while exactly one greedy row is decoding on a fused
-    cache and nothing is being prefilled, draft (prompt lookup, or a draft model: ModelDrafter) and let one
-    target call check the draft, when speculating has been measured to pay (Pacer).
-    Each checked token goes through the scheduler's own `_accept` (EOS, stop strings, limits, events), so an
-    answer ends exactly as a plain step would end it. With a second user, a long prompt waiting, or logits
-    processors (grammar, logprobs) it steps no differently from the plain loop. Sampled rows speculate too
-    (speculative sampling, see `step`). A row with a seed never does: a verify call's logits differ in the
-    last bits from a single step's on quantized engines, and a seeded answer must not depend on whether the
-    pacer, timing this machine, chose to draft."""
+    """The scheduler's proposer (edge.decode.scheduler.Proposer): while exactly one row without a seed or logits
+    processors decodes on a cache that verifies drafts, and nothing is being prefilled (the scheduler decides
+    that, `Scheduler._draftable`), draft k tokens (prompt lookup, or a draft model: ModelDrafter) when speculating
+    has been measured to pay (Pacer); the scheduler checks them and reports back (`checked`). With a second
+    user, a long prompt waiting, or logits processors (grammar, logprobs) it proposes nothing. `fixed` drafts
+    k tokens at every step, for a measurement of the draft (the build's acceptance, the benchmark)."""
 
     def __init__(self, drafter: Drafter = lookup_draft, policy: AdaptiveK | None = None,
                  pacer: Pacer | None = None) -> None:
@@ -379,27 +320,31 @@ class RowSpeculator:
         self.stats = SpecStats()
         self.plain_steps = 0  # lone-row steps the pacer left plain
         self._drafted_for = None  # the row whose previous step was speculative (its draft model is in step)
+        self._drafting = (0.0, 0.0, 0.0)  # the open proposal: (drafting began, ended, the draft model's catch-up)
+
+    @classmethod
+    def fixed(cls, drafter: Drafter, k: int) -> "RowSpeculator":
+        """Draft exactly k tokens (fewer only at the answer's or the context's end) at every step that may
+        speculate, paying or not: what a measurement of the draft itself needs."""
+        return cls(drafter, AdaptiveK(k_max=k, k_min=k), Pacer(always=True))
 
     def interrupted(self) -> None:
         """The scheduler did other work between steps (edge.decode.scheduler)."""
         self.pacer.interrupted()
 
-    def step(self, sched) -> bool:
-        """One speculative step of the scheduler's single row; False (nothing done) when it does not apply."""
-        row = sched.rows[0] if len(sched.rows) == 1 else None
-        if row is None or sched.prefilling is not None or not hasattr(sched.cache, "verify") \
-                or row.logits is not None or row.req.cfg.seed is not None:
+    def propose(self, row: DraftRow | None, room: int) -> list[int]:
+        """Draft tokens to follow `row.seen` (at most `room`), or [] for a plain step; `row` None: this step
+        cannot speculate (it is not timed, and a draft model falls behind while others share the steps)."""
+        if row is None:
             self.pacer.record(None)
-            self._drafted_for = None  # a draft model falls behind while others share the steps
-            return False
+            self._drafted_for = None
+            return []
         if not self.pacer.speculate():
             self.pacer.record(row, "plain")
             self.plain_steps += 1
             self._drafted_for = None
-            return False
-        cfg = row.req.cfg
-        base = sched.cache.lengths[0]
-        k = min(self.policy.k, cfg.max_new_tokens - row.n, sched.gen.max_context - base - 2)
+            return []
+        k = min(self.policy.k, room)
         clock = self.pacer.clock
         self.pacer.record(row, "spec")
         t0 = clock()
@@ -409,34 +354,25 @@ class RowSpeculator:
             log.exception("the drafter failed; speculative decoding is off for this process")
             self.drafter = _no_draft
             self.pacer.record(None)
-            return False
+            return []
         catch_up = 0.0
         if self._drafted_for is not row:  # a draft model fed what plain steps (or the prompt) added since
             catch_up = getattr(self.drafter, "last_prefill_s", 0.0)
             self.pacer.discount(catch_up)
         self._drafted_for = row
-        if not draft:  # nothing to check: a plain step (timed as speculation's cost: drafting found nothing)
-            return False
-        t1 = clock()
-        logits = sched.cache.verify([row.last] + draft)
+        if draft:  # else a plain step, timed as speculation's cost (drafting found nothing)
+            self._drafting = (t0, clock(), catch_up)
+        return draft
+
+    def checked(self, drafted: int, accepted: int) -> None:
+        """The scheduler checked the draft just proposed and kept `accepted` of its `drafted` tokens: k and the
+        pacer learn from it (what one more checked position and one drafted token cost, in plain steps)."""
+        t0, t1, catch_up = self._drafting
         plain = self.pacer.per_token["plain"]
-        if plain:  # what one more checked position and one drafted token cost, in plain steps: k follows them
-            n = len(draft)
-            self.policy.costs(((clock() - t1) / plain - 1) / n, (t1 - t0 - catch_up) / plain / n)
+        if plain and drafted:
+            self.policy.costs(((self.pacer.clock() - t1) / plain - 1) / drafted, (t1 - t0 - catch_up) / plain / drafted)
         self.stats.calls += 1
-        # The row's own sampler picks each position's token and a draft token is kept when it is the pick: for a
-        # point-mass draft this is speculative sampling (x kept with probability p(x); otherwise the pick is
-        # distributed as p without x), so sampled tokens follow exactly the sampler's distribution.
-        for i in range(len(draft) + 1):
-            if not sched._accept(row, logits[i], base + i + 1):  # the answer ended at this token
-                sched.cache.rollback(base + i + 1)
-                sched._leave([0])
-                break
-            if i == len(draft) or row.last != draft[i]:  # the target's own token: a correction or the bonus
-                sched.cache.rollback(base + i + 1)
-                break
-        self.pacer.emitted(i + 1)
-        self.policy.update(len(draft), i)
-        self.stats.drafted += len(draft)
-        self.stats.accepted += i
-        return True
+        self.pacer.emitted(accepted + 1)
+        self.policy.update(drafted, accepted)
+        self.stats.drafted += drafted
+        self.stats.accepted += accepted

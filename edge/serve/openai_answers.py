@@ -178,17 +178,11 @@ def completion_logprobs(table: list[bytes], lps: list[TokenLogprob | None], offs
 
 
 def score_prompt(gen, ids: list[int], top: int) -> list[TokenLogprob]:
-    """Each prompt token's logprob given the tokens before it (the first: NaN, nothing predicts it), from one
-    pass over the prompt with every position's logits. Runs where the decoder may be called (the scheduler's
-    thread)."""
+    """Each prompt token's logprob given the tokens before it (the first: NaN, nothing predicts it), from the
+    calls a prefill of the prompt runs (`Decoder.prefill`, fixed boundaries) with every position's logits.
+    Runs where the decoder may be called (the scheduler's thread)."""
     dec = gen.decoder
-    cache = dec.new_cache(capacity=len(ids) + 1)
-    chunk = getattr(dec, "prefill_chunk", 512) or 512
-    rows = []
-    arr = np.asarray(ids, dtype=np.int64)
-    for start in range(0, len(arr), chunk):
-        rows.append(np.asarray(dec.forward(arr[None, start:start + chunk], cache, last_only=False)[0]))
-    logits = np.concatenate(rows, axis=0)
+    logits = dec.prefill(ids, dec.new_cache(capacity=len(ids) + 1), last_only=False)[0]
     out = [TokenLogprob(ids[0], float("nan"))]
     out += [token_logprob(logits[j - 1], ids[j], top) for j in range(1, len(ids))]
     return out
