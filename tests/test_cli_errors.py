@@ -150,3 +150,31 @@ def test_help_documents_exit_codes(cli):
     r = _run(cli, ["--help"])
     assert r.returncode == 0
     assert "exit codes" in r.stdout and "2 " in r.stdout
+
+
+def test_a_failing_step_in_the_cli_is_one_line_not_a_traceback(tiny_bundle, monkeypatch, caplog, capsys):
+    """edge/errors.py: the CLIs turn an EdgeChatError into one line on stderr. Before issue 24 a decode error in
+    `edge-chat run` was raised as it was; the one loop must not also log its traceback (at ERROR, which the CLI
+    prints) when the caller gets the error raised."""
+    import logging
+
+    from edge.cli import main
+    from edge.errors import BundleError
+    from edge.backends.onnxruntime import OrtDecoder
+
+    calls = {"n": 0}
+    real = OrtDecoder.run
+
+    def failing(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise BundleError("'input_ids' is outside the engine's shape profile; rebuild the engine")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(OrtDecoder, "run", failing)
+    caplog.set_level(logging.WARNING, logger="edgechat")
+    rc = main(["run", str(tiny_bundle.root), "Hello!", "--engine", "fp32", "--threads", "1", "--max-new-tokens", "8",
+               "--temperature", "0"])
+    assert rc == 2 and "rebuild the engine" in capsys.readouterr().err
+    assert not [r for r in caplog.records if r.exc_info and r.levelno >= logging.WARNING], \
+        [r.getMessage() for r in caplog.records]

@@ -5,6 +5,7 @@ not know each other, precision names only from their table, and a design page th
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,46 @@ def test_openai_answer_shapes_are_written_in_one_place():
                                                   for k in node.keys):  # the loop's finish -> OpenAI's
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} a finish-reason mapping")
     assert not found, "OpenAI answer shapes written outside edge/serve/openai_writer.py:\n" + "\n".join(found)
+
+
+# ----------------------------------------------------------------------------- the design checks can fail
+
+
+def _plant(root, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
+@pytest.mark.parametrize("files", [
+    {"edge/__init__.py": "", "edge/a.py": "def f():\n    from . import b\n", "edge/b.py": "from edge import a\n"},
+    {"edge/__init__.py": "", "edge/t/__init__.py": "", "edge/t/a.py": "def f():\n    from .b import g\n",
+     "edge/t/b.py": "import edge.t.a\n"},
+    {"edge/__init__.py": "", "edge/a.py": "from typing import TYPE_CHECKING\nif not TYPE_CHECKING:\n    import edge.b\n",
+     "edge/b.py": "def f():\n    import edge.a\n"},
+], ids=["relative-lazy", "relative-from-module", "not-TYPE_CHECKING"])
+def test_the_circle_check_finds_a_planted_circle(tmp_path, monkeypatch, files):
+    test_design = sys.modules[__name__]
+
+    _plant(tmp_path, {"export/__init__.py": "", **files})
+    monkeypatch.setattr(test_design, "ROOT", tmp_path)
+    assert test_design._cycle(test_design._graph(False)) is not None
+
+
+def test_the_edge_side_check_sees_a_relative_import_of_export(tmp_path, monkeypatch):
+    test_design = sys.modules[__name__]
+
+    _plant(tmp_path, {"edge/__init__.py": "", "edge/a.py": "def f():\n    from .. import export\n"})
+    monkeypatch.setattr(test_design, "ROOT", tmp_path)
+    assert "export" in test_design._runtime_imports(tmp_path / "edge" / "a.py")
+
+
+def test_the_module_level_circle_check_sees_imports_in_try_blocks(tmp_path, monkeypatch):
+    test_design = sys.modules[__name__]
+
+    _plant(tmp_path, {"export/__init__.py": "", "edge/__init__.py": "",
+                      "edge/a.py": "try:\n    import edge.b\nexcept ImportError:\n    pass\n",
+                      "edge/b.py": "import edge.a\n"})
+    monkeypatch.setattr(test_design, "ROOT", tmp_path)
+    assert test_design._cycle(test_design._graph(True)) is not None

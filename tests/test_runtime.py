@@ -1,5 +1,7 @@
-"""The edge runtime on a tiny exported model: parity, KV cache, template, sampling, streaming, overflow."""
+"""The edge runtime on a tiny exported model: parity, KV cache, template, sampling, streaming, overflow, and which
+engine a machine (or forced execution providers) gets."""
 
+import dataclasses
 import json
 import shutil
 
@@ -359,3 +361,62 @@ def test_session_settings_reach_onnx_runtime_and_keep_the_logits(tiny_bundle, ti
     want = d.forward(np.array([ids]), d.new_cache(capacity=len(ids)), last_only=False)
     got = o.forward(np.array([ids]), o.new_cache(capacity=len(ids)), last_only=False)
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- engine pickers and the manifest
+
+
+PROVIDER_SETS = {
+    "cpu": ["CPUExecutionProvider"],
+    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "ort-trt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+}
+
+
+@pytest.mark.parametrize("eps", PROVIDER_SETS)
+@pytest.mark.parametrize("keep", [None, ("int8-qdq", "int4-weight"), ("int8-dynamic", "fp32")])  # noqa: precision
+def test_forced_providers_pick_the_engine_the_chain_would(tiny_bundle, eps, keep):
+    """`--providers` (load_decoder's forced ONNX Runtime providers) and the fallback chain read one table: the
+    same providers get the same engine (the TensorRT EP runs standard-op graphs only: not a fused one)."""
+    from edge.backends.choose import decide
+    from edge.bundle import Bundle
+    from edge.backends.load import load_decoder
+    from edge.device.machine import Machine
+
+    real = Bundle.open(tiny_bundle.root)
+    m = real.manifest
+    if keep:
+        m = dataclasses.replace(m, engines=[e for e in m.engines if e.fingerprint.precision in keep])
+    bundle = type("B", (), {"manifest": m, "path": staticmethod(real.path)})()
+    here = Machine(arch="x86_64", python="3.11", onnxruntime="1.32.0", ort_providers=PROVIDER_SETS[eps],
+                   gpu_sm="8.9" if eps != "cpu" else None, gpu_name="L4" if eps != "cpu" else None,
+                   tensorrt="10.8.0" if eps == "ort-trt" else None)
+    dec, _ = load_decoder(bundle, threads=1, providers=PROVIDER_SETS[eps])  # this CPU build runs it on CPU
+    assert dec.engine.name == decide(m, here).engine
+
+
+def test_an_io_key_this_runtime_does_not_know_is_refused(tiny_bundle, tmp_path):
+    """A manifest's `io` is the graph's contract: a key the runtime does not know (a newer exporter's input, a
+    typo) must not be dropped silently; the schema version is what lets a newer bundle through."""
+    import json
+
+    from edge.bundle import READS_SCHEMA_VERSIONS, Bundle
+    from edge.errors import ManifestError
+    from edge.io_contract import DecoderIO
+
+    with pytest.raises(ManifestError, match="kv_scale"):
+        DecoderIO.from_dict({**DecoderIO().to_dict(), "kv_scale": "k_scale.{i}"})
+    # this change added `prefill_chunk` to every bundle's io: a reader from before it (DecoderIO(**io), reads
+    # schema 1-4) must refuse such a bundle by its version, as the schema's own rule says (edge/bundle.py)
+    m = json.loads((tiny_bundle.root / "manifest.json").read_text())
+    assert "prefill_chunk" in m["io"]
+    assert m["schema_version"] not in (1, 2, 3, 4) and m["schema_version"] in READS_SCHEMA_VERSIONS
+    dst = tmp_path / "b.bundle"
+    shutil.copytree(tiny_bundle.root, dst)
+    m["schema_version"] = 4  # an older bundle: no prefill_chunk in its io
+    m["io"].pop("prefill_chunk")
+    for e in m["engines"]:
+        e.get("io", {}).pop("prefill_chunk", None)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    gen = Generator.from_bundle(Bundle.open(dst), engine="fp32", threads=1)
+    assert gen.decoder.prefill_chunk == 512

@@ -331,3 +331,31 @@ def test_tensorrt103_parses_the_int8_qdq_graph_and_refuses_the_old_embedding(fak
         assert parser.parse_from_file(str(forms[form])) is ok, form
         if not ok:
             assert "Gather" in str(parser.get_error(0)) or "Cast" in str(parser.get_error(0))
+
+
+# ----------------------------------------------------------------------------- falling back
+
+
+def test_an_engine_that_fails_to_load_in_any_way_falls_back(fake_gpu, bundle_copy, monkeypatch):
+    """TensorRT's create_execution_context answers None when it cannot (device memory), and its calls raise
+    RuntimeError/TypeError: not EdgeChatErrors. The chain must still go on to ONNX Runtime, and not say the
+    bundle has no TensorRT engine when it has one that did not load."""
+    import fake_tensorrt
+
+    from edge.bundle import Bundle
+    from edge.backends.tensorrt.runtime import TensorRTDecoder
+
+    from edge.decode.generate import Generator
+    from edge.errors import EdgeChatError
+
+    entry = _build(bundle_copy)
+    path = bundle_copy
+    monkeypatch.setattr(fake_tensorrt.ICudaEngine, "create_execution_context", lambda self, *a: None)
+    gen = Generator.from_bundle(Bundle.open(path))
+    assert gen.choice.backend == "onnxruntime-cpu" and not isinstance(gen.decoder, TensorRTDecoder)
+    assert gen.choice.skipped[0].startswith(f"TensorRT '{entry.name}': it did not load here")
+    assert not any("has no TensorRT engine" in line for line in gen.choice.skipped), gen.choice.skipped
+    with pytest.raises(EdgeChatError, match="execution context"):  # asked for by name: the error, one line
+        Generator.from_bundle(Bundle.open(path), engine=entry.name)
+
+

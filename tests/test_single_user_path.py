@@ -1,5 +1,6 @@
-"""A hostile review of issue 24's one loop (edge.decode.scheduler), its caches (edge.decode.cache), the loader (edge.backends.load) and
-the design checks (tests/test_design.py): each test here failed before its fix."""
+"""The single-user path of the one loop (Generator.stream: CLI, REPL, evaluation, golden prompts): stopping early,
+finish reasons, failures, two threads on one generator (ONNX Runtime and TensorRT), long prompts on a plain graph,
+a fused graph whose K/V live on a GPU. Each test here failed before its fix (issue 24's review)."""
 
 from __future__ import annotations
 
@@ -228,49 +229,20 @@ def test_fused_graph_whose_kv_live_on_a_gpu_answers_a_single_user(fused_generato
         Scheduler(gpu, max_batch=2)
 
 
-# ----------------------------------------------------------------------------- TensorRT: loading and sharing
+
+# ----------------------------------------------------------------------------- TensorRT: two callers
 
 
-@pytest.fixture
-def trt_bundle(fake_gpu, tiny_bundle, tmp_path):
-    from edge.bundle import Bundle
-    from edge.device.machine import detect
-    from edge.backends.tensorrt.builder import build_engine, plan_build
-
-    dst = tmp_path / "b.bundle"
-    shutil.copytree(tiny_bundle.root, dst)
-    here = detect()
-    entry = build_engine(plan_build(Bundle.open(dst), "orin-nano-8gb", "fp32", tensorrt_version=here.tensorrt,
-                                    available_gb=8.0), here)
-    return dst, entry
-
-
-def test_an_engine_that_fails_to_load_in_any_way_falls_back(trt_bundle, monkeypatch):
-    """TensorRT's create_execution_context answers None when it cannot (device memory), and its calls raise
-    RuntimeError/TypeError: not EdgeChatErrors. The chain must still go on to ONNX Runtime, and not say the
-    bundle has no TensorRT engine when it has one that did not load."""
-    import fake_tensorrt
-
-    from edge.bundle import Bundle
-    from edge.backends.tensorrt.runtime import TensorRTDecoder
-
-    path, entry = trt_bundle
-    monkeypatch.setattr(fake_tensorrt.ICudaEngine, "create_execution_context", lambda self, *a: None)
-    gen = Generator.from_bundle(Bundle.open(path))
-    assert gen.choice.backend == "onnxruntime-cpu" and not isinstance(gen.decoder, TensorRTDecoder)
-    assert gen.choice.skipped[0].startswith(f"TensorRT '{entry.name}': it did not load here")
-    assert not any("has no TensorRT engine" in line for line in gen.choice.skipped), gen.choice.skipped
-    with pytest.raises(EdgeChatError, match="execution context"):  # asked for by name: the error, one line
-        Generator.from_bundle(Bundle.open(path), engine=entry.name)
-
-
-def test_two_threads_stream_on_one_tensorrt_generator_at_once(trt_bundle):
+def test_two_threads_stream_on_one_tensorrt_generator_at_once(fake_gpu, bundle_copy):
     """The engine's execution contexts belong to the decoder: two callers (two Generator.stream in two threads,
     or the server's loop and a golden-prompt check) must not interleave their shapes and addresses."""
     from edge.bundle import Bundle
     from edge.backends.tensorrt.runtime import TensorRTDecoder
 
-    path, _ = trt_bundle
+    from conftest import build_trt
+
+    build_trt(bundle_copy)
+    path = bundle_copy
     gen = Generator.from_bundle(Bundle.open(path))
     assert isinstance(gen.decoder, TensorRTDecoder)
     prompts = [_ids(gen), _ids(gen, "What is the capital of Japan? " * 3)]
@@ -280,131 +252,3 @@ def test_two_threads_stream_on_one_tensorrt_generator_at_once(trt_bundle):
     assert not errors and got == want
 
 
-# ----------------------------------------------------------------------------- engine pickers and the manifest
-
-
-PROVIDER_SETS = {
-    "cpu": ["CPUExecutionProvider"],
-    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
-    "ort-trt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
-}
-
-
-@pytest.mark.parametrize("eps", PROVIDER_SETS)
-@pytest.mark.parametrize("keep", [None, ("int8-qdq", "int4-weight"), ("int8-dynamic", "fp32")])  # noqa: precision
-def test_forced_providers_pick_the_engine_the_chain_would(tiny_bundle, eps, keep):
-    """`--providers` (load_decoder's forced ONNX Runtime providers) and the fallback chain read one table: the
-    same providers get the same engine (the TensorRT EP runs standard-op graphs only: not a fused one)."""
-    from edge.backends.choose import decide
-    from edge.bundle import Bundle
-    from edge.backends.load import load_decoder
-    from edge.device.machine import Machine
-
-    real = Bundle.open(tiny_bundle.root)
-    m = real.manifest
-    if keep:
-        m = dataclasses.replace(m, engines=[e for e in m.engines if e.fingerprint.precision in keep])
-    bundle = type("B", (), {"manifest": m, "path": staticmethod(real.path)})()
-    here = Machine(arch="x86_64", python="3.11", onnxruntime="1.32.0", ort_providers=PROVIDER_SETS[eps],
-                   gpu_sm="8.9" if eps != "cpu" else None, gpu_name="L4" if eps != "cpu" else None,
-                   tensorrt="10.8.0" if eps == "ort-trt" else None)
-    dec, _ = load_decoder(bundle, threads=1, providers=PROVIDER_SETS[eps])  # this CPU build runs it on CPU
-    assert dec.engine.name == decide(m, here).engine
-
-
-def test_an_io_key_this_runtime_does_not_know_is_refused(tiny_bundle, tmp_path):
-    """A manifest's `io` is the graph's contract: a key the runtime does not know (a newer exporter's input, a
-    typo) must not be dropped silently; the schema version is what lets a newer bundle through."""
-    import json
-
-    from edge.bundle import READS_SCHEMA_VERSIONS, Bundle
-    from edge.errors import ManifestError
-    from edge.io_contract import DecoderIO
-
-    with pytest.raises(ManifestError, match="kv_scale"):
-        DecoderIO.from_dict({**DecoderIO().to_dict(), "kv_scale": "k_scale.{i}"})
-    # this change added `prefill_chunk` to every bundle's io: a reader from before it (DecoderIO(**io), reads
-    # schema 1-4) must refuse such a bundle by its version, as the schema's own rule says (edge/bundle.py)
-    m = json.loads((tiny_bundle.root / "manifest.json").read_text())
-    assert "prefill_chunk" in m["io"]
-    assert m["schema_version"] not in (1, 2, 3, 4) and m["schema_version"] in READS_SCHEMA_VERSIONS
-    dst = tmp_path / "b.bundle"
-    shutil.copytree(tiny_bundle.root, dst)
-    m["schema_version"] = 4  # an older bundle: no prefill_chunk in its io
-    m["io"].pop("prefill_chunk")
-    for e in m["engines"]:
-        e.get("io", {}).pop("prefill_chunk", None)
-    (dst / "manifest.json").write_text(json.dumps(m))
-    gen = Generator.from_bundle(Bundle.open(dst), engine="fp32", threads=1)
-    assert gen.decoder.prefill_chunk == 512
-
-
-# ----------------------------------------------------------------------------- the design checks can fail
-
-
-def _plant(root, files: dict[str, str]) -> None:
-    for rel, text in files.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
-
-
-@pytest.mark.parametrize("files", [
-    {"edge/__init__.py": "", "edge/a.py": "def f():\n    from . import b\n", "edge/b.py": "from edge import a\n"},
-    {"edge/__init__.py": "", "edge/t/__init__.py": "", "edge/t/a.py": "def f():\n    from .b import g\n",
-     "edge/t/b.py": "import edge.t.a\n"},
-    {"edge/__init__.py": "", "edge/a.py": "from typing import TYPE_CHECKING\nif not TYPE_CHECKING:\n    import edge.b\n",
-     "edge/b.py": "def f():\n    import edge.a\n"},
-], ids=["relative-lazy", "relative-from-module", "not-TYPE_CHECKING"])
-def test_the_circle_check_finds_a_planted_circle(tmp_path, monkeypatch, files):
-    import test_design
-
-    _plant(tmp_path, {"export/__init__.py": "", **files})
-    monkeypatch.setattr(test_design, "ROOT", tmp_path)
-    assert test_design._cycle(test_design._graph(False)) is not None
-
-
-def test_the_edge_side_check_sees_a_relative_import_of_export(tmp_path, monkeypatch):
-    import test_design
-
-    _plant(tmp_path, {"edge/__init__.py": "", "edge/a.py": "def f():\n    from .. import export\n"})
-    monkeypatch.setattr(test_design, "ROOT", tmp_path)
-    assert "export" in test_design._runtime_imports(tmp_path / "edge" / "a.py")
-
-
-def test_the_module_level_circle_check_sees_imports_in_try_blocks(tmp_path, monkeypatch):
-    import test_design
-
-    _plant(tmp_path, {"export/__init__.py": "", "edge/__init__.py": "",
-                      "edge/a.py": "try:\n    import edge.b\nexcept ImportError:\n    pass\n",
-                      "edge/b.py": "import edge.a\n"})
-    monkeypatch.setattr(test_design, "ROOT", tmp_path)
-    assert test_design._cycle(test_design._graph(True)) is not None
-
-
-def test_a_failing_step_in_the_cli_is_one_line_not_a_traceback(tiny_bundle, monkeypatch, caplog, capsys):
-    """edge/errors.py: the CLIs turn an EdgeChatError into one line on stderr. Before issue 24 a decode error in
-    `edge-chat run` was raised as it was; the one loop must not also log its traceback (at ERROR, which the CLI
-    prints) when the caller gets the error raised."""
-    import logging
-
-    from edge.cli import main
-    from edge.errors import BundleError
-    from edge.backends.onnxruntime import OrtDecoder
-
-    calls = {"n": 0}
-    real = OrtDecoder.run
-
-    def failing(self, *a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise BundleError("'input_ids' is outside the engine's shape profile; rebuild the engine")
-        return real(self, *a, **kw)
-
-    monkeypatch.setattr(OrtDecoder, "run", failing)
-    caplog.set_level(logging.WARNING, logger="edgechat")
-    rc = main(["run", str(tiny_bundle.root), "Hello!", "--engine", "fp32", "--threads", "1", "--max-new-tokens", "8",
-               "--temperature", "0"])
-    assert rc == 2 and "rebuild the engine" in capsys.readouterr().err
-    assert not [r for r in caplog.records if r.exc_info and r.levelno >= logging.WARNING], \
-        [r.getMessage() for r in caplog.records]
