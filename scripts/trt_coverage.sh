@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 MODULES=(edge.backends.tensorrt.builder edge.backends.tensorrt.runtime edge.backends.tensorrt.settings edge.backends.tensorrt.cuda_mem edge.backends.choose export.trt_compat)
 export COVERAGE_FILE=.coverage.tensorrt
 .venv/bin/python -m pytest -p no:cacheprovider -q -m "not slow" -W ignore tests/test_tensorrt.py \
-  tests/test_tensorrt_engine.py "${MODULES[@]/#/--cov=}" --cov-report=term-missing --cov-report=json:.coverage.tensorrt.json
+  tests/test_tensorrt_engine.py tests/test_tensorrt_runtime.py "${MODULES[@]/#/--cov=}" --cov-report=term-missing --cov-report=json:.coverage.tensorrt.json
 exec .venv/bin/python - <<'PY'
 import json, sys
 files = json.load(open(".coverage.tensorrt.json"))["files"]

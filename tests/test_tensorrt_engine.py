@@ -341,6 +341,7 @@ def test_pycuda_backend_where_only_pycuda_is_installed(fake_gpu, bundle_copy, mo
     a = dec.to_device(np.ones((1, 2, 3, 16)))
     b = type(a)(dec.cuda, a.shape, a.dtype)
     dec.cuda.dtod(b.ptr, a.ptr, a.nbytes)
+    dec.cuda.sync()  # the queued copy has run
     assert b.numpy().sum() == 96
     dec.cuda.free(b.ptr)
     dec.cuda.free(b.ptr)  # a second free of the same pointer is ignored (DeviceArray.__del__ frees once more)

@@ -231,6 +231,3 @@ class Scratch:
             buf = self._buffers[name] = DeviceArray(self.cuda, (grown,), np.uint8)
         return DeviceArray(self.cuda, shape, dtype, ptr=buf.ptr)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._buffers.values())
