@@ -188,7 +188,7 @@ def measure(target_onnx: Path, target_variant: str, hf_dir: Path, draft_root: Pa
 
     from edge.bundle import Bundle
     from edge.io_contract import io_for_variant
-    from edge.backends.load import load_decoder
+    from edge.backends.choose import load_decoder
     from edge.backends.onnxruntime import OrtDecoder
     from edge.decode.cache import can_verify
     from edge.decode.generate import Generator

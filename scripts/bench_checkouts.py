@@ -39,12 +39,13 @@ ids = gen.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the 
 cfg = gen.sampling(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
 rates = []
 for r in range(answers + 1):
-    t0 = time.perf_counter(); first = None; n = 0
-    for ev in gen.stream(ids, cfg):
-        n += len(ev.token_ids)
-        if first is None and ev.token_ids:
+    first = None
+    for ev in gen.stream(ids, cfg):  # the first event hands over the first token; the last carries the stats
+        if first is None:
             first = time.perf_counter()
+        last = ev
     t1 = time.perf_counter()
+    n = last.stats["completion_tokens"]
     if r:  # the first answer warms up
         rates.append((n - 1) / (t1 - first))
 print(json.dumps({"tok_s": sorted(rates)[len(rates) // 2], "tokens": n}))

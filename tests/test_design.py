@@ -167,8 +167,8 @@ def test_backends_do_not_import_each_other():
     for mod in backends:
         path = ROOT / (mod.replace(".", "/") + ".py")
         other = {n for n in _runtime_imports(path) if any(n == b or n.startswith(b + ".") for b in backends - {mod})}
-        assert not other, f"{mod} imports {other}: only edge.backends.load knows every backend"
-    users = [p for p in (ROOT / "edge").rglob("*.py") if _module(p) not in backends | {"edge.backends.load"}]
+        assert not other, f"{mod} imports {other}: only edge.backends.choose knows every backend"
+    users = [p for p in (ROOT / "edge").rglob("*.py") if _module(p) not in backends | {"edge.backends.choose"}]
     for p in users:  # the loop and the caches reach a backend only through the Decoder interface
         if _module(p) in ("edge.backends.tensorrt.builder", "edge.engine_command"):
             continue  # the builder loads the engine it just built to re-ask the golden prompts

@@ -380,7 +380,7 @@ def test_forced_providers_pick_the_engine_the_chain_would(tiny_bundle, eps, keep
     same providers get the same engine (the TensorRT EP runs standard-op graphs only: not a fused one)."""
     from edge.backends.choose import decide
     from edge.bundle import Bundle
-    from edge.backends.load import load_decoder
+    from edge.backends.choose import load_decoder
     from edge.device.machine import Machine
 
     real = Bundle.open(tiny_bundle.root)

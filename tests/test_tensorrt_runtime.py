@@ -233,7 +233,7 @@ def test_the_tensorrt_ep_gets_the_engines_profiles(tiny_bundle, monkeypatch):
     """Chosen from the fallback chain, ONNX Runtime's TensorRT EP is given the prefill and decode profiles of the
     I/O contract (each input once per profile), an engine cache and a timing cache: without them it rebuilds its
     engine every time the growing past leaves the shapes it has seen."""
-    from edge.backends import load
+    from edge.backends import choose
     from edge.device.machine import Machine
     from edge.backends.tensorrt.settings import shape_profiles
     from edge.io_contract import DecoderIO
@@ -241,8 +241,8 @@ def test_the_tensorrt_ep_gets_the_engines_profiles(tiny_bundle, monkeypatch):
     here = Machine(arch="x86_64", python="3.11.7", tensorrt="10.13.0", tensorrt_source="python", gpu_name="NVIDIA L4",
                    gpu_sm="8.9", onnxruntime="1.31.1", profile="l4", cuda_bindings="cuda-python",
                    ort_providers=["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"])
-    monkeypatch.setattr(load, "detect", lambda: here)
-    dec, choice = load.load_decoder(tiny_bundle)  # this onnxruntime has no TensorRT EP: it runs on CPU, saying so
+    monkeypatch.setattr(choose, "detect", lambda: here)
+    dec, choice = choose.load_decoder(tiny_bundle)  # this onnxruntime has no TensorRT EP: it runs on CPU, saying so
     assert choice.backend == "onnxruntime-tensorrt"
     name, opts = dec.asked_providers[0]
     assert name == "TensorrtExecutionProvider" and dec.asked_providers[1:] == ["CUDAExecutionProvider",

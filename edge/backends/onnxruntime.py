@@ -92,7 +92,7 @@ class OrtDecoder(Decoder):
     @classmethod
     def from_entry(cls, bundle: Bundle, entry: EngineEntry, threads: int | None = None,
                    providers: list | None = None, spin: bool = True) -> "OrtDecoder":
-        """The decoder for one ONNX engine of a bundle (edge.backends.load picks which)."""
+        """The decoder for one ONNX engine of a bundle (edge.backends.choose picks which)."""
         m = bundle.manifest
         io = DecoderIO.from_dict(m.engine_io(entry))
         ids = _logit_ids(bundle, io.logit_ids, m.model.vocab_size) if io.logit_ids else None

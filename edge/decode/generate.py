@@ -41,9 +41,9 @@ class Generator:
     @classmethod
     def from_bundle(cls, bundle: Bundle, engine: str | None = None, threads: int | None = None,
                     providers: list[str] | None = None, spin: bool = True) -> "Generator":
-        """Load with the backend the fallback chain picks here (edge.backends.load), unless `providers` forces
+        """Load with the backend the fallback chain picks here (edge.backends.choose), unless `providers` forces
         ONNX Runtime execution providers."""
-        from edge.backends.load import load_decoder
+        from edge.backends.choose import load_decoder
 
         m = bundle.manifest
         dec, choice = load_decoder(bundle, engine, threads, providers, spin)

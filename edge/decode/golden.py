@@ -50,7 +50,7 @@ def engine_recheck(bundle: Bundle, reference: str) -> Callable[[Path, EngineEntr
     (the graph it was built from) and how many pass their keywords."""
 
     def check(engine_file: Path, entry: EngineEntry) -> dict:
-        from edge.backends.load import engine_file_decoder
+        from edge.backends.choose import engine_file_decoder
         from edge.decode.generate import Generator
         from edge.decode.tokenizer import ChatTokenizer
 
