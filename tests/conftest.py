@@ -149,7 +149,12 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(cuda.bindings, "driver", fcuda.driver, raising=False)
     monkeypatch.setenv("EDGECHAT_CACHE", str(tmp_path / "cache"))
     fake_tensorrt.LOG.clear()
-    return dev
+    yield dev
+    # device buffers this test left in reference cycles are freed now, on its own device: later, a stale
+    # pointer would free an allocation of the next test's device that happens to sit at the same address
+    import gc
+
+    gc.collect()
 
 
 TRT_PROFILE = "orin-nano-8gb"  # what the TensorRT stand-in plays (an SM 8.7 Orin)

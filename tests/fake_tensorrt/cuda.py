@@ -82,6 +82,9 @@ class Device:
         self.peak = 0
         self.contexts = 1
         self._tls = threading.local()
+        # the device runs one thing at a time: queued work, a free (which waits for all work), an allocation;
+        # re-entrant, as a free inside queued work is
+        self._busy = threading.RLock()
 
     # ---------------------------------------------------------------- contexts (per thread)
     def current(self) -> int | None:
@@ -110,6 +113,10 @@ class Device:
 
     # ---------------------------------------------------------------- memory
     def malloc(self, nbytes: int) -> tuple[cudaError_t, int]:
+        with self._busy:
+            return self._malloc(nbytes)
+
+    def _malloc(self, nbytes: int) -> tuple[cudaError_t, int]:
         if nbytes <= 0:
             return cudaError_t.cudaErrorInvalidValue, 0
         if self.used + nbytes > self.memory_bytes:
@@ -124,7 +131,11 @@ class Device:
         return cudaError_t.cudaSuccess, ptr
 
     def free(self, ptr: int) -> cudaError_t:
-        self.synchronize()  # cudaFree waits for the device's work, as the real one does
+        with self._busy:  # cudaFree waits for the device's work (queued by any thread), as the real one does
+            self.synchronize()
+            return self._free(ptr)
+
+    def _free(self, ptr: int) -> cudaError_t:
         buf = self.allocs.pop(int(ptr), None)
         if buf is None:
             return cudaError_t.cudaErrorInvalidValue
@@ -165,21 +176,24 @@ class Device:
 
     def enqueue(self, stream, work: Callable[[], None]) -> None:
         """Work that runs when the stream is next synchronized (in order)."""
-        self.queues[int(stream)].append(work)
+        with self._busy:
+            self.queues[int(stream)].append(work)
 
     def run_queue(self, stream) -> cudaError_t:
         """Run the stream's queued work in order (what the GPU does while the host waits); its sticky error."""
         h = int(stream)
-        q, self.queues[h] = self.queues.get(h, []), []
-        for work in q:
-            if self.streams[h]:
-                break  # a faulted stream runs nothing more
-            work()
-        return self.streams[h]
+        with self._busy:
+            q, self.queues[h] = self.queues.get(h, []), []
+            for work in q:
+                if self.streams[h]:
+                    break  # a faulted stream runs nothing more
+                work()
+            return self.streams[h]
 
     def synchronize(self) -> None:
-        for h in list(self.queues):
-            self.run_queue(h)
+        with self._busy:
+            for h in list(self.queues):
+                self.run_queue(h)
 
 
 DEVICE: Device | None = None  # set by the fixture; None = a machine without a driver
