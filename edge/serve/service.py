@@ -11,6 +11,7 @@ import asyncio
 import base64
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -21,6 +22,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is i
 
 from fastapi import FastAPI, Request as HTTPRequest
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from edge.serve import openai_answers as api_answers
@@ -54,6 +56,11 @@ class APIError(Exception):
             metrics.http_error(self.status)
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class ClientGone(Exception):
+    """The client hung up before its request could be read or answered: answered 499 (nobody reads it), not
+    logged as an error and not counted as a 5xx."""
 
 
 class Service:
@@ -164,9 +171,12 @@ async def _client_gone(request: HTTPRequest) -> None:
 
 # -- the app -------------------------------------------------------------------------------------------
 
+# every method a client may send to an API path: the ones a route does not take are a 405 there (with Allow),
+# never a fall-through to the page mounted at /
+OTHER_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "TRACE", "CONNECT"]
 API_ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
 ERRORS = {400: "bad input (names the field)", 401: "missing or wrong credentials", 404: "no such model or path",
-          405: "wrong method", 413: "body over 4 MiB", 429: "queue full (Retry-After)", 500: "generation failed",
+          405: "wrong method", 413: "body over 4 MiB", 415: "compressed body (Content-Encoding)", 429: "queue full (Retry-After)", 500: "generation failed",
           503: "the model is not running", 504: "over --request-timeout"}
 
 
@@ -186,10 +196,16 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
     metrics = service.metrics
     if auth is not None:
         app.add_middleware(CheckAuth, auth=auth, metrics=metrics)
+    app.add_middleware(APIPaths, metrics=metrics)  # outermost: an API path never reaches the page, however spelled
 
     @app.exception_handler(APIError)
     async def api_error(request: HTTPRequest, e: APIError):
         return e.response(metrics)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: HTTPRequest, e: ClientGone):
+        log.info("%s %s: the client hung up before the request was read", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: HTTPRequest, e: StarletteHTTPException):
@@ -206,7 +222,7 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
     error_body = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     responses: dict = {s: {"description": d, "content": error_body} for s, d in ERRORS.items()}
 
-    @app.get("/health", responses={503: responses[503]})
+    @app.api_route("/health", methods=["GET", "HEAD"], responses={503: responses[503]})
     async def health():
         s = service.scheduler
         body = {"status": "ok" if s.alive else "down", "model": service.model_id, "precision": service.precision,
@@ -216,7 +232,8 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
             body["last_error"] = s.error
         return JSONResponse(body, status_code=200 if s.alive else 503)
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses={401: responses[401]})
+    @app.api_route("/metrics", methods=["GET", "HEAD"], response_class=PlainTextResponse,
+                   responses={401: responses[401]})
     async def metrics_text():
         s = service.scheduler
         return PlainTextResponse(metrics.render(s.active, s.queue_depth, s.max_batch, s.restarts),
@@ -251,13 +268,14 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
     async def completions(request: HTTPRequest):
         return await _completions(service, request)
 
-    @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
+    @app.api_route("/v1/{rest:path}", methods=OTHER_METHODS,
                    include_in_schema=False)
     async def unknown(request: HTTPRequest, rest: str):
         return _no_route(request)
 
     for path in ("/health", "/metrics"):
-        app.add_api_route(path, _no_route, methods=["POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+        app.add_api_route(path, _no_route, methods=[m for m in OTHER_METHODS if m not in ("GET", "HEAD")],
+                          include_in_schema=False)
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -294,7 +312,16 @@ async def _admit(service: Service, request: HTTPRequest, parse, plan) -> tuple[A
     """Read, validate and plan a request, then queue its rows: every refusal is an APIError (400, 413, 429, 503)
     before anything reaches the model."""
     metrics = service.metrics
-    raw = await request.body()
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        metrics.reject("bad_request")
+        raise APIError(415, f"Content-Encoding '{encoding}' is not supported: send the JSON body uncompressed",
+                       code="unsupported_media_type")
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # hung up before the body was whole: nobody to answer, nothing went wrong here
+        metrics.reject("client_gone")
+        raise ClientGone() from None
     if len(raw) > MAX_BODY:
         metrics.reject("bad_request")
         raise APIError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY}")
@@ -382,7 +409,8 @@ async def _completions(service: Service, request: HTTPRequest):
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(writer.completion_sse(service, cid, created, api_answers.merged_events(reqs, q, len(reqs)),
-                                                     rows, table, scored, body.logprobs, include_usage),
+                                                     rows, table, scored, body.logprobs, include_usage,
+                                                     body.n or 1),
                                      media_type="text/event-stream", background=BackgroundTask(_cancel_all, reqs),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         got = await _collect(request, q, len(reqs))
@@ -433,6 +461,30 @@ async def _collect(request: HTTPRequest, q: asyncio.Queue, n: int):
         gone.cancel()
 
 
+class APIPaths:
+    """API paths spelled another way (`//v1/models`, `/V1/models`, `/health/`, `/v1`) are a 404 error object
+    naming the path to use, instead of falling through to the Gradio page mounted at / (whose 404 is
+    `{"detail": ...}`, and which would also bypass the API's own auth check)."""
+
+    def __init__(self, app, metrics: Metrics | None = None) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            path = scope.get("path", "")
+            canon = re.sub("/{2,}", "/", path)
+            low = canon.lower()
+            api = low == "/v1" or low.startswith("/v1/") or low.rstrip("/") in ("/health", "/metrics")
+            exact = path.startswith("/v1/") or path in ("/health", "/metrics")
+            if api and not exact:
+                want = "/v1/" + canon[4:] if low.startswith("/v1/") else low.rstrip("/")
+                hint = f": use {want}" if want not in ("/v1", "/v1/") else ""
+                await APIError(404, f"no such API path: {scope.get('method', '')} {path}{hint}",
+                               code="not_found").response(self.metrics)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class CheckAuth:
     """API credentials, checked before a request reaches its route. A plain ASGI middleware: it never
     touches the response, where Starlette's `@app.middleware("http")` would pipe every streamed chunk
@@ -455,15 +507,20 @@ class CheckAuth:
 
 
 def _authorized(header: str, auth: tuple[str, str]) -> bool:
+    """Compared as UTF-8 bytes: `secrets.compare_digest` refuses non-ASCII str (a TypeError, i.e. a 500, for
+    any client that sends a non-ASCII password or user)."""
+    def same(a: str, b: str) -> bool:
+        return secrets.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
+
     scheme, _, value = header.partition(" ")
     if scheme.lower() == "bearer":
-        return secrets.compare_digest(value.strip(), auth[1]) or secrets.compare_digest(value.strip(), ":".join(auth))
+        return same(value.strip(), auth[1]) or same(value.strip(), ":".join(auth))
     if scheme.lower() == "basic":
         try:
-            user, _, pw = base64.b64decode(value.strip()).decode().partition(":")
-        except Exception:
+            user, _, pw = base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")
+        except ValueError:  # not base64, or not UTF-8 (UnicodeDecodeError is a ValueError)
             return False
-        return secrets.compare_digest(user, auth[0]) and secrets.compare_digest(pw, auth[1])
+        return same(user, auth[0]) and same(pw, auth[1])
     return False
 
 

@@ -1,0 +1,240 @@
+"""A hostile client against `edge-chat serve` (issue 45): what such a client sends is a 4xx error object that
+names the problem, never a 5xx, a wrong answer or another user's stall. A real server subprocess on loopback
+(the page mounted at /, so nothing may fall through to it), and the real ASGI app where a setting is needed."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+import socket
+import time
+
+import httpx
+import pytest
+
+from conftest import served
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bundle):
+    yield from served(tiny_bundle.root, "--engine", "int8-dynamic", "--max-users", "4")
+
+
+def _post(server, path: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60, **kw)
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err
+
+
+def _count(server, status: int) -> float:
+    m = re.search(rf'^edgechat_http_errors_total{{status="{status}"}} (\S+)$',
+                  httpx.get(server.url + "/metrics", timeout=10).text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _idle(server) -> None:
+    deadline = time.time() + 10
+    while True:
+        h = httpx.get(server.url + "/health", timeout=10).json()
+        if h["active"] == 0 and h["queued"] == 0 or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert h["status"] == "ok" and h["active"] == 0 and h["scheduler_restarts"] == 0, h
+
+
+def test_deeply_nested_tool_call_arguments_are_text_not_a_500(server):
+    """Row 1: an earlier call's arguments nested past the JSON parser's recursion limit stay text (here too
+    long for the tiny model's context: a 400 naming that), not a RecursionError 500."""
+    msgs = HI + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    err = _error(_post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4}), 400)
+    assert err["code"] == "context_length_exceeded", err
+    short = HI + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 3000}}]}]
+    r = _post(server, "/v1/chat/completions", {"messages": short, "max_tokens": 4})
+    assert r.status_code in (200, 400) and r.status_code < 500, r.text
+    _idle(server)
+
+
+def test_an_unsatisfiable_recursive_schema_is_a_400_before_any_slot(server):
+    """Row 3: a schema nothing satisfies (n requires c, c is an n) compiles, but its first mask runs out of
+    work: refused with invalid_schema at compile time, not a 500 at the first token."""
+    schema = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+              "$ref": "#/$defs/n"}
+    before = _count(server, 500)
+    r = _post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 8, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    err = _error(r, 400)
+    assert err["code"] == "invalid_schema" and err["param"] == "response_format", err
+    assert _count(server, 500) == before
+    _idle(server)
+
+
+def test_a_client_that_hangs_up_mid_body_is_not_a_500(server):
+    """Row 4: headers say 1000 bytes, 10 come, the client closes: no 500 counted (the fixture's teardown
+    checks that no traceback was printed)."""
+    before = _count(server, 500)
+    host, port = server.url.removeprefix("http://").split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"messages")
+            time.sleep(0.2)
+    time.sleep(0.5)
+    assert _count(server, 500) == before
+    _idle(server)
+
+
+def test_a_temperature_that_underflows_is_greedy(server):
+    """Row 7: 1/T overflows float32 below ~2.9e-39; it used to be NaN and always the last token id. A
+    temperature under MIN_TEMPERATURE is greedy: the same answer as temperature 0."""
+    base = {"messages": HI, "max_tokens": 8, "ignore_eos": True}
+    greedy = _post(server, "/v1/chat/completions", {**base, "temperature": 0}).json()["choices"][0]["message"]
+    for t in (2.9e-39, 1e-45, 5e-6):
+        r = _post(server, "/v1/chat/completions", {**base, "temperature": t, "seed": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == greedy["content"], t
+    err = _error(_post(server, "/v1/chat/completions", {**base, "repetition_penalty": 1e-38}), 400)
+    assert err["param"] == "repetition_penalty" and "0.01" in err["message"], err
+
+
+def test_stop_strings_cannot_cut_a_constrained_answer(server):
+    """Row 8: a stop string inside JSON or a call made a 'stop' answer that does not parse; refused, naming why."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    err = _error(_post(server, "/v1/chat/completions", {"messages": HI, "stop": ",", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}), 400)
+    assert err["param"] == "stop" and "parse" in err["message"], err
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    err = _error(_post(server, "/v1/chat/completions", {"messages": HI, "stop": "\"", "tools": tools}), 400)
+    assert err["param"] == "stop", err
+
+
+def test_tool_parameters_with_defs_and_refs_compile_and_are_followed(tiny_generator):
+    """Row 9: the `$defs`/`$ref` pydantic writes, inside the call's wrapper schema, still resolve ("Pointer
+    '/$defs/Loc' does not exist" before), and the call grammar follows them: a call with the referenced shape is
+    accepted, one with another shape is not. (In process: the tools' prompt overflows the tiny model's context.)"""
+    from edge.decode import conversation
+    from edge.decode.grammar import GrammarVocab, Matcher, compile_lark  # noqa: F401
+
+    params = {"$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}},
+                                "required": ["city"], "additionalProperties": False}},
+              "type": "object", "properties": {"where": {"$ref": "#/$defs/Loc"}}, "required": ["where"],
+              "additionalProperties": False}
+    other = {"$defs": {"Loc": {"type": "integer"}}, "type": "object", "properties": {"n": {"$ref": "#/$defs/Loc"}},
+             "required": ["n"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": params}},
+             {"type": "function", "function": {"name": "other", "parameters": other}}]
+    tok, vocab = tiny_generator.tokenizer, tiny_generator.decoder.dims.vocab_size
+
+    def accepts(grammar, text: str) -> bool:
+        m = grammar.matcher()
+        return all(m.m.consume_token(t) for t in tok.encode(text)) and m.m.is_accepting()
+
+    for tool_list in (tools[:1], tools):  # one tool (no anyOf around it) and two (each under anyOf)
+        g = conversation.constraint(tok, vocab, tool_list, "required")
+        assert accepts(g, '<tool_call>\n{"name": "weather", "arguments": {"where": {"city": "Tokyo"}}}\n</tool_call>')
+        assert not accepts(g, '<tool_call>\n{"name": "weather", "arguments": {"where": 5}}\n</tool_call>')
+    g = conversation.constraint(tok, vocab, tools, "required")
+    assert accepts(g, '<tool_call>\n{"name": "other", "arguments": {"n": 5}}\n</tool_call>')
+    assert not accepts(g, '<tool_call>\n{"name": "other", "arguments": {"n": {"city": "x"}}}\n</tool_call>')
+
+
+def _sse(r: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def test_streamed_echo_equals_the_whole_answer(server):
+    """Row 10: streamed echo with max_tokens 0 sent only [DONE]; streamed text_offset restarted at 0 per chunk."""
+    for extra in ({"max_tokens": 0}, {"max_tokens": 4, "ignore_eos": True}):
+        body = {"prompt": "Hello! How are you", "echo": True, "logprobs": 2, "n": 2, **extra}
+        whole = _post(server, "/v1/completions", body).json()["choices"]
+        chunks = _sse(_post(server, "/v1/completions", {**body, "stream": True}))
+        for k, want in enumerate(whole):
+            mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == k]
+            assert "".join(c["text"] for c in mine) == want["text"], (k, mine)
+            assert mine[-1]["finish_reason"] == want["finish_reason"]
+            offsets = [o for c in mine for o in c["logprobs"]["text_offset"]]
+            assert offsets == want["logprobs"]["text_offset"], (offsets, want["logprobs"]["text_offset"])
+
+
+def test_api_paths_never_fall_through_to_the_page(server):
+    """Row 13: other methods on /health and /metrics, TRACE on /v1, and API paths spelled another way get the
+    API's error object (405 with Allow, or 404 naming the path to use); HEAD /health is a 200."""
+    u = server.url
+    assert httpx.head(u + "/health", timeout=10).status_code == 200
+    assert httpx.head(u + "/metrics", timeout=10).status_code == 200
+    for method, path in (("OPTIONS", "/health"), ("TRACE", "/health"), ("OPTIONS", "/metrics"),
+                         ("TRACE", "/metrics"), ("TRACE", "/v1/models"), ("TRACE", "/v1/chat/completions")):
+        r = httpx.request(method, u + path, timeout=10)
+        err = _error(r, 405)
+        assert "Allow" in r.headers and path in err["message"], (method, path, err)
+    for path, want in (("//v1/models", "/v1/models"), ("/V1/models", "/v1/models"), ("/v1", None),
+                       ("/HEALTH", "/health"), ("/health/", "/health")):
+        err = _error(httpx.get(u + path, timeout=10), 404)
+        assert want is None or want in err["message"], (path, err)
+
+
+def test_stream_options_gzip_and_duplicate_tools_are_refused(server):
+    """Row 16: stream_options without stream, a compressed body (415), two tools of one name."""
+    err = _error(_post(server, "/v1/chat/completions", {"messages": HI, "stream_options": {"include_usage": True}}),
+                 400)
+    assert err["param"] == "stream_options"
+    err = _error(_post(server, "/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}), 400)
+    assert err["param"] == "stream_options"
+    raw = gzip.compress(json.dumps({"messages": HI}).encode())
+    err = _error(httpx.post(server.url + "/v1/chat/completions", content=raw, timeout=30,
+                            headers={"content-type": "application/json", "content-encoding": "gzip"}), 415)
+    assert "gzip" in err["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    err = _error(_post(server, "/v1/chat/completions", {"messages": HI, "tools": [tool, tool]}), 400)
+    assert err["param"] == "tools" and "'f'" in err["message"]
+    _idle(server)
+
+
+def test_non_ascii_credentials_are_a_401(tiny_generator):
+    """Row 2: a non-ASCII Bearer password or Basic user was a TypeError 500 on every protected path."""
+    import base64
+
+    from fastapi.testclient import TestClient
+
+    from edge.serve.service import Service, create_app
+
+    service = Service(tiny_generator, max_users=2)
+    service.scheduler.start()
+    try:
+        client = TestClient(create_app(service, auth=("me", "pw"), ui=False), raise_server_exceptions=False)
+        basic = base64.b64encode("m\u00e9:pw".encode()).decode()
+        for header in ("Bearer s3cr\u00e9t".encode("latin-1"), f"Basic {basic}".encode(),
+                       b"Basic \xff\xfe", "Bearer pw\u00e9".encode("utf-8")):
+            for path in ("/v1/models", "/metrics"):
+                r = client.get(path, headers={"Authorization": header})
+                assert r.status_code == 401, (header, path, r.status_code, r.text)
+        ok = base64.b64encode(b"me:pw").decode()
+        assert client.get("/v1/models", headers={"Authorization": f"Basic {ok}"}).status_code == 200
+        assert client.get("/v1/models", headers={"Authorization": "Bearer pw"}).status_code == 200
+    finally:
+        service.scheduler.stop()
+
+
+def test_the_page_refuses_nan_and_out_of_range_settings(tiny_generator):
+    """Row 16: the page's number boxes let NaN through (a raw Python error on the status line)."""
+    from edge.errors import EdgeChatError
+    from edge.serve.webui import page_sampling
+
+    for t, p, n in ((0.7, 0.9, math.nan), (math.nan, 0.9, 16), (0.7, math.inf, 16), (3.0, 0.9, 16),
+                    (0.7, 0.0, 16), ("x", 0.9, 16), (0.7, 0.9, 10**9)):
+        with pytest.raises(EdgeChatError):
+            page_sampling(tiny_generator, t, p, n)
+    assert page_sampling(tiny_generator, 1e-39, 0.9, 16).greedy
+    assert page_sampling(tiny_generator, 0.7, 0.9, 16.0).max_new_tokens == 16
