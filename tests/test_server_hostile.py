@@ -21,7 +21,8 @@ HI = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_bundle):
-    yield from served(tiny_bundle.root, "--engine", "int8-dynamic", "--max-users", "4")
+    yield from served(tiny_bundle.root, "--engine", "int8-dynamic", "--max-users", "4", "--header-timeout", "2",
+                      "--body-timeout", "3")
 
 
 def _post(server, path: str, body: dict, **kw) -> httpx.Response:
@@ -238,3 +239,139 @@ def test_the_page_refuses_nan_and_out_of_range_settings(tiny_generator):
             page_sampling(tiny_generator, t, p, n)
     assert page_sampling(tiny_generator, 1e-39, 0.9, 16).greedy
     assert page_sampling(tiny_generator, 0.7, 0.9, 16.0).max_new_tokens == 16
+
+
+# -- step 2: long work off the event loop and in bounded steps; connection limits; fair admission -------------
+
+def test_connection_limits_refuse_slow_and_huge_bodies_up_front(server):
+    """Row 14: half-sent headers are closed after --header-timeout; a body not whole within --body-timeout is
+    a 408; a Content-Length over the limit is a 413 before a byte of the body is read."""
+    host, port = server.url.removeprefix("http://").split(":")
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=15) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        assert s.recv(1024) == b""  # closed by the server
+    took = time.monotonic() - t0
+    assert 1.5 < took < 10, took
+    with socket.create_connection((host, int(port)), timeout=15) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000000000000\r\n\r\n")
+        head = s.recv(4096).decode()
+    assert head.startswith("HTTP/1.1 413"), head
+    with socket.create_connection((host, int(port)), timeout=15) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"mess")
+        head = s.recv(4096).decode()
+    assert head.startswith("HTTP/1.1 408"), head
+    _idle(server)
+
+
+def test_a_large_body_is_refused_without_stalling_health(server):
+    """Row 5: a 4 MB chat body was tokenized on the event loop (every stream and /health stalled 4-5 s). Now
+    it is refused from its length before tokenizing, and what tokenizing is left runs off the loop."""
+    import threading
+
+    body = {"messages": [{"role": "user", "content": "octopus " * 500_000}], "max_tokens": 4}
+    worst = []
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            t = time.monotonic()
+            httpx.get(server.url + "/health", timeout=30)
+            worst.append(time.monotonic() - t)
+            time.sleep(0.05)
+
+    th = threading.Thread(target=poll)
+    th.start()
+    try:
+        err = _error(_post(server, "/v1/chat/completions", body), 400)
+    finally:
+        done.set()
+        th.join()
+    assert err["code"] == "context_length_exceeded" and "at least" in err["message"], err
+    print(f"longest /health during a 4 MB body: {max(worst):.2f} s")
+    assert max(worst) < 3.0, worst  # was 4-5 s; measured well under 1 s here (a loaded 2-core machine)
+
+
+def test_prompt_scoring_runs_in_steps_between_decode_steps_and_stops_when_gone(tiny_generator):
+    """Row 6: echo + logprobs scoring ran as one call on the scheduler thread (others froze for it; a hang-up or
+    --request-timeout did not stop it). Now a job of bounded steps: it takes turns with a streaming row, and
+    stops at its next step once its caller is gone."""
+    from edge.decode.scheduler import JobGone, Scheduler
+
+    s = Scheduler(tiny_generator, max_batch=2).start()
+    order: list[str] = []
+    try:
+        def job(n):
+            for _ in range(n):
+                order.append("job")
+                yield
+            return "done"
+
+        cfg = tiny_generator.sampling(max_new_tokens=20, ignore_eos=True)
+        req = s.submit([5, 6, 7], cfg, on_event=lambda ev: order.append("tok") if ev.text or ev.finish_reason else None)
+        fut = s.call_steps(job(10))
+        assert fut.result(timeout=30) == "done"
+        req.done.wait(30)
+        first, last = order.index("job"), len(order) - 1 - order[::-1].index("job")
+        assert "tok" in order[first:last], order  # the row decoded between the job's steps
+        gone = {"why": None}
+        fut = s.call_steps(job(10**6), lambda: gone["why"])
+        time.sleep(0.2)
+        gone["why"] = "cancelled"
+        with pytest.raises(JobGone):
+            fut.result(timeout=10)
+    finally:
+        s.stop()
+
+
+def test_echo_scoring_obeys_request_timeout(tiny_generator, monkeypatch):
+    """Row 6: --request-timeout covers echo-only scoring (it ran to its end: a 200 after 22.5 s with a 2 s limit)."""
+    from fastapi.testclient import TestClient
+
+    from edge.serve import openai_answers
+    from edge.serve.service import Service, create_app
+
+    real = openai_answers.score_steps
+
+    def slow(*a, **k):
+        for step in real(*a, **k) if False else [None] * 10**6:
+            time.sleep(0.01)
+            yield step
+        return []
+
+    monkeypatch.setattr(openai_answers, "score_steps", slow)
+    service = Service(tiny_generator, max_users=2, request_timeout_s=1.0)
+    service.scheduler.start()
+    try:
+        client = TestClient(create_app(service, ui=False), raise_server_exceptions=False)
+        t0 = time.monotonic()
+        r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 0, "echo": True, "logprobs": 2})
+        assert r.status_code == 504 and time.monotonic() - t0 < 10, r.text
+        assert service.scheduler.active == 0
+    finally:
+        service.scheduler.stop()
+
+
+def test_n_counts_in_the_queue_and_admission_takes_turns(tiny_generator):
+    """Row 15: two n=16 requests filled the slots and every queue place (others got 429). n rows are n queue
+    places, all or none, capped per request; admission takes turns between requests."""
+    from edge.decode.scheduler import QueueFullError, Scheduler
+    from edge.errors import EdgeChatError
+
+    s = Scheduler(tiny_generator, max_batch=2, max_queue=8)
+    assert s.max_rows_per_request == 4
+    s._thread = type("T", (), {"is_alive": lambda self: True})()  # queue only: the loop is not run
+    cfg = tiny_generator.sampling(max_new_tokens=4)
+    row = ([5, 6, 7], cfg, None)
+    with pytest.raises(EdgeChatError, match="at most 4 per request"):
+        s.submit_group([row] * 5, on_event=lambda i, ev: None)
+    a = s.submit_group([row] * 4, on_event=lambda i, ev: None)
+    b = s.submit_group([row] * 2, on_event=lambda i, ev: None)
+    with pytest.raises(QueueFullError):  # 6 waiting + 4 > 8 places: all or none
+        s.submit_group([row] * 4, on_event=lambda i, ev: None)
+    c = s.submit_group([row] * 2, on_event=lambda i, ev: None)  # 8 places
+    taken = s._take(3)
+    groups = [r.group for r, _ in taken]
+    assert groups == [a[0].group, b[0].group, c[0].group], groups  # one of each, oldest first

@@ -150,29 +150,30 @@ class Grammar:
         err = llg.LLMatcher.validate_grammar(grammar, vocab.tok, limits=self._limits)
         if err and not err.startswith("WARNING"):
             raise GrammarError(f"{what} cannot be used for constrained decoding: {_short(err)}")
+        self._start: Any = None
         first = self.matcher()  # compiles the lexer: a schema too costly for the limits fails here, not mid-answer
         try:  # and the first token's mask: a schema nothing satisfies (a required recursion) is a 400 now, not
             ok = first.allowed()  # a 500 at the first token after a slot was taken
         except GrammarError as e:
             raise GrammarError(f"{what} cannot be used for constrained decoding: "
                                f"{str(e).removeprefix('constrained decoding failed: ')}") from None
-        finally:
-            first.close()
+        self._start = first.m  # each answer's matcher is a copy of this one: n answers parse the grammar once
         if not ok.any():
             raise GrammarError(f"{what} cannot be used for constrained decoding: no answer can satisfy it "
                                "(no first token is allowed)")
 
     def matcher(self) -> "Matcher":
-        return Matcher(self)
+        return Matcher(self, self._start.deep_copy() if self._start is not None else None)
 
 
 class Matcher:
     """One answer's grammar state."""
 
-    def __init__(self, grammar: Grammar) -> None:
+    def __init__(self, grammar: Grammar, started: Any = None) -> None:
         llg = _llg()
         self.g = grammar
-        self.m = llg.LLMatcher(grammar.vocab.tok, grammar.grammar, log_level=0, limits=grammar._limits)
+        self.m = started if started is not None else llg.LLMatcher(grammar.vocab.tok, grammar.grammar, log_level=0,
+                                                                   limits=grammar._limits)
         if self.m.is_error():
             raise GrammarError(f"{grammar.what} cannot be used for constrained decoding: {_short(self.m.get_error())}")
         self.bits = llg.numpy.allocate_token_bitmask(1, grammar.vocab.vocab_size)

@@ -53,6 +53,14 @@ class QueueFullError(EdgeChatError):
         self.retry_after_s = retry_after_s
 
 
+class JobGone(EdgeChatError):
+    """A stepped job (Scheduler.call_steps) stopped because its client left or its time ran out."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"stopped: {why}")
+        self.why = why
+
+
 _ids = itertools.count(1)
 
 
@@ -91,6 +99,7 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     deadline: float | None = None
     logits: "RowLogits | None" = None  # this answer's logits processors and logprobs wish (edge.decode.logits)
+    group: int = 0  # the rows of one client request share a group: admission takes turns between groups
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     _queue: "queue.Queue[StreamEvent]" = field(default_factory=queue.Queue, repr=False)
@@ -201,6 +210,7 @@ class Scheduler:
         self.error: str | None = None  # the last failure of the loop as a whole (it was restarted)
         self.restarts = 0
         self._calls: deque = deque()  # (fn, Future): run on the scheduler thread between steps (see call)
+        self._jobs: deque = deque()  # (steps, gone, Future): one step each between decode steps (see call_steps)
         self.speculator = None  # edge.decode.speculative.RowSpeculator: speculative steps while one greedy row decodes
 
     # -- client side -----------------------------------------------------------------------------
@@ -220,6 +230,38 @@ class Scheduler:
             self.pending.append(req)
             self._cv.notify()
         return req
+
+    def submit_group(self, rows: list[tuple[list[int], SamplingConfig, "RowLogits | None"]],
+                     on_event: Callable[[int, StreamEvent], None], timeout_s: float | None = None) -> list[Request]:
+        """Queue the rows of one client request (its n answers) all or none: they count as len(rows) places in
+        the queue, so a request with n=16 is refused (429) where a one-row request would still get in, and
+        admission then takes turns between requests (see _take) instead of serving one request's rows first.
+        A request may hold at most `max_rows_per_request` rows (EdgeChatError: a 400)."""
+        if len(rows) > self.max_rows_per_request:
+            raise EdgeChatError(f"this request asks for {len(rows)} answers; this server takes at most "
+                                f"{self.max_rows_per_request} per request (--max-users and --max-queue): ask for fewer")
+        group = next(_ids)
+        reqs = [self._request(p, cfg, (lambda ev, i=i: on_event(i, ev)), timeout_s, lg)
+                for i, (p, cfg, lg) in enumerate(rows)]
+        for r in reqs:
+            r.group = group
+        if self._stop.is_set() or self._thread is None:
+            raise EdgeChatError("the scheduler is not running")
+        if not self._thread.is_alive():
+            self._restart_thread("the scheduler thread had stopped")
+        with self._cv:
+            free = self.max_batch - len(self.rows) - len(self.pending)
+            if len(reqs) > free and len(self.pending) + len(reqs) > self.admission.max_queue + max(free, 0):
+                raise QueueFullError(len(self.pending), self.retry_after())
+            self.pending.extend(reqs)
+            self._cv.notify()
+        return reqs
+
+    @property
+    def max_rows_per_request(self) -> int:
+        """Rows one request may queue: all the slots, or half the queue if that is more, so one request never
+        holds every queue place."""
+        return max(self.max_batch, self.admission.max_queue // 2)
 
     def _request(self, prompt_ids: list[int], cfg: SamplingConfig, on_event: Callable[[StreamEvent], None] | None,
                  timeout_s: float | None = None, logits: "RowLogits | None" = None) -> Request:
@@ -331,6 +373,8 @@ class Scheduler:
                 self._emit_final(r, self._text(r), "cancelled")
             while self._calls:
                 self._calls.popleft()[1].cancel()
+            while self._jobs:
+                self._jobs.popleft()[2].cancel()
             self._fail_in_flight("cancelled")
 
     def call(self, fn: Callable[[], object]) -> Future:
@@ -341,6 +385,39 @@ class Scheduler:
             self._calls.append((fn, fut))
             self._cv.notify()
         return fut
+
+    def call_steps(self, steps: Iterator[object], gone: Callable[[], str | None] = lambda: None) -> Future:
+        """Run a long job on the scheduler thread one bounded step at a time, one step between two decode steps
+        (scoring a long prompt for echo + logprobs: a chunk of the prompt per step), so the answers streaming
+        meanwhile keep streaming. `steps` yields after each chunk and returns its result (StopIteration's value);
+        `gone()` (a hang-up, a timeout) says why to stop it: the future then raises JobGone."""
+        fut: Future = Future()
+        with self._cv:
+            self._jobs.append((steps, gone, fut))
+            self._cv.notify()
+        return fut
+
+    def _run_job_step(self) -> bool:
+        """One step of the oldest job (jobs take turns); True when one ran."""
+        if not self._jobs:
+            return False
+        steps, gone, fut = self._jobs.popleft()
+        if fut.cancelled():
+            return True
+        why = gone()
+        if why:
+            fut.set_exception(JobGone(why))
+            return True
+        try:
+            next(steps)
+        except StopIteration as done:
+            fut.set_result(done.value)
+            return True
+        except BaseException as e:  # the caller gets it; the loop goes on
+            fut.set_exception(e)
+            return True
+        self._jobs.append((steps, gone, fut))
+        return True
 
     def _run_calls(self) -> bool:
         """Run the queued calls; True when any ran."""
@@ -357,12 +434,13 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             ran = self._run_calls()
+            ran = self._run_job_step() or ran
             took = self._admit()
             if (ran or took) and self.speculator is not None:
                 self.speculator.interrupted()  # this step's time is not a lone row's step
             if not self.rows and self.prefilling is None:
                 with self._cv:
-                    if not self.pending and not self._calls and not self._stop.is_set():
+                    if not self.pending and not self._calls and not self._jobs and not self._stop.is_set():
                         self._cv.wait(0.5)
                 continue
             self._drop_unwanted()
@@ -419,10 +497,12 @@ class Scheduler:
             with self._cv:
                 if not self.pending:
                     break
-                if self._long(self.pending[0]) and (self.prefilling is not None or
-                                                    any(self._long(r) for r, _ in out)):
+                pick = self._next_pending(out)
+                head = self.pending[pick]
+                if self._long(head) and (self.prefilling is not None or any(self._long(r) for r, _ in out)):
                     break
-                req = self.pending.popleft()
+                req = head
+                del self.pending[pick]
             text = self._text(req)
             why = req.gone()
             if why:
@@ -435,6 +515,23 @@ class Scheduler:
                 continue
             out.append((req, _Row(req, sampler, text, list(req.prompt_ids), logits=req.logits)))
         return out
+
+    def _next_pending(self, taken: list[tuple[Request, _Row]]) -> int:
+        """Which waiting request goes next: the oldest of the request group with the fewest rows running (or
+        just taken), so one client's n answers take turns with other clients instead of going first."""
+        running: dict[int, int] = {}
+        for r in self.rows:
+            running[r.req.group] = running.get(r.req.group, 0) + 1
+        for r, _ in taken:
+            running[r.group] = running.get(r.group, 0) + 1
+        best, best_n = 0, None
+        for i, r in enumerate(self.pending):
+            n = running.get(r.group, 0) if r.group else 0
+            if best_n is None or n < best_n:
+                best, best_n = i, n
+                if n == 0:
+                    break
+        return best
 
     def _prefill(self, req: Request, row: _Row) -> None:
         """Prefill the prompt into a new row (after its cached start, if the cache has one); it joins the batch."""

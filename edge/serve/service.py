@@ -28,17 +28,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from edge.serve import openai_answers as api_answers
 from edge.serve import openai_schema as api_schema
 from edge.serve import openai_writer as writer
-from edge.decode.scheduler import QueueFullError, Request, Scheduler
+from edge.decode.scheduler import JobGone, QueueFullError, Request, Scheduler
 from edge.errors import ContextOverflowError, EdgeChatError
 from edge.decode.grammar import GrammarError
 from edge.decode.logits import RowLogits
+from edge.serve.limits import MAX_BODY, BodyRefused, ConnectionLimits, read_body
 from edge.serve.metrics import Metrics
 from edge.decode.generate import Generator
 from edge.decode.text_stream import StreamEvent
 from edge.decode.sampling import SamplingConfig
 
 log = logging.getLogger("edgechat")
-MAX_BODY = 4 * 1024 * 1024
 
 
 class APIError(Exception):
@@ -68,7 +68,7 @@ class Service:
 
     def __init__(self, gen: Generator, max_users: int = 8, max_queue: int | None = None,
                  prompt_cache_mb: float | None = None, request_timeout_s: float | None = None,
-                 lenient: bool = False) -> None:
+                 lenient: bool = False, limits: ConnectionLimits | None = None) -> None:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise EdgeChatError(f"--request-timeout must be > 0 seconds, got {request_timeout_s}")
         self.gen = gen
@@ -86,6 +86,7 @@ class Service:
         p0 = gen.decoder.providers[0]
         self.backend = "TensorRT" if p0 == "TensorRT" else f"ONNX Runtime {p0.replace('ExecutionProvider', '')}"
         self.started = time.time()
+        self.limits = limits or ConnectionLimits()
         self.lenient = lenient  # --lenient: fields this server does not support are ignored, not a 400
         threading.Thread(target=self._warm_grammar, name="edgechat-grammar-warmup", daemon=True).start()
 
@@ -95,6 +96,7 @@ class Service:
         try:
             from edge.decode.grammar import GrammarVocab
 
+            api_answers.token_table(self.gen.tokenizer, self.gen.decoder.dims.vocab_size)  # for logprobs, length bounds
             GrammarVocab.for_tokenizer(self.gen.tokenizer, self.gen.decoder.dims.vocab_size)
         except Exception as e:  # llguidance missing: constrained requests get the MissingDependencyError then
             log.info("grammar engine not ready: %s", e)
@@ -104,21 +106,37 @@ class Service:
         return await asyncio.wrap_future(self.scheduler.call(fn))
 
     async def submit_rows(self, rows) -> tuple[list[Request], asyncio.Queue]:
-        """Every row of a request to the scheduler; their (row, event) pairs arrive on one queue. A row that
-        cannot be queued (429) cancels the ones already queued."""
+        """Every row of a request to the scheduler, all or none (n answers count as n queue places); their
+        (row, event) pairs arrive on one queue."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        reqs: list[Request] = []
-        try:
-            for i, (p, cfg, lg) in enumerate(zip(rows.prompt_of, rows.cfgs, rows.logits)):
-                reqs.append(self.scheduler.submit(
-                    rows.prompts[p], cfg, on_event=lambda ev, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, ev)),
-                    timeout_s=self.request_timeout_s, logits=lg))
-        except BaseException:
-            for r in reqs:
-                r.cancel()
-            raise
+        reqs = self.scheduler.submit_group(
+            [(rows.prompts[p], cfg, lg) for p, cfg, lg in zip(rows.prompt_of, rows.cfgs, rows.logits)],
+            on_event=lambda i, ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev)), timeout_s=self.request_timeout_s)
         return reqs, q
+
+    async def run_steps(self, steps, request: HTTPRequest):
+        """A long job (prompt scoring) on the scheduler thread a bounded step at a time between decode steps,
+        under --request-timeout and stopped when the client hangs up: 504 / ClientGone."""
+        deadline = None if self.request_timeout_s is None else time.perf_counter() + self.request_timeout_s
+        left = threading.Event()
+
+        def gone() -> str | None:
+            if left.is_set():
+                return "cancelled"
+            return "timeout" if deadline is not None and time.perf_counter() >= deadline else None
+
+        watch = asyncio.ensure_future(_client_gone(request))
+        watch.add_done_callback(lambda t: None if t.cancelled() else left.set())
+        try:
+            return await asyncio.wrap_future(self.scheduler.call_steps(steps, gone))
+        except JobGone as e:
+            if e.why == "timeout":
+                raise APIError(504, writer.timeout_message(self), type_="timeout_error", code="request_timeout") \
+                    from None
+            raise ClientGone() from None
+        finally:
+            watch.cancel()
 
     def sampling(self, max_tokens: int | None, prompt_len: int, **kw) -> SamplingConfig:
         room = self.gen.max_context - prompt_len
@@ -176,7 +194,7 @@ async def _client_gone(request: HTTPRequest) -> None:
 OTHER_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "TRACE", "CONNECT"]
 API_ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
 ERRORS = {400: "bad input (names the field)", 401: "missing or wrong credentials", 404: "no such model or path",
-          405: "wrong method", 413: "body over 4 MiB", 415: "compressed body (Content-Encoding)", 429: "queue full (Retry-After)", 500: "generation failed",
+          405: "wrong method", 408: "body not sent in time (--body-timeout)", 413: "body over 4 MiB", 415: "compressed body (Content-Encoding)", 429: "queue full (Retry-After)", 500: "generation failed",
           503: "the model is not running", 504: "over --request-timeout"}
 
 
@@ -318,15 +336,17 @@ async def _admit(service: Service, request: HTTPRequest, parse, plan) -> tuple[A
         raise APIError(415, f"Content-Encoding '{encoding}' is not supported: send the JSON body uncompressed",
                        code="unsupported_media_type")
     try:
-        raw = await request.body()
+        raw = await read_body(request, service.limits)
     except ClientDisconnect:  # hung up before the body was whole: nobody to answer, nothing went wrong here
         metrics.reject("client_gone")
         raise ClientGone() from None
-    if len(raw) > MAX_BODY:
+    except BodyRefused as e:
         metrics.reject("bad_request")
-        raise APIError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY}")
+        raise APIError(e.status, e.message, headers={"Connection": "close"}) from None
     try:
-        body = parse(raw, lenient=service.lenient)
+        # pydantic over a 4 MB body takes a while: off the event loop
+        body = await asyncio.to_thread(parse, raw, lenient=service.lenient) if len(raw) > 65536 else \
+            parse(raw, lenient=service.lenient)
         rows = await plan(service, body)
         if not service.scheduler.alive:
             raise APIError(503, f"the model is not running ({service.scheduler.error or 'stopped'})",
@@ -403,9 +423,7 @@ async def _completions(service: Service, request: HTTPRequest):
     try:
         scored = []
         if rows.score_top is not None:
-            for ids in rows.prompts:
-                scored.append(await service.on_scheduler(
-                    lambda ids=ids: api_answers.score_prompt(gen, ids, rows.score_top)))
+            scored = await service.run_steps(api_answers.score_steps(gen, rows.prompts, rows.score_top), request)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(writer.completion_sse(service, cid, created, api_answers.merged_events(reqs, q, len(reqs)),
@@ -427,7 +445,7 @@ async def _completions(service: Service, request: HTTPRequest):
 
 
 async def _plan_completion(service: Service, body):
-    return api_answers.completion_rows(service, body)
+    return await asyncio.to_thread(api_answers.completion_rows, service, body)
 
 
 def _cancel_all(reqs: list[Request]) -> None:
