@@ -375,3 +375,49 @@ def test_n_counts_in_the_queue_and_admission_takes_turns(tiny_generator):
     taken = s._take(3)
     groups = [r.group for r, _ in taken]
     assert groups == [a[0].group, b[0].group, c[0].group], groups  # one of each, oldest first
+
+
+# -- step 3: deterministic answers, a promise with a scope ------------------------------------------------------
+
+def test_batch_invariance_is_promised_per_engine_and_cpu_and_shown(server):
+    """Row 11: int4-weight on an AVX2-only CPU is not batch-invariant (docs/status.md); the server says so in
+    /v1/models instead of promising equal answers everywhere."""
+    from edge.backends.determinism import batch_invariance
+
+    cpu = "CPUExecutionProvider"
+    assert not batch_invariance("int4-weight", cpu, {"avx2"}).guaranteed
+    assert batch_invariance("int4-weight", cpu, {"avx2", "avx512_vnni"}).guaranteed
+    assert batch_invariance("int8-dynamic", cpu, {"avx2"}).guaranteed
+    assert not batch_invariance("fp16", "CUDAExecutionProvider", set()).guaranteed
+    card = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]
+    assert card["determinism"]["batch_invariant"] is True and "int8-dynamic" in card["determinism"]["why"], card
+
+
+def test_served_greedy_answers_never_speculate(tiny_generator):
+    """Row 12: with --speculative a served greedy answer came partly from verify calls, whose numbers differ in
+    the last bits, so the same greedy request gave different answers. The server speculates only for unseeded
+    sampled answers; the plain single-user loop keeps its rule."""
+    from edge.decode.scheduler import Scheduler
+
+    class Spy:
+        def __init__(self):
+            self.steps = 0
+
+        def step(self, sched) -> bool:
+            self.steps += 1
+            return False
+
+        def interrupted(self) -> None:
+            pass
+
+    def run(cfg, speculate_greedy: bool) -> int:
+        s = Scheduler(tiny_generator, max_batch=2)
+        s.speculator, s.speculate_greedy = Spy(), speculate_greedy
+        list(s.generate([5, 6, 7], cfg))
+        return s.speculator.steps
+
+    greedy = tiny_generator.sampling(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    sampled = tiny_generator.sampling(max_new_tokens=6, temperature=0.8, ignore_eos=True)
+    assert run(greedy, speculate_greedy=False) == 0
+    assert run(sampled, speculate_greedy=False) > 0
+    assert run(greedy, speculate_greedy=True) > 0  # the CLI's single-user loop: unchanged

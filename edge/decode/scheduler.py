@@ -211,7 +211,8 @@ class Scheduler:
         self.restarts = 0
         self._calls: deque = deque()  # (fn, Future): run on the scheduler thread between steps (see call)
         self._jobs: deque = deque()  # (steps, gone, Future): one step each between decode steps (see call_steps)
-        self.speculator = None  # edge.decode.speculative.RowSpeculator: speculative steps while one greedy row decodes
+        self.speculator = None  # edge.decode.speculative.RowSpeculator: speculative steps while one row decodes
+        self.speculate_greedy = True  # the server turns it off: served greedy answers must not depend on timing
 
     # -- client side -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], cfg: SamplingConfig,
@@ -635,9 +636,16 @@ class Scheduler:
                 self._emit_final(self.rows[i].req, self.rows[i].text, why)
             self._leave([i for i, _ in gone])
 
+    def _may_speculate(self) -> bool:
+        """With `speculate_greedy` off (the server), a greedy row never speculates: a verify call (wider than a
+        step) differs from plain steps in the last bits on quantized engines, so a greedy answer would depend
+        on whether the pacer, timing this machine, chose to draft (the same greedy request asked twice gave
+        different answers, issue 45 row 12). Seeded rows never speculate either (RowSpeculator)."""
+        return self.speculate_greedy or not (len(self.rows) == 1 and self.rows[0].req.cfg.greedy)
+
     def _step(self) -> None:
-        if self.speculator is not None and self.speculator.step(self):  # one greedy user: edge.decode.speculative
-            return
+        if self.speculator is not None and self._may_speculate() and self.speculator.step(self):
+            return  # a lone unseeded sampled row: edge.decode.speculative
         t = time.perf_counter()
         try:
             logits = self.cache.step([r.last for r in self.rows])

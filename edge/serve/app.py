@@ -70,8 +70,13 @@ def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: 
                     print(f"  bundle      {len(b.manifest.files)} files checked, {len(b.hashed)} hashed now (SHA-256)",
                           flush=True)
                 if gen.drafter is not None:
-                    print(f"  draft       {gen.draft_name} drafts while one answer (no seed) decodes, where it pays "
+                    print(f"  draft       {gen.draft_name} drafts while one sampled answer (no seed) decodes, where it pays "
                           f"({gen.draft_source})", flush=True)
+                if gen.speculative or gen.drafter is not None:
+                    print("  speculation off for greedy and seeded answers: they equal the plain answer", flush=True)
+                if not service.invariance.guaranteed:
+                    print(f"  note        batched answers may differ from the same request alone: "
+                          f"{service.invariance.why}", flush=True)
                 print("  Ctrl-C to stop", flush=True)
 
         def handle_exit(self, sig, frame) -> None:

@@ -77,14 +77,19 @@ class Service:
         self.scheduler = Scheduler(gen, max_batch=max_users, max_queue=4 * max_users if max_queue is None else max_queue,
                                    metrics=self.metrics,
                                    **({} if prompt_cache_mb is None else {"prompt_cache_mb": prompt_cache_mb}))
-        # speculative steps only while one greedy answer is decoding (edge.decode.speculative)
+        # speculative steps only while one answer is decoding (edge.decode.speculative)
         self.scheduler.speculator = gen.make_speculator()
+        # served greedy answers equal the plain answer: only unseeded sampled answers speculate (see _may_speculate)
+        self.scheduler.speculate_greedy = False
         m = gen.bundle.manifest if gen.bundle is not None else None
         self.model_id = m.model_name.split("/")[-1] if m else "edgechat"
         engine = getattr(gen.decoder, "engine", None)
         self.precision = engine.fingerprint.precision if engine is not None else "?"
         p0 = gen.decoder.providers[0]
         self.backend = "TensorRT" if p0 == "TensorRT" else f"ONNX Runtime {p0.replace('ExecutionProvider', '')}"
+        from edge.backends.determinism import batch_invariance
+
+        self.invariance = batch_invariance(self.precision, p0)  # what /v1/models promises about batched answers
         self.started = time.time()
         self.limits = limits or ConnectionLimits()
         self.lenient = lenient  # --lenient: fields this server does not support are ignored, not a 400
@@ -544,4 +549,5 @@ def _authorized(header: str, auth: tuple[str, str]) -> bool:
 
 def _model_card(service: Service) -> dict:
     return {"id": service.model_id, "object": "model", "created": int(service.started), "owned_by": "edgechat",
-            "precision": service.precision, "backend": service.backend, "context_length": service.gen.max_context}
+            "precision": service.precision, "backend": service.backend, "context_length": service.gen.max_context,
+            "determinism": service.invariance.card()}
