@@ -421,3 +421,21 @@ def test_served_greedy_answers_never_speculate(tiny_generator):
     assert run(greedy, speculate_greedy=False) == 0
     assert run(sampled, speculate_greedy=False) > 0
     assert run(greedy, speculate_greedy=True) > 0  # the CLI's single-user loop: unchanged
+
+
+@pytest.mark.slow
+def test_hostile_client_script_passes_against_a_real_server(server, tmp_path):
+    """Step 4: scripts/hostile_client.py (every row above and more, with a streaming canary) against the tiny
+    bundle's server: no 5xx, no canary stall over 1 s, every request answered in time, and afterwards /health
+    ok, no slot busy, the same greedy answer."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "hostile.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "hostile_client.py"), server.url, "--out", str(out)],
+                         capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert report["ok"] and len(report["results"]) >= 25 and all(report["after"].values()), report

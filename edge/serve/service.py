@@ -113,6 +113,11 @@ class Service:
     async def submit_rows(self, rows) -> tuple[list[Request], asyncio.Queue]:
         """Every row of a request to the scheduler, all or none (n answers count as n queue places); their
         (row, event) pairs arrive on one queue."""
+        cap = self.scheduler.max_rows_per_request
+        if len(rows.cfgs) > cap:
+            raise api_schema.BadRequest(f"this request asks for {len(rows.cfgs)} answers (n x prompts); this server "
+                                        f"takes at most {cap} per request (--max-users, --max-queue): ask for fewer",
+                                        param="n")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         reqs = self.scheduler.submit_group(
