@@ -31,13 +31,26 @@ class ConnectionLimits:
             raise ValueError(f"connection limits must be positive, got {self}")
 
 
+DRAIN_FACTOR = 4  # a body declared over the limit but under 4x it is read and dropped before the 413 (see read_body)
+
+
 class BodyRefused(Exception):
     """A body that is refused while reading: 413 (too large, said up front or found while reading) or 408
-    (not sent in time)."""
+    (not sent in time); `close`: the connection cannot be reused (its body was not read)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, close: bool = False) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.close = status, message, close
+
+
+async def _drain(request, deadline: float) -> None:
+    """Read and drop the rest of a body until it ends or `deadline` passes."""
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            await asyncio.wait_for(chunks.__anext__(), timeout=max(deadline - time.monotonic(), 0.001))
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            return
 
 
 async def read_body(request, limits: ConnectionLimits) -> bytes:
@@ -49,8 +62,14 @@ async def read_body(request, limits: ConnectionLimits) -> bytes:
         if not length.strip().isdigit():
             raise BodyRefused(400, f"Content-Length must be a number of bytes, got {length[:40]!r}")
         if int(length) > limits.max_body:
-            raise BodyRefused(413, f"request body is {int(length)} bytes (Content-Length); the limit is "
-                                   f"{limits.max_body}")
+            message = f"request body is {int(length)} bytes (Content-Length); the limit is {limits.max_body}"
+            if int(length) > DRAIN_FACTOR * limits.max_body:  # refused before reading: the connection closes
+                raise BodyRefused(413, message, close=True)
+            # a client that sends its body at once (most do) reads the 413 only if the body was taken first (a
+            # close with unread data resets the connection): a body up to DRAIN_FACTOR x the limit is read
+            # and dropped, under the body timeout
+            await _drain(request, time.monotonic() + limits.body_timeout_s)
+            raise BodyRefused(413, message)
     deadline = time.monotonic() + limits.body_timeout_s
     parts, size = [], 0
     chunks = request.stream().__aiter__()
@@ -62,10 +81,10 @@ async def read_body(request, limits: ConnectionLimits) -> bytes:
             break
         except asyncio.TimeoutError:
             raise BodyRefused(408, f"the request body was not sent within {limits.body_timeout_s:g} s "
-                                   "(--body-timeout)") from None
+                                   "(--body-timeout)", close=True) from None
         size += len(chunk)
         if size > limits.max_body:
-            raise BodyRefused(413, f"request body is over {limits.max_body} bytes, the limit")
+            raise BodyRefused(413, f"request body is over {limits.max_body} bytes, the limit", close=True)
         parts.append(chunk)
     return b"".join(parts)
 
