@@ -196,8 +196,9 @@ def build_ui(service) -> gr.Blocks:
                 tool_list, logits = await asyncio.to_thread(page_constraint, gen, as_json, schema_text, tools_text,
                                                             choice)
                 cfg = page_sampling(gen, temp, p, n)
-                fitted = conversation.prompt(gen.tokenizer, convo, tool_list,
-                                             fit=(gen.max_context, min(cfg.max_new_tokens, gen.max_context // 2)))
+                # rendering and tokenizing a long chat takes a while: off the event loop the API shares
+                fitted = await asyncio.to_thread(conversation.prompt, gen.tokenizer, convo, tool_list,
+                                                 fit=(gen.max_context, min(cfg.max_new_tokens, gen.max_context // 2)))
                 dropped = fitted.dropped
                 req, events = await service.generate(fitted.ids, cfg, logits=logits)
                 answers.running(entry, req)
