@@ -328,7 +328,7 @@ def _add_gen_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=Bounded(float, 0), help="0 = greedy (default: the bundle's)")
     p.add_argument("--top-p", type=Bounded(float, 0, 1, above=True))
     p.add_argument("--top-k", type=Bounded(int, 0), help="0 = off")
-    p.add_argument("--repetition-penalty", type=Bounded(float, 0, above=True))
+    p.add_argument("--repetition-penalty", type=Bounded(float, 0.01), help="1: off; at least 0.01 (below, logits overflow)")
     p.add_argument("--seed", type=Bounded(int, 0), help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print tokens, TTFT and tok/s after each answer")
