@@ -242,6 +242,14 @@ def _info(args: argparse.Namespace) -> int:
         for line in choice.skipped:
             print(f"  skip   {line}")
         print(f"here     would run {choice.describe()}")
+        from edge.backends.determinism import batch_invariance
+
+        provider = {"onnxruntime-cpu": "CPUExecutionProvider", "onnxruntime-cuda": "CUDAExecutionProvider",
+                    "onnxruntime-tensorrt": "TensorrtExecutionProvider"}.get(choice.backend, "TensorRT")
+        for e in m.engines:
+            inv = batch_invariance(e.fingerprint.precision, provider)
+            print(f"  {e.name:14s} batched answers equal the answer alone here: "
+                  f"{'yes' if inv.guaranteed else 'no'} ({inv.why})")
     except EdgeChatError as e:
         print(f"here     cannot run: {e}")
     return 0
@@ -263,13 +271,16 @@ def _serve(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65535:
         raise EdgeChatError(f"--port must be 1-65535, got {args.port}")
     from edge.serve.app import bind_socket, serve
+    from edge.serve.limits import ConnectionLimits
 
     sock = bind_socket(args.host, args.port)  # before the model loads: a port in use fails in a second, not after
     try:
         gen = _gen(args, spin=False)
         return serve(gen, host=args.host, port=args.port, max_users=args.max_users, max_queue=args.max_queue,
                      auth=auth, ui=not args.no_ui, prompt_cache_mb=args.prompt_cache_mb, sock=sock,
-                     request_timeout_s=args.request_timeout, lenient=args.lenient)
+                     request_timeout_s=args.request_timeout, lenient=args.lenient,
+                     limits=ConnectionLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                                             max_connections=args.max_connections))
     finally:
         sock.close()
 
@@ -318,7 +329,7 @@ def _add_gen_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=Bounded(float, 0), help="0 = greedy (default: the bundle's)")
     p.add_argument("--top-p", type=Bounded(float, 0, 1, above=True))
     p.add_argument("--top-k", type=Bounded(int, 0), help="0 = off")
-    p.add_argument("--repetition-penalty", type=Bounded(float, 0, above=True))
+    p.add_argument("--repetition-penalty", type=Bounded(float, 0.01), help="1: off; at least 0.01 (below, logits overflow)")
     p.add_argument("--seed", type=Bounded(int, 0), help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print tokens, TTFT and tok/s after each answer")
@@ -384,6 +395,13 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-timeout", type=Bounded(float, 0, above=True), metavar="SECONDS",
                    help="end a request that has not finished this long after it arrived (its slot is freed; the "
                         "client gets HTTP 504 or an error event); default: no limit")
+    s.add_argument("--header-timeout", type=Bounded(float, 0, above=True), default=10.0, metavar="SECONDS",
+                   help="close a connection whose request headers are not whole this long after it opened or after "
+                        "its last answer (slow clients; default 10)")
+    s.add_argument("--body-timeout", type=Bounded(float, 0, above=True), default=30.0, metavar="SECONDS",
+                   help="answer 408 to a request whose body is not whole this long after its headers (default 30)")
+    s.add_argument("--max-connections", type=Bounded(int, 1), default=128, metavar="N",
+                   help="open connections at most; beyond, HTTP 503 (the page holds a few per user; default 128)")
     _add_load_flags(s)
     s.set_defaults(func=_serve)
     e = sub.add_parser("build-engine", help="build a TensorRT engine for this device into the bundle",

@@ -133,7 +133,7 @@ def test_scoring_a_prompt_runs_the_calls_of_its_prefill(fused_generator, monkeyp
     boundaries, edge.backends.decoder.next_boundary), and the last position's logits are the prefill's."""
     import numpy as np
 
-    from edge.serve.openai_answers import score_prompt
+    from edge.serve.openai_answers import score_steps
 
     dec = fused_generator.decoder
     ids = (fused_generator.tokenizer.encode_chat([{"role": "user", "content": PROMPT}]) * 4)[:40]  # past 16 and 32
@@ -147,8 +147,15 @@ def test_scoring_a_prompt_runs_the_calls_of_its_prefill(fused_generator, monkeyp
     monkeypatch.setattr(dec, "forward", spy)
     last = dec.prefill(ids, dec.new_cache(capacity=len(ids) + 1))
     prefill_calls, calls[:] = list(calls), []
-    scored = score_prompt(fused_generator, ids, top=2)
-    assert prefill_calls == [(0, 16), (16, 16), (32, 8)] and calls == prefill_calls
+    steps = score_steps(fused_generator, [ids], top=2)  # one call per scheduler step (Scheduler.call_steps)
+    taken = 0
+    try:
+        while True:
+            next(steps)
+            taken += 1
+    except StopIteration as done:
+        scored = done.value[0]
+    assert prefill_calls == [(0, 16), (16, 16), (32, 8)] and calls == prefill_calls and taken == len(calls)
     assert len(scored) == len(ids) and [s.token for s in scored] == ids
     every = dec.prefill(ids, dec.new_cache(capacity=len(ids) + 1), last_only=False)
     assert every.shape[:2] == (1, len(ids))

@@ -150,20 +150,30 @@ class Grammar:
         err = llg.LLMatcher.validate_grammar(grammar, vocab.tok, limits=self._limits)
         if err and not err.startswith("WARNING"):
             raise GrammarError(f"{what} cannot be used for constrained decoding: {_short(err)}")
+        self._start: Any = None
         first = self.matcher()  # compiles the lexer: a schema too costly for the limits fails here, not mid-answer
-        first.close()
+        try:  # and the first token's mask: a schema nothing satisfies (a required recursion) is a 400 now, not
+            ok = first.allowed()  # a 500 at the first token after a slot was taken
+        except GrammarError as e:
+            raise GrammarError(f"{what} cannot be used for constrained decoding: "
+                               f"{str(e).removeprefix('constrained decoding failed: ')}") from None
+        self._start = first.m  # each answer's matcher is a copy of this one: n answers parse the grammar once
+        if not ok.any():
+            raise GrammarError(f"{what} cannot be used for constrained decoding: no answer can satisfy it "
+                               "(no first token is allowed)")
 
     def matcher(self) -> "Matcher":
-        return Matcher(self)
+        return Matcher(self, self._start.deep_copy() if self._start is not None else None)
 
 
 class Matcher:
     """One answer's grammar state."""
 
-    def __init__(self, grammar: Grammar) -> None:
+    def __init__(self, grammar: Grammar, started: Any = None) -> None:
         llg = _llg()
         self.g = grammar
-        self.m = llg.LLMatcher(grammar.vocab.tok, grammar.grammar, log_level=0, limits=grammar._limits)
+        self.m = started if started is not None else llg.LLMatcher(grammar.vocab.tok, grammar.grammar, log_level=0,
+                                                                   limits=grammar._limits)
         if self.m.is_error():
             raise GrammarError(f"{grammar.what} cannot be used for constrained decoding: {_short(self.m.get_error())}")
         self.bits = llg.numpy.allocate_token_bitmask(1, grammar.vocab.vocab_size)
@@ -204,6 +214,82 @@ def _short(err: str, limit: int = 300) -> str:
     return err if len(err) <= limit else err[: limit - 3] + "..."
 
 
+def _resolve(root: dict, ref: str) -> Any:
+    """The node a local `$ref` ("#", "#/$defs/x", "#/definitions/x", any JSON pointer) points at, or None."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node: Any = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def unsatisfiable_ref(schema: dict) -> str | None:
+    """A `$ref` that every answer must follow forever (`n` requires `c`, which is an `n`), or None.
+
+    Such a schema compiles, but no finite JSON satisfies it: the engine runs out of work at the first tokens.
+    A fixed point over the referenced nodes: a node is finite when some answer of it needs no unending
+    recursion (any branch of anyOf/oneOf, every required property and every part of allOf, items only where
+    minItems > 0)."""
+    refs: dict[str, Any] = {}
+
+    def collect(node: Any) -> None:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref not in refs:
+                refs[ref] = _resolve(schema, ref)
+            for v in node.values():
+                collect(v)
+        elif isinstance(node, list):
+            for v in node:
+                collect(v)
+
+    collect(schema)
+    if not refs:
+        return None
+    finite: dict[str, bool] = {r: False for r in refs}
+
+    def ok(node: Any, depth: int = 0) -> bool:
+        if depth > 64 or not isinstance(node, dict):
+            return True  # true/false schemas, or too deep to judge: the engine decides
+        ref = node.get("$ref")
+        if isinstance(ref, str) and refs.get(ref) is not None and not finite[ref]:
+            return False
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and node[key] and not any(ok(b, depth + 1) for b in node[key]):
+                return False
+        if isinstance(node.get("allOf"), list) and not all(ok(b, depth + 1) for b in node["allOf"]):
+            return False
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        for name in node.get("required") or []:
+            if isinstance(name, str) and name in props and not ok(props[name], depth + 1):
+                return False
+        min_items = node.get("minItems", 0)
+        if isinstance(min_items, int) and min_items > 0:
+            items = node.get("items")
+            if isinstance(items, dict) and not ok(items, depth + 1):
+                return False
+        return True
+
+    changed = True
+    while changed:
+        changed = False
+        for r, target in refs.items():
+            if not finite[r] and (target is None or ok(target)):
+                finite[r] = changed = True
+    if ok(schema):
+        return None
+    return next((r for r, f in finite.items() if not f), "#")
+
+
 def compile_json(vocab: GrammarVocab, schema: dict | None, what: str = "the JSON schema") -> Grammar:
     """A grammar for JSON that follows `schema` (None: any JSON object, as response_format json_object).
 
@@ -216,6 +302,11 @@ def compile_json(vocab: GrammarVocab, schema: dict | None, what: str = "the JSON
     text = json.dumps(schema)
     if len(text) > MAX_SCHEMA_CHARS:
         raise GrammarError(f"{what} is {len(text)} characters as JSON; the limit is {MAX_SCHEMA_CHARS}")
+    endless = unsatisfiable_ref(schema)
+    if endless is not None:
+        raise GrammarError(f"{what} cannot be satisfied: every answer must follow '$ref': '{endless}' forever (a "
+                           "required property or item that refers back to itself); make that property optional "
+                           "or give it a non-recursive alternative (anyOf)")
     try:
         grammar = _llg().LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
     except ValueError as e:

@@ -15,6 +15,14 @@ from edge.errors import EdgeChatError
 
 
 MAX_SEED = 2**63 - 1  # OpenAI's seed is an int64; numpy's generator takes any non-negative integer
+# Below this temperature sampling is greedy: 1/T in float32 overflows to inf at T < ~2.9e-39 (and inf x 0 is
+# NaN, which always drew the last token id), and well before that, at T = 1e-5, a logit 0.001 below the top one
+# is already e^-100 times as likely, i.e. never drawn. So such a temperature is greedy, by rule.
+MIN_TEMPERATURE = 1e-5
+# repetition_penalty divides (or multiplies) a seen token's logit: below this, logits overflow float32 to inf
+# (1e-38 made EOS, seen in the prompt, always win: an empty answer). 0.01 already makes a seen token 100x as
+# strong, more than any use asks.
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass(frozen=True)
@@ -48,8 +56,9 @@ class SamplingConfig:
             raise EdgeChatError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise EdgeChatError(f"top_k must be >= 0, got {self.top_k}")
-        if self.repetition_penalty <= 0:
-            raise EdgeChatError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_penalty < MIN_REPETITION_PENALTY:
+            raise EdgeChatError(f"repetition_penalty must be >= {MIN_REPETITION_PENALTY} (1: off), got "
+                                f"{self.repetition_penalty}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
@@ -57,7 +66,9 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperature 0, any temperature under MIN_TEMPERATURE (which samples the top token anyway, and whose
+        1/T overflows float32), or top_k 1."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 class Sampler:

@@ -26,9 +26,7 @@ reader never holds up the others.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -42,6 +40,7 @@ from edge.decode.cache import PROMPT_CACHE_MB, batch_cache
 from edge.errors import ContextOverflowError, EdgeChatError
 from edge.decode.sampling import Sampler, SamplingConfig
 from edge.decode.text_stream import StreamEvent, TextStream
+from edge.decode.requests import ADMISSION, Admission, JobGone, QueueFullError, Request, next_id  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from edge.backends.decoder import Decoder
@@ -49,95 +48,6 @@ if TYPE_CHECKING:
     from edge.decode.logits import RowLogits  # a row's logits processors (grammar, penalties) and logprobs
 
 log = logging.getLogger("edgechat")
-
-
-class QueueFullError(EdgeChatError):
-    """Every slot is busy and the waiting queue is full: the client should retry later."""
-
-    def __init__(self, waiting: int, retry_after_s: float) -> None:
-        super().__init__(f"the server is busy ({waiting} requests waiting): retry in {retry_after_s:.0f} s")
-        self.retry_after_s = retry_after_s
-
-
-_ids = itertools.count(1)
-
-
-@dataclass
-class Admission:
-    """Who gets in when: every number the scheduler's admission policy uses, in one place.
-
-    - A prompt longer than `long_prompt` tokens is prefilled a span at a time between decode steps (one
-      such prompt at a time, in a side row), so the users already streaming do not freeze for its whole
-      prefill; shorter prompts are prefilled at once when a row is free.
-    - `interleaved_span`: tokens of a long prompt prefilled between two steps; None = the decoder's own
-      `prefill_span` (up to the next prefill boundary, <= 128 tokens, on a fused graph), so the prompt runs
-      the calls it would run alone. Benchmarks set it to compare "all at once".
-    - A request is refused (429, Retry-After) when `max_queue` are already waiting and every row is taken;
-      Retry-After is `retry_steps` decode steps at the running mean step time (a typical answer's rest).
-    """
-
-    long_prompt: int = 512
-    interleaved_span: int | None = None
-    max_queue: int = 32
-    retry_steps: int = 64
-
-
-ADMISSION = Admission()  # the defaults every Scheduler starts from (its max_queue is the constructor's)
-
-
-@dataclass
-class Request:
-    """One answer being generated. `cancel()` frees its slot before the next step; so does passing `deadline`
-    (time.perf_counter seconds), which ends it with finish_reason "timeout"."""
-
-    prompt_ids: list[int]
-    cfg: SamplingConfig
-    on_event: Callable[[StreamEvent], None] | None = None
-    id: int = field(default_factory=lambda: next(_ids))
-    submitted: float = field(default_factory=time.perf_counter)
-    deadline: float | None = None
-    logits: "RowLogits | None" = None  # this answer's logits processors and logprobs wish (edge.decode.logits)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-    _queue: "queue.Queue[StreamEvent]" = field(default_factory=queue.Queue, repr=False)
-
-    def emit(self, ev: StreamEvent) -> None:
-        try:
-            (self.on_event or self._queue.put)(ev)
-        except Exception as e:  # its consumer is gone (e.g. the server's event loop closed): stop serving it
-            log.warning("request %d: could not hand over an event (%s: %s); cancelling it", self.id,
-                        type(e).__name__, e)
-            self.cancelled.set()
-        if ev.finish_reason:
-            self.done.set()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def gone(self) -> str | None:
-        """Why this request is no longer wanted ("cancelled", "timeout"), or None."""
-        if self.cancelled.is_set():
-            return "cancelled"
-        if self.deadline is not None and time.perf_counter() >= self.deadline:
-            return "timeout"
-        return None
-
-    def events(self, timeout: float | None = None) -> Iterator[StreamEvent]:
-        """Blocking iterator over this request's events (only when no `on_event` callback was given)."""
-        while True:
-            ev = self._queue.get(timeout=timeout)
-            yield ev
-            if ev.finish_reason:
-                return
-
-    def answer(self, timeout: float | None = None) -> tuple[str, StreamEvent]:
-        """Wait for the whole answer: its text and the last event (finish_reason, stats)."""
-        parts, last = [], None
-        for ev in self.events(timeout):
-            parts.append(ev.text)
-            last = ev
-        assert last is not None
-        return "".join(parts), last
 
 
 @dataclass
@@ -224,8 +134,10 @@ class Scheduler:
         self.error: str | None = None  # the last failure of the loop as a whole (it was restarted)
         self.restarts = 0
         self._calls: deque = deque()  # (fn, Future): run on the scheduler thread between steps (see call)
+        self._jobs: deque = deque()  # (steps, gone, Future): one step each between decode steps (see call_steps)
         self.speculator: Proposer | None = None  # drafts for speculative steps while one row decodes alone
         self.steps = 0  # decode steps run (plain or speculative), prefills not counted
+        self.speculate_greedy = True  # the server turns it off: served greedy answers must not depend on timing
 
     # -- client side -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], cfg: SamplingConfig,
@@ -244,6 +156,38 @@ class Scheduler:
             self.pending.append(req)
             self._cv.notify()
         return req
+
+    def submit_group(self, rows: list[tuple[list[int], SamplingConfig, "RowLogits | None"]],
+                     on_event: Callable[[int, StreamEvent], None], timeout_s: float | None = None) -> list[Request]:
+        """Queue the rows of one client request (its n answers) all or none: they count as len(rows) places in
+        the queue, so a request with n=16 is refused (429) where a one-row request would still get in, and
+        admission then takes turns between requests (see _take) instead of serving one request's rows first.
+        A request may hold at most `max_rows_per_request` rows (EdgeChatError: a 400)."""
+        if len(rows) > self.max_rows_per_request:
+            raise EdgeChatError(f"this request asks for {len(rows)} answers; this server takes at most "
+                                f"{self.max_rows_per_request} per request (--max-users and --max-queue): ask for fewer")
+        group = next_id()
+        reqs = [self._request(p, cfg, (lambda ev, i=i: on_event(i, ev)), timeout_s, lg)
+                for i, (p, cfg, lg) in enumerate(rows)]
+        for r in reqs:
+            r.group = group
+        if self._stop.is_set() or self._thread is None:
+            raise EdgeChatError("the scheduler is not running")
+        if not self._thread.is_alive():
+            self._restart_thread("the scheduler thread had stopped")
+        with self._cv:
+            free = self.max_batch - len(self.rows) - len(self.pending)
+            if len(reqs) > free and len(self.pending) + len(reqs) > self.admission.max_queue + max(free, 0):
+                raise QueueFullError(len(self.pending), self.retry_after())
+            self.pending.extend(reqs)
+            self._cv.notify()
+        return reqs
+
+    @property
+    def max_rows_per_request(self) -> int:
+        """Rows one request may queue: all the slots, or half the queue if that is more, so one request never
+        holds every queue place."""
+        return max(self.max_batch, self.admission.max_queue // 2)
 
     def _request(self, prompt_ids: list[int], cfg: SamplingConfig, on_event: Callable[[StreamEvent], None] | None,
                  timeout_s: float | None = None, logits: "RowLogits | None" = None) -> Request:
@@ -355,6 +299,8 @@ class Scheduler:
                 self._emit_final(r, self._text(r), "cancelled")
             while self._calls:
                 self._calls.popleft()[1].cancel()
+            while self._jobs:
+                self._jobs.popleft()[2].cancel()
             self._fail_in_flight("cancelled")
 
     def call(self, fn: Callable[[], object]) -> Future:
@@ -365,6 +311,39 @@ class Scheduler:
             self._calls.append((fn, fut))
             self._cv.notify()
         return fut
+
+    def call_steps(self, steps: Iterator[object], gone: Callable[[], str | None] = lambda: None) -> Future:
+        """Run a long job on the scheduler thread one bounded step at a time, one step between two decode steps
+        (scoring a long prompt for echo + logprobs: a chunk of the prompt per step), so the answers streaming
+        meanwhile keep streaming. `steps` yields after each chunk and returns its result (StopIteration's value);
+        `gone()` (a hang-up, a timeout) says why to stop it: the future then raises JobGone."""
+        fut: Future = Future()
+        with self._cv:
+            self._jobs.append((steps, gone, fut))
+            self._cv.notify()
+        return fut
+
+    def _run_job_step(self) -> bool:
+        """One step of the oldest job (jobs take turns); True when one ran."""
+        if not self._jobs:
+            return False
+        steps, gone, fut = self._jobs.popleft()
+        if fut.cancelled():
+            return True
+        why = gone()
+        if why:
+            fut.set_exception(JobGone(why))
+            return True
+        try:
+            next(steps)
+        except StopIteration as done:
+            fut.set_result(done.value)
+            return True
+        except BaseException as e:  # the caller gets it; the loop goes on
+            fut.set_exception(e)
+            return True
+        self._jobs.append((steps, gone, fut))
+        return True
 
     def _run_calls(self) -> bool:
         """Run the queued calls; True when any ran."""
@@ -381,12 +360,13 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             ran = self._run_calls()
+            ran = self._run_job_step() or ran
             took = self._admit()
             if (ran or took) and self.speculator is not None:
                 self.speculator.interrupted()  # this step's time is not a lone row's step
             if not self.rows and self.prefilling is None:
                 with self._cv:
-                    if not self.pending and not self._calls and not self._stop.is_set():
+                    if not self.pending and not self._calls and not self._jobs and not self._stop.is_set():
                         self._cv.wait(0.5)
                 continue
             self._drop_unwanted()
@@ -443,10 +423,12 @@ class Scheduler:
             with self._cv:
                 if not self.pending:
                     break
-                if self._long(self.pending[0]) and (self.prefilling is not None or
-                                                    any(self._long(r) for r, _ in out)):
+                pick = self._next_pending(out)
+                head = self.pending[pick]
+                if self._long(head) and (self.prefilling is not None or any(self._long(r) for r, _ in out)):
                     break
-                req = self.pending.popleft()
+                req = head
+                del self.pending[pick]
             text = self._text(req)
             why = req.gone()
             if why:
@@ -459,6 +441,23 @@ class Scheduler:
                 continue
             out.append((req, _Row(req, sampler, text, list(req.prompt_ids), logits=req.logits)))
         return out
+
+    def _next_pending(self, taken: list[tuple[Request, _Row]]) -> int:
+        """Which waiting request goes next: the oldest of the request group with the fewest rows running (or
+        just taken), so one client's n answers take turns with other clients instead of going first."""
+        running: dict[int, int] = {}
+        for r in self.rows:
+            running[r.req.group] = running.get(r.req.group, 0) + 1
+        for r, _ in taken:
+            running[r.group] = running.get(r.group, 0) + 1
+        best, best_n = 0, None
+        for i, r in enumerate(self.pending):
+            n = running.get(r.group, 0) if r.group else 0
+            if best_n is None or n < best_n:
+                best, best_n = i, n
+                if n == 0:
+                    break
+        return best
 
     def _prefill(self, req: Request, row: _Row) -> None:
         """Prefill the prompt into a new row (after its cached start, if the cache has one); it joins the batch."""
@@ -566,11 +565,15 @@ class Scheduler:
         """The row a draft may be proposed for: the only one, nothing being prefilled beside it, on a cache that
         verifies drafts, with no logits processors (grammar, logprobs) and no seed (a verify call's logits differ
         in the last bits from a single step's on quantized engines, and a seeded answer must not depend on
-        whether the pacer, timing this machine, chose to draft)."""
+        whether the pacer, timing this machine, chose to draft). With `speculate_greedy` off (the server) a
+        greedy row is not drafted for either: the same greedy request asked twice must give the same answer
+        (issue 45 row 12)."""
         if len(self.rows) != 1 or self.prefilling is not None or not self.cache.can_verify:
             return None
         row = self.rows[0]
-        return row if row.logits is None and row.req.cfg.seed is None else None
+        if row.logits is not None or row.req.cfg.seed is not None:
+            return None
+        return None if row.req.cfg.greedy and not self.speculate_greedy else row
 
     def _step(self) -> None:
         self.steps += 1

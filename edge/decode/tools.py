@@ -50,9 +50,11 @@ def template_takes_tools(chat_template: str) -> bool:
 
 
 def _arguments(text: str) -> Any:
+    """A call's arguments as an object when they are JSON, else the text as sent (a client's earlier call may
+    hold anything, even JSON nested deeper than the parser's recursion limit: that stays text, never a 500)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 
@@ -92,12 +94,30 @@ def prompt_messages(messages: list[dict], tools: list[dict] | None, native: bool
     return out
 
 
+def _rebase_refs(node: Any, base: str) -> Any:
+    """`node` with every local `$ref` ("#", "#/$defs/X", "#/properties/..") moved under the JSON pointer `base`:
+    a tool's parameters schema sits inside the call's wrapper schema, where "#" is the wrapper, so the
+    `$defs`/`$ref` pydantic writes would point nowhere."""
+    if isinstance(node, dict):
+        out = {k: _rebase_refs(v, base) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            out["$ref"] = base + ref[1:]
+        return out
+    if isinstance(node, list):
+        return [_rebase_refs(v, base) for v in node]
+    return node
+
+
 def _call_schema(tools: list[dict]) -> dict:
     """A call of any of `tools`: {"name": one of them, "arguments": that one's parameters}."""
+    def where(i: int) -> str:
+        return "#/properties/arguments" if len(tools) == 1 else f"#/anyOf/{i}/properties/arguments"
+
     options = [{"type": "object", "properties": {
         "name": {"const": t["function"]["name"]},
-        "arguments": t["function"].get("parameters") or {"type": "object"}},
-        "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+        "arguments": _rebase_refs(t["function"].get("parameters") or {"type": "object"}, where(i))},
+        "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(tools)]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "x-guidance": JSON_OPTIONS}
 
@@ -136,7 +156,7 @@ def parse_calls(text: str) -> Parsed:
             name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
             if not isinstance(name, str):
                 raise TypeError
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             continue
         rest.append(text[last:m.start()])
         last = m.end()

@@ -6,9 +6,13 @@ import errno
 import logging
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from edge.errors import EdgeChatError
 from edge.decode.generate import Generator
+
+if TYPE_CHECKING:
+    from edge.serve.limits import ConnectionLimits
 
 log = logging.getLogger("edgechat")
 
@@ -37,14 +41,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: int = 8, max_queue: int | None = None,
           auth: tuple[str, str] | None = None, ui: bool = True, prompt_cache_mb: float | None = None,
-          sock: socket.socket | None = None, request_timeout_s: float | None = None, lenient: bool = False) -> int:
+          sock: socket.socket | None = None, request_timeout_s: float | None = None, lenient: bool = False,
+          limits: "ConnectionLimits | None" = None) -> int:
     import uvicorn
 
+    from edge.serve.limits import ConnectionLimits, timed_h11_protocol
     from edge.serve.service import Service, create_app
 
+    limits = limits or ConnectionLimits()
     sock = sock if sock is not None else bind_socket(host, port)
     service = Service(gen, max_users=max_users, max_queue=max_queue, prompt_cache_mb=prompt_cache_mb,
-                      request_timeout_s=request_timeout_s, lenient=lenient)
+                      request_timeout_s=request_timeout_s, lenient=lenient, limits=limits)
     service.scheduler.start()
     app = create_app(service, auth=auth, ui=ui)
     shown = f"[{host}]" if ":" in host else host
@@ -63,8 +70,13 @@ def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: 
                     print(f"  bundle      {len(b.manifest.files)} files checked, {len(b.hashed)} hashed now (SHA-256)",
                           flush=True)
                 if gen.drafter is not None:
-                    print(f"  draft       {gen.draft_name} drafts while one answer (no seed) decodes, where it pays "
+                    print(f"  draft       {gen.draft_name} drafts while one sampled answer (no seed) decodes, where it pays "
                           f"({gen.draft_source})", flush=True)
+                if gen.speculative or gen.drafter is not None:
+                    print("  speculation off for greedy and seeded answers: they equal the plain answer", flush=True)
+                if not service.invariance.guaranteed:
+                    print(f"  note        batched answers may differ from the same request alone: "
+                          f"{service.invariance.why}", flush=True)
                 print("  Ctrl-C to stop", flush=True)
 
         def handle_exit(self, sig, frame) -> None:
@@ -72,8 +84,10 @@ def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: 
             super().handle_exit(sig, frame)
             self._captured_signals.clear()  # a clean stop exits 0 (uvicorn would re-raise the signal)
 
+    # uvicorn's connection cap (503 beyond it); the header timeout is our h11 subclass (edge.serve.limits)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
-                            ws="none", lifespan="on")
+                            ws="none", lifespan="on", http=timed_h11_protocol(limits),
+                            limit_concurrency=limits.max_connections)
     server = Server(config)
     server.run(sockets=[sock])
     service.scheduler.stop()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from edge.serve.openai_schema import MAX_N, BadRequest, ChatCompletionRequest, C
 from edge.decode.grammar import token_bytes
 from edge.decode.logits import RowLogits, TokenLogprob, token_logprob
 from edge.decode.sampling import MAX_SEED, SamplingConfig
+from edge.errors import ContextOverflowError
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -79,7 +80,11 @@ async def chat_rows(service, body: ChatCompletionRequest) -> Rows:
     vocab = gen.decoder.dims.vocab_size
     tools = [t.model_dump() for t in body.tools] if body.tools else None
     choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
-    prompt = conversation.prompt(gen.tokenizer, body.conversation(), tools).ids
+    messages = body.conversation()
+    surely_too_long(service, sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
+                                 for m in messages), "messages")
+    # a large body takes seconds to render and tokenize: off the event loop, where /health and the streams run
+    prompt = (await asyncio.to_thread(conversation.prompt, gen.tokenizer, messages, tools)).ids
     rf = body.response_format
     named = rf.json_schema if rf is not None and rf.type == "json_schema" else None
 
@@ -105,13 +110,26 @@ async def chat_rows(service, body: ChatCompletionRequest) -> Rows:
     return Rows([prompt], [0] * n, cfgs, logits, tools=tools, tool_choice=choice if tools else None)
 
 
+def surely_too_long(service, chars: int, param: str) -> None:
+    """ContextOverflowError, before tokenizing, for text that cannot fit the context whatever its tokens: a
+    token holds at most `longest` bytes of text, a character at least one (a 4 MB body would otherwise be
+    tokenized, seconds of work, only to be refused)."""
+    gen = service.gen
+    longest = max(1, max(len(b) for b in token_table(gen.tokenizer, gen.decoder.dims.vocab_size)))
+    if chars // longest >= gen.max_context:
+        raise ContextOverflowError(f"the {param} hold {chars} characters, at least {chars // longest} tokens, but this "
+                                   f"model's context is {gen.max_context} tokens: shorten them")
+
+
 def completion_rows(service, body: CompletionRequest) -> Rows:
-    """The rows of a text completion: each prompt as is (no template), n rows each."""
+    """The rows of a text completion: each prompt as is (no template), n rows each. Tokenizes: callers on an
+    event loop run it in a thread."""
     gen = service.gen
     vocab = gen.decoder.dims.vocab_size
     prompts, texts = [], []
     for i, p in enumerate(body.prompts()):
         if isinstance(p, str):
+            surely_too_long(service, len(p), "prompt")
             ids = gen.tokenizer.encode(p)
             texts.append(p)
         else:
@@ -177,14 +195,27 @@ def completion_logprobs(table: list[bytes], lps: list[TokenLogprob | None], offs
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def score_prompt(gen, ids: list[int], top: int) -> list[TokenLogprob]:
-    """Each prompt token's logprob given the tokens before it (the first: NaN, nothing predicts it), from the
-    calls a prefill of the prompt runs (`Decoder.prefill`, fixed boundaries) with every position's logits.
-    Runs where the decoder may be called (the scheduler's thread)."""
+def score_steps(gen, prompts: list[list[int]], top: int) -> Iterator[None]:
+    """Each prompt token's logprob given the tokens before it (the first: NaN, nothing predicts it), from the very
+    calls a prefill of the prompt runs (`Decoder.prefill_span`: fixed boundaries, so the numbers are a prefill's),
+    one call per step: `Scheduler.call_steps` runs one step between two decode steps, as a long prompt's side
+    prefill does, so the answers streaming meanwhile do not freeze; a hang-up or a timeout stops it between
+    steps. Returns (StopIteration's value) one list per prompt."""
     dec = gen.decoder
-    logits = dec.prefill(ids, dec.new_cache(capacity=len(ids) + 1), last_only=False)[0]
-    out = [TokenLogprob(ids[0], float("nan"))]
-    out += [token_logprob(logits[j - 1], ids[j], top) for j in range(1, len(ids))]
+    out: list[list[TokenLogprob]] = []
+    for ids in prompts:
+        cache = dec.new_cache(capacity=len(ids) + 1)
+        arr = np.asarray(ids, dtype=np.int64)
+        scored = [TokenLogprob(ids[0], float("nan"))]
+        start = 0
+        while start < len(arr):
+            end = min(start + dec.prefill_span(start), len(arr))
+            logits = np.asarray(dec.forward(arr[None, start:end], cache, last_only=False)[0])
+            # position j's logits predict token j + 1
+            scored += [token_logprob(logits[j - start], ids[j + 1], top) for j in range(start, min(end, len(ids) - 1))]
+            start = end
+            yield None
+        out.append(scored)
     return out
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from edge.decode.sampling import MAX_SEED
+from edge.decode.sampling import MAX_SEED, MIN_REPETITION_PENALTY, MIN_TEMPERATURE
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # what the schema admits; the model's context is checked after tokenizing
 MAX_N = 16  # answers per request (each is a row of the batch)
@@ -148,7 +148,7 @@ class _Sampling(_Strict):
     ignore_eos: bool | None = None
     frequency_penalty: Penalty = None
     presence_penalty: Penalty = None
-    repetition_penalty: Annotated[float | None, Field(gt=0, le=10, allow_inf_nan=False)] = None
+    repetition_penalty: Annotated[float | None, Field(ge=MIN_REPETITION_PENALTY, le=10, allow_inf_nan=False)] = None
     logit_bias: Bias = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]] | None, Field(max_length=16)] = None  # as vLLM
     user: Annotated[str | None, Field(max_length=256)] = None
@@ -226,7 +226,7 @@ RULES = {  # what each field takes, in words, for the error message
                 "tool; content a string or a list of {\"type\": \"text\", \"text\": ...} parts",
     "max_tokens": f"an integer from 1 to {MAX_TOKENS_LIMIT} (and within the model's context)",
     "max_completion_tokens": f"an integer from 1 to {MAX_TOKENS_LIMIT} (and within the model's context)",
-    "temperature": "a finite number from 0 to 2",
+    "temperature": f"a finite number from 0 to 2 (below {MIN_TEMPERATURE}: greedy, as 0)",
     "top_p": "a finite number greater than 0 and at most 1",
     "top_k": "an integer >= 0 (0: off)",
     "seed": f"an integer from 0 to {MAX_SEED}",
@@ -245,7 +245,7 @@ RULES = {  # what each field takes, in words, for the error message
     "ignore_eos": "true or false",
     "frequency_penalty": "a finite number from -2 to 2",
     "presence_penalty": "a finite number from -2 to 2",
-    "repetition_penalty": "a finite number greater than 0 and at most 10 (1: off)",
+    "repetition_penalty": f"a finite number from {MIN_REPETITION_PENALTY} to 10 (1: off)",
     "logit_bias": "an object of up to 1024 token ids (as strings) to biases from -100 to 100",
     "user": "a string of at most 256 characters",
     "stop_token_ids": "a list of up to 16 token ids that end the answer (not shown in it)",
@@ -281,9 +281,23 @@ def _short(v: Any) -> str:
     return r if len(r) <= 60 else r[:57] + "..."
 
 
+def _check_common(body: "_Sampling") -> None:
+    """Rules of fields that chat and text completions share."""
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("'stream_options' is only for streamed answers: send it with 'stream': true, or leave it "
+                         "out", param="stream_options")
+
+
 def parse_chat_request(raw: bytes, lenient: bool = False) -> ChatCompletionRequest:
     """Validate a chat-completions body; raises BadRequest naming the field and what it takes."""
     body = _parse(ChatCompletionRequest, raw, lenient)
+    _check_common(body)
+    if body.tools:
+        names = [t.function.name for t in body.tools]
+        twice = sorted({x for x in names if names.count(x) > 1})
+        if twice:
+            raise BadRequest(f"'tools' names the function '{twice[0]}' more than once: each tool needs its own name "
+                             "(a call names the function it calls)", param="tools")
     if body.top_logprobs is not None and not body.logprobs:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     rf = body.response_format
@@ -296,6 +310,11 @@ def parse_chat_request(raw: bytes, lenient: bool = False) -> ChatCompletionReque
         name = body.tool_choice.function.name
         if name not in {t.function.name for t in body.tools or []}:
             raise BadRequest(f"'tool_choice' names '{name}', which is not one of the 'tools'", param="tool_choice")
+    constrained = (rf is not None and rf.type != "text") or (body.tools and body.tool_choice != "none")
+    if body.stop and constrained:
+        raise BadRequest("'stop' cannot be used with 'response_format' json or 'tools': a stop string would cut the "
+                         "JSON or the call short (a stopped answer must parse); the grammar ends the answer when it is "
+                         "complete, so send the request without 'stop' (or tool_choice \"none\")", param="stop")
     if body.tools and rf is not None and rf.type != "text" and body.tool_choice != "none":
         raise BadRequest("'response_format' and 'tools' cannot constrain the same answer: send one of them "
                          "(or tool_choice \"none\")", param="response_format")
@@ -311,6 +330,7 @@ def parse_chat_request(raw: bytes, lenient: bool = False) -> ChatCompletionReque
 def parse_completion_request(raw: bytes, lenient: bool = False) -> CompletionRequest:
     """Validate a text-completions body; raises BadRequest naming the field and what it takes."""
     body = _parse(CompletionRequest, raw, lenient)
+    _check_common(body)
     if body.max_tokens == 0 and not body.echo:
         raise BadRequest("'max_tokens' 0 only makes sense with 'echo': true (score the prompt)", param="max_tokens")
     return body

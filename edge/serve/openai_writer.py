@@ -153,13 +153,22 @@ async def chat_sse(service: Service, cid: str, created: int, events: AsyncIterat
 
 
 async def completion_sse(service: Service, cid: str, created: int, events: AsyncIterator[tuple[int, StreamEvent]],
-                          rows, table, scored: list, logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
-    """Text-completion chunks: the echoed prompt first (with its logprobs), then each row's text as it comes."""
+                          rows, table, scored: list, logprobs: int | None, include_usage: bool,
+                          n: int = 1) -> AsyncIterator[str]:
+    """Text-completion chunks: the echoed prompt first (with its logprobs), then each row's text as it comes.
+    `text_offset` runs on across a choice's chunks (as in the whole answer); with max_tokens 0 (echo only: no
+    rows ran) each of the n choices per prompt is its echoed prompt, finished "length", as the whole answer."""
+    offsets: dict[int, int] = {}  # choice -> characters of its tokens so far (the echoed prompt's included)
+
     def chunk(k: int, text: str, finish: str | None = None, lps: list | None = None, usage: dict | None = None) -> str:
+        lp = None
+        if logprobs is not None and usage is None:
+            lp = api_answers.completion_logprobs(table, lps or [], offset=offsets.get(k, 0))
+            if lp["tokens"]:
+                offsets[k] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         body = envelope(service, cid, created, "text_completion") | {
-            "choices": [] if usage is not None else [{
-                "index": k, "text": text, "finish_reason": finish,
-                "logprobs": None if logprobs is None else api_answers.completion_logprobs(table, lps or [])}]}
+            "choices": [] if usage is not None else [{"index": k, "text": text, "finish_reason": finish,
+                                                      "logprobs": lp}]}
         if usage is not None:
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -167,8 +176,12 @@ async def completion_sse(service: Service, cid: str, created: int, events: Async
     lasts: list[Any] = []
     try:
         if rows.echo:
-            for k, p in enumerate(rows.prompt_of):
+            echo_only = not rows.prompt_of
+            choices = [(k, k // n) for k in range(len(rows.prompts) * n)] if echo_only else enumerate(rows.prompt_of)
+            for k, p in choices:
                 yield chunk(k, rows.prompt_texts[p], lps=scored[p] if scored else [])
+                if echo_only:
+                    yield chunk(k, "", "length")
         async for k, ev in events:
             lps = getattr(ev, "logprobs", None) or []
             if ev.text or lps:

@@ -8,10 +8,8 @@ scheduler thread hands each request's events to its own asyncio queue.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import os
-import secrets
 import threading
 import time
 import uuid
@@ -21,39 +19,24 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is i
 
 from fastapi import FastAPI, Request as HTTPRequest
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from edge.serve import openai_answers as api_answers
 from edge.serve import openai_schema as api_schema
 from edge.serve import openai_writer as writer
-from edge.decode.scheduler import QueueFullError, Request, Scheduler
+from edge.decode.scheduler import JobGone, QueueFullError, Request, Scheduler
 from edge.errors import ContextOverflowError, EdgeChatError
 from edge.decode.grammar import GrammarError
 from edge.decode.logits import RowLogits
+from edge.serve.guards import APIError, APIPaths, CheckAuth, ClientGone
+from edge.serve.limits import BodyRefused, ConnectionLimits, read_body
 from edge.serve.metrics import Metrics
 from edge.decode.generate import Generator
 from edge.decode.text_stream import StreamEvent
 from edge.decode.sampling import SamplingConfig
 
 log = logging.getLogger("edgechat")
-MAX_BODY = 4 * 1024 * 1024
-
-
-class APIError(Exception):
-    """An OpenAI-style error response: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 type_: str = "invalid_request_error", headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param, self.type = status, message, code, param, type_
-        self.headers = headers or {}
-
-    def response(self, metrics: Metrics | None = None) -> JSONResponse:
-        """The JSON response; every error response of the server goes through here, so /metrics counts it."""
-        if metrics is not None:
-            metrics.http_error(self.status)
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 class Service:
@@ -61,7 +44,7 @@ class Service:
 
     def __init__(self, gen: Generator, max_users: int = 8, max_queue: int | None = None,
                  prompt_cache_mb: float | None = None, request_timeout_s: float | None = None,
-                 lenient: bool = False) -> None:
+                 lenient: bool = False, limits: ConnectionLimits | None = None) -> None:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise EdgeChatError(f"--request-timeout must be > 0 seconds, got {request_timeout_s}")
         self.gen = gen
@@ -70,15 +53,21 @@ class Service:
         self.scheduler = Scheduler(gen, max_batch=max_users, max_queue=4 * max_users if max_queue is None else max_queue,
                                    metrics=self.metrics,
                                    **({} if prompt_cache_mb is None else {"prompt_cache_mb": prompt_cache_mb}))
-        # speculative steps only while one greedy answer is decoding (edge.decode.speculative)
+        # speculative steps only while one answer is decoding (edge.decode.speculative)
         self.scheduler.speculator = gen.make_speculator()
+        # served greedy answers equal the plain answer: only unseeded sampled answers speculate (see Scheduler._draftable)
+        self.scheduler.speculate_greedy = False
         m = gen.bundle.manifest if gen.bundle is not None else None
         self.model_id = m.model_name.split("/")[-1] if m else "edgechat"
         engine = getattr(gen.decoder, "engine", None)
         self.precision = engine.fingerprint.precision if engine is not None else "?"
         p0 = gen.decoder.providers[0]
         self.backend = "TensorRT" if p0 == "TensorRT" else f"ONNX Runtime {p0.replace('ExecutionProvider', '')}"
+        from edge.backends.determinism import batch_invariance
+
+        self.invariance = batch_invariance(self.precision, p0)  # what /v1/models promises about batched answers
         self.started = time.time()
+        self.limits = limits or ConnectionLimits()
         self.lenient = lenient  # --lenient: fields this server does not support are ignored, not a 400
         threading.Thread(target=self._warm_grammar, name="edgechat-grammar-warmup", daemon=True).start()
 
@@ -88,6 +77,7 @@ class Service:
         try:
             from edge.decode.grammar import GrammarVocab
 
+            api_answers.token_table(self.gen.tokenizer, self.gen.decoder.dims.vocab_size)  # for logprobs, length bounds
             GrammarVocab.for_tokenizer(self.gen.tokenizer, self.gen.decoder.dims.vocab_size)
         except Exception as e:  # llguidance missing: constrained requests get the MissingDependencyError then
             log.info("grammar engine not ready: %s", e)
@@ -97,21 +87,42 @@ class Service:
         return await asyncio.wrap_future(self.scheduler.call(fn))
 
     async def submit_rows(self, rows) -> tuple[list[Request], asyncio.Queue]:
-        """Every row of a request to the scheduler; their (row, event) pairs arrive on one queue. A row that
-        cannot be queued (429) cancels the ones already queued."""
+        """Every row of a request to the scheduler, all or none (n answers count as n queue places); their
+        (row, event) pairs arrive on one queue."""
+        cap = self.scheduler.max_rows_per_request
+        if len(rows.cfgs) > cap:
+            raise api_schema.BadRequest(f"this request asks for {len(rows.cfgs)} answers (n x prompts); this server "
+                                        f"takes at most {cap} per request (--max-users, --max-queue): ask for fewer",
+                                        param="n")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        reqs: list[Request] = []
-        try:
-            for i, (p, cfg, lg) in enumerate(zip(rows.prompt_of, rows.cfgs, rows.logits)):
-                reqs.append(self.scheduler.submit(
-                    rows.prompts[p], cfg, on_event=lambda ev, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, ev)),
-                    timeout_s=self.request_timeout_s, logits=lg))
-        except BaseException:
-            for r in reqs:
-                r.cancel()
-            raise
+        reqs = self.scheduler.submit_group(
+            [(rows.prompts[p], cfg, lg) for p, cfg, lg in zip(rows.prompt_of, rows.cfgs, rows.logits)],
+            on_event=lambda i, ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev)), timeout_s=self.request_timeout_s)
         return reqs, q
+
+    async def run_steps(self, steps, request: HTTPRequest):
+        """A long job (prompt scoring) on the scheduler thread a bounded step at a time between decode steps,
+        under --request-timeout and stopped when the client hangs up: 504 / ClientGone."""
+        deadline = None if self.request_timeout_s is None else time.perf_counter() + self.request_timeout_s
+        left = threading.Event()
+
+        def gone() -> str | None:
+            if left.is_set():
+                return "cancelled"
+            return "timeout" if deadline is not None and time.perf_counter() >= deadline else None
+
+        watch = asyncio.ensure_future(_client_gone(request))
+        watch.add_done_callback(lambda t: None if t.cancelled() else left.set())
+        try:
+            return await asyncio.wrap_future(self.scheduler.call_steps(steps, gone))
+        except JobGone as e:
+            if e.why == "timeout":
+                raise APIError(504, writer.timeout_message(self), type_="timeout_error", code="request_timeout") \
+                    from None
+            raise ClientGone() from None
+        finally:
+            watch.cancel()
 
     def sampling(self, max_tokens: int | None, prompt_len: int, **kw) -> SamplingConfig:
         room = self.gen.max_context - prompt_len
@@ -164,9 +175,12 @@ async def _client_gone(request: HTTPRequest) -> None:
 
 # -- the app -------------------------------------------------------------------------------------------
 
+# every method a client may send to an API path: the ones a route does not take are a 405 there (with Allow),
+# never a fall-through to the page mounted at /
+OTHER_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "TRACE", "CONNECT"]
 API_ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
 ERRORS = {400: "bad input (names the field)", 401: "missing or wrong credentials", 404: "no such model or path",
-          405: "wrong method", 413: "body over 4 MiB", 429: "queue full (Retry-After)", 500: "generation failed",
+          405: "wrong method", 408: "body not sent in time (--body-timeout)", 413: "body over 4 MiB", 415: "compressed body (Content-Encoding)", 429: "queue full (Retry-After)", 500: "generation failed",
           503: "the model is not running", 504: "over --request-timeout"}
 
 
@@ -186,10 +200,16 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
     metrics = service.metrics
     if auth is not None:
         app.add_middleware(CheckAuth, auth=auth, metrics=metrics)
+    app.add_middleware(APIPaths, metrics=metrics)  # outermost: an API path never reaches the page, however spelled
 
     @app.exception_handler(APIError)
     async def api_error(request: HTTPRequest, e: APIError):
         return e.response(metrics)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: HTTPRequest, e: ClientGone):
+        log.info("%s %s: the client hung up before the request was read", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: HTTPRequest, e: StarletteHTTPException):
@@ -206,7 +226,7 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
     error_body = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     responses: dict = {s: {"description": d, "content": error_body} for s, d in ERRORS.items()}
 
-    @app.get("/health", responses={503: responses[503]})
+    @app.api_route("/health", methods=["GET", "HEAD"], responses={503: responses[503]})
     async def health():
         s = service.scheduler
         body = {"status": "ok" if s.alive else "down", "model": service.model_id, "precision": service.precision,
@@ -216,7 +236,8 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
             body["last_error"] = s.error
         return JSONResponse(body, status_code=200 if s.alive else 503)
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses={401: responses[401]})
+    @app.api_route("/metrics", methods=["GET", "HEAD"], response_class=PlainTextResponse,
+                   responses={401: responses[401]})
     async def metrics_text():
         s = service.scheduler
         return PlainTextResponse(metrics.render(s.active, s.queue_depth, s.max_batch, s.restarts),
@@ -251,13 +272,14 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
     async def completions(request: HTTPRequest):
         return await _completions(service, request)
 
-    @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
+    @app.api_route("/v1/{rest:path}", methods=OTHER_METHODS,
                    include_in_schema=False)
     async def unknown(request: HTTPRequest, rest: str):
         return _no_route(request)
 
     for path in ("/health", "/metrics"):
-        app.add_api_route(path, _no_route, methods=["POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+        app.add_api_route(path, _no_route, methods=[m for m in OTHER_METHODS if m not in ("GET", "HEAD")],
+                          include_in_schema=False)
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -294,12 +316,23 @@ async def _admit(service: Service, request: HTTPRequest, parse, plan) -> tuple[A
     """Read, validate and plan a request, then queue its rows: every refusal is an APIError (400, 413, 429, 503)
     before anything reaches the model."""
     metrics = service.metrics
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
         metrics.reject("bad_request")
-        raise APIError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY}")
+        raise APIError(415, f"Content-Encoding '{encoding}' is not supported: send the JSON body uncompressed",
+                       code="unsupported_media_type")
     try:
-        body = parse(raw, lenient=service.lenient)
+        raw = await read_body(request, service.limits)
+    except ClientDisconnect:  # hung up before the body was whole: nobody to answer, nothing went wrong here
+        metrics.reject("client_gone")
+        raise ClientGone() from None
+    except BodyRefused as e:
+        metrics.reject("bad_request")
+        raise APIError(e.status, e.message, headers={"Connection": "close"} if e.close else None) from None
+    try:
+        # pydantic over a 4 MB body takes a while: off the event loop
+        body = await asyncio.to_thread(parse, raw, lenient=service.lenient) if len(raw) > 65536 else \
+            parse(raw, lenient=service.lenient)
         rows = await plan(service, body)
         if not service.scheduler.alive:
             raise APIError(503, f"the model is not running ({service.scheduler.error or 'stopped'})",
@@ -376,13 +409,12 @@ async def _completions(service: Service, request: HTTPRequest):
     try:
         scored = []
         if rows.score_top is not None:
-            for ids in rows.prompts:
-                scored.append(await service.on_scheduler(
-                    lambda ids=ids: api_answers.score_prompt(gen, ids, rows.score_top)))
+            scored = await service.run_steps(api_answers.score_steps(gen, rows.prompts, rows.score_top), request)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(writer.completion_sse(service, cid, created, api_answers.merged_events(reqs, q, len(reqs)),
-                                                     rows, table, scored, body.logprobs, include_usage),
+                                                     rows, table, scored, body.logprobs, include_usage,
+                                                     body.n or 1),
                                      media_type="text/event-stream", background=BackgroundTask(_cancel_all, reqs),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         got = await _collect(request, q, len(reqs))
@@ -399,7 +431,7 @@ async def _completions(service: Service, request: HTTPRequest):
 
 
 async def _plan_completion(service: Service, body):
-    return api_answers.completion_rows(service, body)
+    return await asyncio.to_thread(api_answers.completion_rows, service, body)
 
 
 def _cancel_all(reqs: list[Request]) -> None:
@@ -433,40 +465,7 @@ async def _collect(request: HTTPRequest, q: asyncio.Queue, n: int):
         gone.cancel()
 
 
-class CheckAuth:
-    """API credentials, checked before a request reaches its route. A plain ASGI middleware: it never
-    touches the response, where Starlette's `@app.middleware("http")` would pipe every streamed chunk
-    through an extra task (twice the server's CPU per token chunk, measured)."""
-
-    def __init__(self, app, auth: tuple[str, str], metrics: Metrics | None = None) -> None:
-        self.app, self.auth, self.metrics = app, auth, metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1") or path == "/metrics"):
-            header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
-            if not _authorized(header, self.auth):
-                await APIError(401, "missing or wrong credentials: send 'Authorization: Bearer <password>' "
-                                    "(the password given to --auth) or HTTP Basic user:password",
-                               type_="authentication_error", code="invalid_api_key",
-                               headers={"WWW-Authenticate": "Bearer"}).response(self.metrics)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _authorized(header: str, auth: tuple[str, str]) -> bool:
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() == "bearer":
-        return secrets.compare_digest(value.strip(), auth[1]) or secrets.compare_digest(value.strip(), ":".join(auth))
-    if scheme.lower() == "basic":
-        try:
-            user, _, pw = base64.b64decode(value.strip()).decode().partition(":")
-        except Exception:
-            return False
-        return secrets.compare_digest(user, auth[0]) and secrets.compare_digest(pw, auth[1])
-    return False
-
-
 def _model_card(service: Service) -> dict:
     return {"id": service.model_id, "object": "model", "created": int(service.started), "owned_by": "edgechat",
-            "precision": service.precision, "backend": service.backend, "context_length": service.gen.max_context}
+            "precision": service.precision, "backend": service.backend, "context_length": service.gen.max_context,
+            "determinism": service.invariance.card()}

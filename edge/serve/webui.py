@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -53,6 +55,27 @@ def page_constraint(gen, json_mode: bool, schema_text: str, tools_text: str, cho
     grammar = conversation.constraint(gen.tokenizer, gen.decoder.dims.vocab_size, tools, choice, json_schema=schema,
                                       json_mode=json_mode)
     return tools, RowLogits(grammar=grammar) if grammar is not None else None
+
+
+def page_sampling(gen, temperature: Any, top_p: Any, max_tokens: Any):
+    """The page's settings as a SamplingConfig; EdgeChatError (shown on the status line) for what a slider's
+    number box lets through: NaN, infinities, text, values out of range (a raw Python error before)."""
+    def number(v: Any, what: str, low: float, high: float) -> float:
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            raise EdgeChatError(f"{what} must be a number from {low:g} to {high:g}, got {v!r}") from None
+        if not math.isfinite(x) or not low <= x <= high:
+            raise EdgeChatError(f"{what} must be a number from {low:g} to {high:g}, got {v!r}")
+        return x
+
+    most = max(1, gen.max_context // 2)
+    n = number(max_tokens, "Max new tokens", 1, most)
+    t = number(temperature, "Temperature", 0, 2)
+    p = number(top_p, "Top-p", 0, 1)
+    if p == 0:
+        raise EdgeChatError("Top-p must be greater than 0")
+    return gen.sampling(max_new_tokens=int(n), temperature=t, top_p=p)
 
 
 def show_message(m: dict) -> dict:
@@ -172,9 +195,10 @@ def build_ui(service) -> gr.Blocks:
             try:
                 tool_list, logits = await asyncio.to_thread(page_constraint, gen, as_json, schema_text, tools_text,
                                                             choice)
-                cfg = gen.sampling(max_new_tokens=int(n), temperature=float(temp), top_p=float(p))
-                fitted = conversation.prompt(gen.tokenizer, convo, tool_list,
-                                             fit=(gen.max_context, min(cfg.max_new_tokens, gen.max_context // 2)))
+                cfg = page_sampling(gen, temp, p, n)
+                # rendering and tokenizing a long chat takes a while: off the event loop the API shares
+                fitted = await asyncio.to_thread(conversation.prompt, gen.tokenizer, convo, tool_list,
+                                                 fit=(gen.max_context, min(cfg.max_new_tokens, gen.max_context // 2)))
                 dropped = fitted.dropped
                 req, events = await service.generate(fitted.ids, cfg, logits=logits)
                 answers.running(entry, req)
