@@ -149,6 +149,37 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def rss_samples(pid: int, threads: list[threading.Thread], every_s: float = 2.0) -> list[float]:
+    """The server's RSS every `every_s` until the client threads end (joins them)."""
+    out = []
+    while any(t.is_alive() for t in threads):
+        if (v := rss_mb(pid)) is not None:
+            out.append(v)
+        for t in threads:
+            t.join(timeout=every_s / len(threads))
+    return out
+
+
+def rss_summary(samples: list[float]) -> dict:
+    """Flat memory: the last third's peak against the first third's (the first includes warm-up growth)."""
+    if len(samples) < 3:
+        return {}
+    k = len(samples) // 3
+    first, last = max(samples[:k]), max(samples[-k:])
+    return {"samples": len(samples), "first_third_max": round(first, 1), "last_third_max": round(last, 1),
+            "growth_pct": round(100 * (last - first) / first, 2), "max": round(max(samples), 1)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle")
@@ -196,8 +227,7 @@ def main() -> int:
                    for i in range(a.clients)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        rss = rss_samples(proc.pid, threads)  # the server's resident memory every few seconds while they run
         ran_s = time.monotonic() - t0
         settle = time.monotonic()
         while time.monotonic() - settle < 5:
@@ -233,6 +263,7 @@ def main() -> int:
         "completion_tokens": metric(text, "edgechat_completion_tokens_total"),
         "cached_prompt_tokens": metric(text, "edgechat_prompt_tokens_cached_total"),
         "server_exit_code": code, "mismatch_examples": tally.mismatches[:3],
+        "rss_mb": rss_summary(rss),
     }
     print(f"\nsoak: {a.clients} clients for {result['minutes']} min against {a.engine} ({os.cpu_count()} CPUs, "
           f"{cpu_name()})\n")
@@ -246,6 +277,10 @@ def main() -> int:
     for k in ("slots_leaked", "answers_differing_from_single_user", "unexpected_bad_answers", "client_errors",
               "scheduler_restarts", "completion_tokens", "cached_prompt_tokens", "server_exit_code"):
         print(f"| {k.replace('_', ' ')} | {result[k]} |")
+    r = result["rss_mb"]
+    if r:
+        print(f"| server RSS MB: first third max / last third max / growth | {r['first_third_max']} / "
+              f"{r['last_third_max']} / {r['growth_pct']:+.1f}% |")
     out = Path(a.out)
     out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {out}")
