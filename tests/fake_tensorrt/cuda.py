@@ -323,7 +323,7 @@ runtime = _runtime()
 driver = _driver()
 
 
-def _pycuda() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
+def _pycuda() -> tuple[types.ModuleType, types.ModuleType]:
     """pycuda's `driver` calls EdgeChat makes (older Jetson images have only pycuda), on the same device.
     pycuda raises on errors where cuda-python returns codes, and every call needs a context current on the
     calling thread (pycuda's message when none is). `import pycuda.autoinit` makes a new context current on
@@ -331,7 +331,6 @@ def _pycuda() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
     pkg = types.ModuleType("pycuda")
     pkg.__path__ = []  # a package, so `import pycuda.driver` works
     drv = types.ModuleType("pycuda.driver")
-    autoinit = types.ModuleType("pycuda.autoinit")
 
     class LogicError(RuntimeError):
         pass
@@ -433,7 +432,7 @@ def _pycuda() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
     drv.memcpy_dtod_async = lambda dst, src, size, stream: _copy(dst, src, size,
                                                                  cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream)
     pkg.driver = drv
-    return pkg, drv, autoinit
+    return pkg, drv
 
 
 class PycudaAutoinit:
@@ -452,4 +451,4 @@ class PycudaAutoinit:
         module.context = pycuda_driver.Device(0).make_context()
 
 
-pycuda, pycuda_driver, pycuda_autoinit = _pycuda()
+pycuda, pycuda_driver = _pycuda()
