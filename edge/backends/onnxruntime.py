@@ -33,6 +33,24 @@ def _ort():
     return ort
 
 
+def session_options(threads: int | None, spin: bool, config: dict[str, str] | None = None):
+    """The session options every decoder graph runs with. `spin=False` is for a process with other busy threads
+    (the server: HTTP, SSE writes; a draft model beside its target): ORT's workers must not busy-wait on the
+    cores between calls (with spinning on, each call leaves them spinning ~25 ms), yet within a call they still
+    spin between operators: `allow_spinning=0` made every operator wake its workers, 25% of a small model's
+    decode step through the server (docs/speed.md, "The serving path's cost per token")."""
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads or physical_cores()
+    so.inter_op_num_threads = 1
+    if not spin:
+        so.add_session_config_entry("session.force_spinning_stop", "1")
+    for key, value in (config or {}).items():
+        so.add_session_config_entry(key, value)
+    return so
+
+
 class OrtDecoder(Decoder):
     """One ONNX decoder graph in an InferenceSession (from a bundle, or a bare file during export)."""
 
@@ -49,16 +67,9 @@ class OrtDecoder(Decoder):
         self.logit_ids = logit_ids
         names = [p if isinstance(p, str) else p[0] for p in providers or []]  # a provider or (name, options)
         want_gpu = any("CUDA" in p or "Tensorrt" in p for p in names)
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.intra_op_num_threads = threads or physical_cores()
-        so.inter_op_num_threads = 1
-        if not spin:  # a server has other threads (HTTP, clients): idle ORT workers must not busy-wait on the cores
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         cpu_only = all(n == "CPUExecutionProvider" for n in names)
         own = dict(precisions.get(precision).cpu_session_config) if precision and cpu_only else {}
-        for key, value in (own | (session_config or {})).items():
-            so.add_session_config_entry(key, value)
+        so = session_options(threads, spin, own | (session_config or {}))
         so.enable_cpu_mem_arena = arena
         so.log_severity_level = 3
         asked = providers or ["CPUExecutionProvider"]
