@@ -7,7 +7,13 @@ answer has the same length; greedy unless --temperature, then seeded per request
 client (request sent -> first content chunk), so queueing and prefill are in it. `--prompt-cache-mb 64,0`
 runs one server per size, with and without the prompt cache, in the same run. Prints a table and writes JSON.
 
+`--rounds N` interleaves, per level and round: the server, the raw decoder (the same engine, prompts and threads
+without a server: `users` rows prefilled, then batched greedy steps) and, with `--llama-server GGUF`,
+llama.cpp's server; the "server/raw" column is what the serving path costs (issue 46).
+
   .venv/bin/python scripts/bench_serve.py smollm2.bundle --engine int8-dynamic --prompt-cache-mb 64,0
+  .venv/bin/python scripts/bench_serve.py smollm2.bundle --engine int8-dynamic --threads 2 --users 1,8,16 \
+      --rounds 3 --prompt-cache-mb 0 [--llama-server q8_0.gguf]
 """
 
 from __future__ import annotations
@@ -109,6 +115,51 @@ def start_llama_server(gguf: str, slots: int, threads: int | None, ctx_per_slot:
     sys.exit("llama-server did not start in 120 s")
 
 
+def raw_decoder(bundle: str, engine: str | None, users: int, threads: int | None, max_tokens: int) -> dict:
+    """The decoder alone on the prompts the server's clients send (same engine and threads, in its own process,
+    the session options of scripts/bench_decode.py): `users` rows prefilled, then `max_tokens` - 1 batched greedy
+    steps of all of them (the step the server's scheduler makes at that many users). What the server adds is the
+    gap between this and the server's rate."""
+    spec = {"bundle": bundle, "engine": engine, "users": users, "threads": threads, "max_tokens": max_tokens}
+    out = subprocess.run([sys.executable, __file__, bundle, "--_raw", json.dumps(spec)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=1200)
+    if out.returncode:
+        sys.exit(f"the raw decoder run failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _raw_child(spec: dict) -> dict:
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    from edge.bundle import Bundle
+    from edge.decode.cache import batch_cache
+    from edge.decode.conversation import prompt
+    from edge.decode.generate import Generator
+
+    gen = Generator.from_bundle(Bundle.open(spec["bundle"]), engine=spec["engine"], threads=spec["threads"])
+    n, new = spec["users"], spec["max_tokens"]
+    prompts = [prompt(gen.tokenizer, [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" (user {i})"}]).ids
+               for i in range(n)]
+
+    def once() -> tuple[float, float]:
+        cache = batch_cache(gen.decoder, n)
+        t0 = time.perf_counter()
+        toks = cache.prefill_rows(prompts[:1]).argmax(-1).tolist()
+        first = time.perf_counter() - t0
+        if n > 1:
+            toks += cache.prefill_rows(prompts[1:]).argmax(-1).tolist()
+        t1 = time.perf_counter()
+        for _ in range(new - 1):
+            toks = np.asarray(cache.step(toks)).argmax(-1).tolist()
+        return first, time.perf_counter() - t1
+
+    once()  # warm-up: first-call allocations
+    first, steps_s = once()
+    return {"users": n, "prefill_ms": 1000 * first, "total_tok_s": n * (new - 1) / steps_s,
+            "step_ms": 1000 * steps_s / (new - 1)}
+
+
 def run_level(url: str, users: int, requests: int, max_tokens: int, sampling: dict | None = None) -> dict:
     results: list[dict] = []
     lock = threading.Lock()
@@ -154,15 +205,20 @@ def main() -> int:
                          "(e.g. 64,0; default: the server's default)")
     ap.add_argument("--llama-server", metavar="GGUF", help="also serve this GGUF with llama.cpp's llama-server "
                     "(-np = the most users, continuous batching, same threads), interleaved with ours level by level")
-    ap.add_argument("--rounds", type=int, default=1, help="with --llama-server: ours, theirs, ours, theirs ... per level")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds: per level, the server, the raw decoder (same "
+                    "engine, prompts and threads) and, with --llama-server, llama-server, in turn; per-round ratios")
     ap.add_argument("--llama-poll", type=int, help="llama-server --poll (0: workers sleep instead of spinning, as our "
                     "server's do; fairer on a loaded machine; default: llama.cpp's own)")
     ap.add_argument("--no-draft", action="store_true", help="serve without the bundle's own draft model (edge-chat "
                     "serve --no-draft; by default a bundle built with --draft drafts while one answer decodes)")
     ap.add_argument("--json", default="bench-results/serve.json")
+    ap.add_argument("--_raw", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.llama_server:
-        return versus_llama_server(args)
+    if args._raw:
+        print(json.dumps(_raw_child(json.loads(args._raw))))
+        return 0
+    if args.llama_server or args.rounds:
+        return versus(args)
     levels = [int(x) for x in args.users.split(",")]
     sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else None
     caches = [float(x) for x in args.prompt_cache_mb.split(",")] if args.prompt_cache_mb else [None]
@@ -201,48 +257,80 @@ def main() -> int:
     return 0
 
 
-def versus_llama_server(args) -> int:
-    """Ours and llama-server up at once (each idle while the other is measured), each level run by both in
-    turn, `--rounds` times; medians and per-round ratios."""
+def versus(args) -> int:
+    """Per level and round, in turn: our server, the raw decoder (the same engine, prompts and threads, no
+    server), and llama-server when --llama-server is given (both servers up at once, each idle while the other
+    is measured). Medians, spreads and per-round ratios: "server / raw decoder" is what the serving path costs."""
     levels = [int(x) for x in args.users.split(",")]
-    ours, url = start_server(args.bundle, args.engine, max(levels), args.threads,
+    rounds = args.rounds or 1
+    if args.prompt_cache_mb and "," in args.prompt_cache_mb:
+        sys.exit("--rounds / --llama-server take one --prompt-cache-mb (0: every prompt prefilled, as the raw "
+                 "decoder does)")
+    mb = float(args.prompt_cache_mb) if args.prompt_cache_mb else None
+    ours, url = start_server(args.bundle, args.engine, max(levels), args.threads, mb,
                              extra=("--no-draft",) if args.no_draft else ())
-    theirs, lurl = start_llama_server(args.llama_server, max(levels), args.threads, poll=args.llama_poll)
+    theirs, lurl = start_llama_server(args.llama_server, max(levels), args.threads, poll=args.llama_poll) \
+        if args.llama_server else (None, None)
+    health = json.loads(urllib.request.urlopen(url + "/health").read())
+    sides = [("edgechat", url), ("raw decoder", None)] + ([("llama-server", lurl)] if lurl else [])
     rows: dict = {}
     try:
-        for u in (url, lurl):
-            one_request(u, "Hello!", 8)  # warm-up
+        for _, u in sides:
+            if u:
+                one_request(u, "Hello!", 8)  # warm-up
         for n in levels:
-            for r in range(args.rounds):
-                for name, u in (("edgechat", url), ("llama-server", lurl)):
+            for r in range(rounds):
+                for name, u in sides:
                     load = os.getloadavg()[0]
                     print(f"... {n} users, round {r + 1}, {name} (load {load:.1f})", file=sys.stderr, flush=True)
-                    rows.setdefault(n, {}).setdefault(name, []).append(
-                        run_level(u, n, args.requests, args.max_tokens) | {"load_avg_1m": load})
+                    got = run_level(u, n, args.requests, args.max_tokens) if u else \
+                        raw_decoder(args.bundle, args.engine, n, args.threads, args.max_tokens)
+                    rows.setdefault(n, {}).setdefault(name, []).append(got | {"load_avg_1m": load})
     finally:
         for p in (ours, theirs):
-            p.terminate()
-            p.wait(30)
-    print(f"\nours ({args.engine or 'default engine'}) vs llama-server ({Path(args.llama_server).name}), "
-          f"{args.max_tokens} tokens/answer, {args.requests} answers/user, greedy, EOS ignored, {args.rounds} rounds, "
-          f"{os.cpu_count()} CPUs, load average now {os.getloadavg()[0]:.1f}")
-    print(f"{'users':>5} {'ours tok/s':>11} {'llama tok/s':>12} {'ratio':>6} {'ours TTFT p50':>14} {'llama TTFT p50':>15}")
+            if p is not None:
+                p.terminate()
+                p.wait(30)
+    names = [name for name, _ in sides]
+    print(f"\n{health['model']} [{health['precision']}, {health['backend']}]" +
+          (f" vs llama-server ({Path(args.llama_server).name})" if lurl else "") +
+          f", {args.max_tokens} tokens/answer, {args.requests} answers/user, greedy, EOS ignored, {rounds} rounds "
+          f"interleaved, {args.threads or os.cpu_count()} threads, {os.cpu_count()} CPUs, load average now "
+          f"{os.getloadavg()[0]:.1f}; our prompt cache " + ("default" if mb is None else f"{mb:g} MB") +
+          " (cached prompt tokens per request below). Total tok/s: median (min-max); ratios per round, then the median.")
+    print(f"{'users':>5} " + " ".join(f"{k + ' tok/s':>24}" for k in names) + f" {'server/raw':>17}"
+          + (f" {'ours/llama':>17}" if lurl else "") + f" {'TTFT p50 ours':>14} {'raw prefill':>12}"
+          + (f" {'llama TTFT':>11}" if lurl else ""))
     summary = {}
     for n, by in rows.items():
-        med = {k: statistics.median(x["total_tok_s"] for x in v) for k, v in by.items()}
-        ttft = {k: statistics.median(x["ttft_p50_ms"] for x in v) for k, v in by.items()}
-        ratios = [a["total_tok_s"] / b["total_tok_s"] for a, b in zip(by["edgechat"], by["llama-server"])]
-        summary[n] = {"tok_s": med, "ttft_p50_ms": ttft, "ratio": statistics.median(ratios), "ratios": ratios}
-        print(f"{n:>5} {med['edgechat']:>11.1f} {med['llama-server']:>12.1f} {summary[n]['ratio']:>5.2f}x "
-              f"{ttft['edgechat']:>12.0f}ms {ttft['llama-server']:>13.0f}ms")
+        tok = {k: [x["total_tok_s"] for x in v] for k, v in by.items()}
+        raw = [a / b for a, b in zip(tok["edgechat"], tok["raw decoder"])]
+        vs = [a / b for a, b in zip(tok["edgechat"], tok["llama-server"])] if lurl else []
+        ttft = statistics.median(x["ttft_p50_ms"] for x in by["edgechat"])
+        prefill = statistics.median(x["prefill_ms"] for x in by["raw decoder"])
+        summary[n] = {"tok_s": {k: statistics.median(v) for k, v in tok.items()}, "server_over_raw": raw,
+                      "server_over_raw_median": statistics.median(raw), "ttft_p50_ms": ttft,
+                      "raw_prefill_ms": prefill}
+        if lurl:
+            summary[n] |= {"ours_over_llama": vs, "ours_over_llama_median": statistics.median(vs),
+                           "llama_ttft_p50_ms": statistics.median(x["ttft_p50_ms"] for x in by["llama-server"])}
+
+        def cell(v: list[float], unit: str = "") -> str:
+            return f"{statistics.median(v):.2f}{unit} ({min(v):.2f}-{max(v):.2f})"
+
+        print(f"{n:>5} " + " ".join(f"{cell(tok[k]):>24}" for k in names) + f" {cell(raw, 'x'):>17}"
+              + (f" {cell(vs, 'x'):>17}" if lurl else "") + f" {ttft:>12.0f}ms {prefill:>10.0f}ms"
+              + (f" {summary[n]['llama_ttft_p50_ms']:>9.0f}ms" if lurl else "")
+              + f"  cached {statistics.median(x['cached_prompt_tokens'] / x['requests'] for x in by['edgechat']):.0f}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "engine": args.engine,
-                               "llama_poll": args.llama_poll,
+    out.write_text(json.dumps({"script": "scripts/bench_serve.py", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "server": health, "engine": args.engine, "llama_poll": args.llama_poll,
                                "gguf": args.llama_server, "threads": args.threads, "max_tokens": args.max_tokens,
-                               "requests": args.requests, "rounds": args.rounds, "rows": rows, "summary": summary,
-                               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                           "load_avg_at_end": os.getloadavg()}}, indent=2))
+                               "requests": args.requests, "rounds": rounds, "prompt_cache_mb": mb, "rows": rows, "summary": summary,
+                               "machine": {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+                                           "platform": platform.platform(), "load_avg_at_end": os.getloadavg()}},
+                              indent=2))
     print(f"wrote {out}")
     return 0
 

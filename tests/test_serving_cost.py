@@ -63,3 +63,112 @@ def test_serving_session_leaves_the_cores_idle_between_calls(tmp_path):
     """Between two steps the HTTP side needs the cores: after a call, ORT's workers must not keep spinning
     (with spinning on and no stop, each call left a worker busy ~25 ms of every 30)."""
     assert _idle_cpu_after_calls(spin=False, tmp_path=tmp_path) < 0.005
+
+
+def test_handoff_wakes_the_loop_once_for_a_steps_events_and_keeps_their_order():
+    """A decode step of 8 rows hands 8 events over: one event-loop wake-up for all of them (each wake-up is a
+    self-pipe write, a select return and a callback), none held back, each queue in its own order."""
+    import asyncio
+    import threading
+
+    from edge.serve.service import Handoff
+
+    async def main() -> tuple[list[list[int]], int]:
+        loop = asyncio.get_running_loop()
+        hand = Handoff(loop)
+        drains = 0
+        real = hand._drain
+
+        def counted() -> None:
+            nonlocal drains
+            drains += 1
+            real()
+
+        hand._drain = counted
+        qs = [asyncio.Queue() for _ in range(8)]
+        busy = threading.Event()
+        loop.call_soon(lambda: (busy.set(), time.sleep(0.2)))  # the loop is busy while a "step" hands over
+
+        def step() -> None:
+            busy.wait()
+            for k in range(3):
+                for i, q in enumerate(qs):
+                    hand.put(q, 10 * i + k)
+
+        t = threading.Thread(target=step)
+        t.start()
+        got = [[await q.get() for _ in range(3)] for q in qs]
+        t.join()
+        return got, drains
+
+    got, drains = asyncio.run(main())
+    assert got == [[10 * i + k for k in range(3)] for i in range(8)]
+    assert drains == 1, f"{drains} loop wake-ups for one step's 24 events"
+
+
+def test_handoff_to_a_closed_loop_raises_and_can_be_retried():
+    """The scheduler cancels a request whose consumer's loop is gone (Request.emit catches the error); the
+    hand-off must not stay 'armed' and swallow later events silently."""
+    import asyncio
+
+    from edge.serve.service import Handoff
+
+    loop = asyncio.new_event_loop()
+    hand = Handoff(loop)
+    q: asyncio.Queue = asyncio.Queue()
+    loop.close()
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            hand.put(q, 1)
+
+
+def test_bench_serve_reports_server_over_raw_decoder_per_round(tiny_bundle, tmp_path):
+    """The overhead stays visible: bench_serve's interleaved mode times the raw decoder on the same prompts and
+    reports "server / raw decoder" per round and level (the JSON a docs table is made from)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "serve.json"
+    r = subprocess.run([sys.executable, "scripts/bench_serve.py", str(tiny_bundle.root), "--engine", "int8-dynamic",
+                        "--users", "1,2", "--rounds", "2", "--requests", "1", "--max-tokens", "6", "--threads", "1",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "server/raw" in r.stdout
+    got = json.loads(out.read_text())
+    for n in ("1", "2"):
+        s = got["summary"][n]
+        assert len(s["server_over_raw"]) == 2 and all(x > 0 for x in s["server_over_raw"])
+        assert s["raw_prefill_ms"] > 0 and s["tok_s"]["raw decoder"] > 0
+        assert len(got["rows"][n]["raw decoder"]) == 2 and got["rows"][n]["raw decoder"][0]["users"] == int(n)
+
+
+def test_profile_buckets_put_each_stack_where_its_time_goes():
+    """scripts/profile_serve.py's table is only as good as its rules: the decoder call is counted as the
+    decoder's even when scheduler frames sit above it, idle only at the leaf, the SSE path on the loop."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from profile_serve import bucket
+
+    sched = "thread (1): edgechat-scheduler"
+    assert bucket(sched, ["Scheduler._loop (s.py:1)", "Scheduler._step (s.py:2)", "SharedBatchCache.step (c.py:3)",
+                          "Session.run_with_iobinding (ort.py:4)"]) == ("scheduler", "decoder call (ONNX Runtime run)")
+    assert bucket(sched, ["Scheduler._accept (s.py:5)", "TextStream.push (t.py:1)", "ChatTokenizer.decode (k.py:1)"]) \
+        == ("scheduler", "detokenize + stop strings")
+    assert bucket(sched, ["Scheduler._accept (s.py:5)", "Request.emit (r.py:9)", "Handoff.put (v.py:1)"]) \
+        == ("scheduler", "hand-off to the event loop")
+    assert bucket(sched, ["Scheduler._loop (s.py:1)", "Condition.wait (threading.py:331)"]) == ("scheduler",
+                                                                                                "waiting for work")
+    main = "thread (2): MainThread"
+    assert bucket(main, ["BaseEventLoop._run_once (a.py:1)", "EpollSelector.select (selectors.py:468)"]) == \
+        ("event loop", "waiting in select (idle)")
+    assert bucket(main, ["chat_sse (edge/serve/openai_writer.py:124)", "dumps (json/__init__.py:234)"]) == \
+        ("event loop", "SSE: answer shapes + JSON")
+    assert bucket(main, ["StreamingResponse.stream_response (r.py:1)", "RequestResponseCycle.send (h.py:2)",
+                         "_SelectorSocketTransport.write (asyncio/selector_events.py:1057)"]) == \
+        ("event loop", "SSE: socket writes")

@@ -9,6 +9,7 @@ written in place.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 
 import numpy as np
@@ -99,6 +100,12 @@ class OrtDecoder(Decoder):
         self._check_dims()
         past0 = next(i for i in self.session.get_inputs() if i.name == self.past_names[0])
         self._kv_dtype = kv_dtype(past0.type, self.name)
+        self._binding: tuple[list, object] | None = None  # (the K/V buffers bound, the binding): _fused_binding
+        out0 = next((o for o in self.session.get_outputs() if o.name == self.io.logits), None)
+        width = out0.shape[-1] if out0 is not None and out0.shape else None
+        self._logits_width = width if isinstance(width, int) and out0.type in KV_DTYPES else None
+        self._logits_dtype = KV_DTYPES.get(out0.type) if out0 is not None else None
+        self._logits_out: dict[tuple[int, int, int], tuple[np.ndarray, object]] = {}
 
     @classmethod
     def from_entry(cls, bundle: Bundle, entry: EngineEntry, threads: int | None = None,
@@ -206,24 +213,54 @@ class OrtDecoder(Decoder):
         after its seqlens_k[i] + 1 - seq cached tokens. Returns logits [batch, k, vocab] at the input
         positions `at` [batch, k] (None: every position, k = seq). A graph written before logit_positions
         existed computes every position; the rows asked for are picked here, so callers see one shape."""
-        b = self.session.io_binding()
         everywhere = at is None
         if everywhere:
             at = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape)
-        b.bind_output(self.io.logits, "cpu")  # first, so it is get_outputs()[0]
+        b = self._fused_binding(buffers)
         b.bind_cpu_input(self.io.input_ids, np.ascontiguousarray(ids, dtype=np.int64))
         b.bind_cpu_input(self.io.seqlens_k, np.ascontiguousarray(seqlens_k, dtype=np.int32))
         b.bind_cpu_input(self.io.total_sequence_length, np.array(total, dtype=np.int32))
         if self.io.logit_positions:
             b.bind_cpu_input(self.io.logit_positions, np.ascontiguousarray(at, dtype=np.int64))
-        for past, present, val in zip(self.past_names, self.present_names, buffers):
-            b.bind_ortvalue_input(past, val)
-            b.bind_ortvalue_output(present, val)
+        out = self._logits_buffer(ids.shape[0], at.shape[1] if self.io.logit_positions else ids.shape[1])
+        if out is None:
+            b.bind_output(self.io.logits, "cpu")
+        else:
+            b.bind_ortvalue_output(self.io.logits, out[1])
         self.session.run_with_iobinding(b)
-        logits = self._vocab(b.get_outputs()[0].numpy())
+        # the logits buffer is written again by the next call: the caller gets its own copy
+        logits = self._vocab(b.get_outputs()[0].numpy() if out is None else out[0].copy())
         if self.io.logit_positions or everywhere:
             return logits
         return np.take_along_axis(logits, np.asarray(at, np.int64)[:, :, None], axis=1)
+
+    def _fused_binding(self, buffers: list):
+        """The IO binding of the last call when it bound these same K/V buffers (a decode step's usual case):
+        binding a 30-layer model's 120 past/present names anew, and reading every output back, cost ~1 ms of a
+        10 ms step (docs/speed.md). Only the small inputs and the logits are bound again."""
+        held = self._binding
+        if held is not None and len(held[0]) == len(buffers) and all(map(operator.is_, held[0], buffers)):
+            return held[1]
+        b = self.session.io_binding()
+        for past, present, val in zip(self.past_names, self.present_names, buffers):
+            b.bind_ortvalue_input(past, val)
+            b.bind_ortvalue_output(present, val)
+        self._binding = (list(buffers), b)
+        return b
+
+    def _logits_buffer(self, batch: int, positions: int) -> tuple[np.ndarray, object] | None:
+        """A host array (and its OrtValue) the call writes its logits into, kept per shape; None when the graph's
+        vocabulary dimension is not fixed (ONNX Runtime then allocates the output)."""
+        if self._logits_width is None:
+            return None
+        shape = (batch, positions, self._logits_width)
+        held = self._logits_out.get(shape)
+        if held is None:
+            if len(self._logits_out) > 16:  # batch x positions shapes seen: a handful in practice
+                self._logits_out.clear()
+            arr = np.empty(shape, self._logits_dtype)
+            held = self._logits_out[shape] = (arr, _ort().OrtValue.ortvalue_from_numpy(arr))
+        return held
 
     def to_device(self, array: np.ndarray):
         return _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=self._kv_dtype), self.device, 0)

@@ -8,6 +8,7 @@ scheduler thread hands each request's events to its own asyncio queue.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import threading
@@ -69,6 +70,7 @@ class Service:
         self.started = time.time()
         self.limits = limits or ConnectionLimits()
         self.lenient = lenient  # --lenient: fields this server does not support are ignored, not a 400
+        self._hand: Handoff | None = None
         threading.Thread(target=self._warm_grammar, name="edgechat-grammar-warmup", daemon=True).start()
 
     def _warm_grammar(self) -> None:
@@ -94,12 +96,19 @@ class Service:
             raise api_schema.BadRequest(f"this request asks for {len(rows.cfgs)} answers (n x prompts); this server "
                                         f"takes at most {cap} per request (--max-users, --max-queue): ask for fewer",
                                         param="n")
-        loop = asyncio.get_running_loop()
+        hand = self._handoff()
         q: asyncio.Queue = asyncio.Queue()
         reqs = self.scheduler.submit_group(
             [(rows.prompts[p], cfg, lg) for p, cfg, lg in zip(rows.prompt_of, rows.cfgs, rows.logits)],
-            on_event=lambda i, ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev)), timeout_s=self.request_timeout_s)
+            on_event=lambda i, ev: hand.put(q, (i, ev)), timeout_s=self.request_timeout_s)
         return reqs, q
+
+    def _handoff(self) -> "Handoff":
+        """The hand-off to the running event loop (one per loop: tests run several)."""
+        loop = asyncio.get_running_loop()
+        if self._hand is None or self._hand.loop is not loop:
+            self._hand = Handoff(loop)
+        return self._hand
 
     async def run_steps(self, steps, request: HTTPRequest):
         """A long job (prompt scoring) on the scheduler thread a bounded step at a time between decode steps,
@@ -140,9 +149,9 @@ class Service:
     async def submit(self, prompt_ids: list[int], cfg: SamplingConfig,
                      logits: RowLogits | None = None) -> tuple[Request, asyncio.Queue]:
         """Hand a request to the scheduler; its events arrive on the returned queue (on this event loop)."""
-        loop = asyncio.get_running_loop()
+        hand = self._handoff()
         q: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        req = self.scheduler.submit(prompt_ids, cfg, on_event=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev),
+        req = self.scheduler.submit(prompt_ids, cfg, on_event=lambda ev: hand.put(q, ev),
                                     timeout_s=self.request_timeout_s, logits=logits)
         return req, q
 
@@ -153,6 +162,39 @@ class Service:
         page's JSON mode or tools (edge.decode.logits)."""
         req, q = await self.submit(prompt_ids, cfg, logits)
         return req, _events(req, q)
+
+
+class Handoff:
+    """Events from the scheduler's thread to the event loop's queues: one loop wake-up carries every event that
+    arrived before the loop got to it (all rows of a decode step), not one wake-up (a self-pipe write and a
+    select return) per event. An event is never held back: the first one of a batch wakes the loop at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._armed = False  # a drain is scheduled on the loop and has not run yet
+
+    def put(self, q: asyncio.Queue, item: Any) -> None:
+        """Called on the scheduler's thread. Raises when the loop is closed (the request is then cancelled)."""
+        with self._lock:
+            self._items.append((q, item))
+            if self._armed:
+                return
+            self._armed = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except BaseException:
+            with self._lock:
+                self._armed = False
+            raise
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, collections.deque()
+            self._armed = False
+        for q, item in items:
+            q.put_nowait(item)
 
 
 async def _events(req: Request, q: asyncio.Queue) -> AsyncIterator[StreamEvent]:
