@@ -265,6 +265,13 @@ def _info(args: argparse.Namespace) -> int:
     print(f"bundle   {b.root}  (id {m.bundle_id}, schema {m.schema_version}, created {m.created})")
     print(f"model    {m.model_name}: {d.architecture}, {d.num_parameters / 1e6:.1f}M params, {d.num_layers} layers, "
           f"{d.num_heads}/{d.num_kv_heads} heads, context {d.max_context}")
+    from edge.decode.thinking import tags_in
+
+    template = m.tokenizer.chat_template
+    think = tags_in(template)
+    print("chat     " + ("no chat template (a base model): /v1/completions and `edge-chat run --raw` only"
+                         if not template.strip() else f"thinking model ({think[0]} ... {think[1]}: reasoning_content)"
+                         if think else "chat template"))
     print("engines")
     for e in m.engines:
         fp = e.fingerprint

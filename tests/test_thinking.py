@@ -218,6 +218,7 @@ def test_cli_hides_the_thinking_when_piped_and_shows_it_when_asked(think_bundle)
     assert shown.stdout.split("\n</think>\n\n")[1] == hidden.stdout  # the same answer after the block
     both = run_cli(*args, "--show-thinking", "--hide-thinking")
     assert both.returncode == 2 and "contradict" in both.stderr
+    assert "thinking model (<think> ... </think>" in run_cli("edge.cli", "info", str(think_bundle.root)).stdout
 
 
 def test_page_shows_the_thinking_as_a_titled_message_above_the_answer():
@@ -265,6 +266,7 @@ def test_a_bundle_without_a_template_continues_text_and_refuses_chat_clearly(bas
     assert raw.returncode == 0 and raw.stdout.strip(), raw.stderr
     chat = run_cli("edge.cli", "run", str(base_bundle), "Hello", "--threads", "1")
     assert chat.returncode == 2 and "no chat template" in chat.stderr and "--raw" in chat.stderr
+    assert "no chat template (a base model)" in run_cli("edge.cli", "info", str(base_bundle)).stdout
 
 
 def test_export_takes_a_chat_template_for_a_model_without_one(tmp_path):

@@ -47,14 +47,18 @@ class ThinkFormat:
         return tail.rfind(self.open) > tail.rfind(self.close)
 
 
+def tags_in(template: str) -> tuple[str, str] | None:
+    """The (open, close) think tags a chat template writes, or None."""
+    return next(((o, c) for o, c in TAGS if o in template and c in template), None)
+
+
 def detect(tokenizer: Tokens) -> ThinkFormat | None:
-    """The think tags the bundle's chat template writes, or None for a model that does not think."""
-    template = tokenizer.spec.chat_template or ""
-    for o, c in TAGS:
-        if o in template and c in template:
-            return ThinkFormat(o, c, tuple(tokenizer.encode(o)), tuple(tokenizer.encode(c)),
-                               tuple(tokenizer.encode(c + "\n")))
-    return None
+    """The think tags the bundle's chat template writes, with their ids, or None for a model that does not think."""
+    tags = tags_in(tokenizer.spec.chat_template or "")
+    if tags is None:
+        return None
+    o, c = tags
+    return ThinkFormat(o, c, tuple(tokenizer.encode(o)), tuple(tokenizer.encode(c)), tuple(tokenizer.encode(c + "\n")))
 
 
 def _partial(text: str, tag: str) -> int:
