@@ -286,3 +286,44 @@ def test_export_takes_a_chat_template_for_a_model_without_one(tmp_path):
     (tmp_path / "bad.jinja").write_text("{% for %}")
     with pytest.raises(ModelSourceError, match="does not parse"):
         load.read_chat_template(tmp_path / "bad.jinja")
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (apt-get install chromium; .ci/run does)")
+def test_the_page_draws_the_thinking_collapsed_above_the_answer(think_bundle):
+    """In a real headless Chromium: the think block is a "Thinking" accordion above the answer, closed once the
+    answer is there (its text hidden until the title is clicked)."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (python) is not installed")
+    s = ServerProcess(think_bundle.root, "--reasoning-budget", "5")
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+            page = browser.new_page()
+            page.goto(s.url + "/", wait_until="load")
+            page.wait_for_selector("#message textarea", timeout=30_000)
+            page.get_by_text("Settings").click()
+            page.get_by_label("number input for Max new tokens").fill("16")
+            temperature = page.get_by_label("number input for Temperature (0 = greedy)")
+            temperature.fill("1")  # greedy, the random model thinks in newlines only: nothing to show
+            temperature.press("Enter")
+            page.locator("#message textarea").fill("Hello")
+            page.locator("#message textarea").press("Enter")
+            page.wait_for_function("document.querySelector('#stats').innerText.includes('tok/s')", timeout=60_000)
+            group = page.locator("#chatbot .thought-group")
+            group.wait_for(timeout=10_000)
+            assert group.locator(".title").inner_text().strip() == "Thinking"
+            thought = page.locator("#chatbot [data-testid='bot']").first.get_attribute("aria-label")
+            assert thought.removeprefix("bot's message: ").strip()  # the reasoning is there, in the accordion
+            assert group.inner_text().strip() == "Thinking"  # closed: its text is not drawn
+            answer = page.locator("#chatbot [data-testid='bot']").last.inner_text().strip()
+            assert answer and "think>" not in page.locator("#chatbot").inner_text()
+            group.locator(".title").click()
+            page.wait_for_function("document.querySelector('#chatbot .thought-group').innerText.trim() != 'Thinking'",
+                                   timeout=5_000)  # open: the reasoning drawn under its title
+            browser.close()
+    finally:
+        code, out = s.stop()
+    assert code == 0 and "Traceback" not in out, out
