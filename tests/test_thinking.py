@@ -259,12 +259,16 @@ def base_bundle(think_bundle, tmp_path_factory):
 
 
 def test_a_bundle_without_a_template_continues_text_and_refuses_chat_clearly(base_bundle):
-    s = ServerProcess(base_bundle, "--no-ui")
+    s = ServerProcess(base_bundle)
     try:
+        import httpx
+
+        assert "This bundle has no chat template" in httpx.get(s.url + "/config").text  # the page says so
         c = _client(s)
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model="x", messages=HELLO, max_tokens=4)
         assert e.value.status_code == 400 and e.value.body["type"] == "invalid_request_error"
+        assert e.value.body["param"] == "messages"
         assert "no chat template" in e.value.body["message"] and "--chat-template FILE" in e.value.body["message"]
         r = c.completions.create(model="x", prompt="The capital of Japan is", max_tokens=4, **SAMPLED)
         assert r.choices[0].text and r.usage.completion_tokens == 4

@@ -20,6 +20,7 @@ from edge.serve.openai_schema import MAX_N, BadRequest, ChatCompletionRequest, C
 from edge.decode.grammar import token_bytes
 from edge.decode.logits import RowLogits, TokenLogprob, token_logprob
 from edge.decode.sampling import MAX_SEED, SamplingConfig
+from edge.decode.tokenizer import NoChatTemplateError
 from edge.errors import ContextOverflowError
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -87,8 +88,11 @@ async def chat_rows(service, body: ChatCompletionRequest) -> Rows:
     surely_too_long(service, sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
                                  for m in messages), "messages")
     # a large body takes seconds to render and tokenize: off the event loop, where /health and the streams run
-    fitted = await asyncio.to_thread(conversation.prompt, gen.tokenizer, messages, tools,
-                                     template_kwargs=body.chat_template_kwargs)
+    try:
+        fitted = await asyncio.to_thread(conversation.prompt, gen.tokenizer, messages, tools,
+                                         template_kwargs=body.chat_template_kwargs)
+    except NoChatTemplateError as e:  # a base model's bundle: the 400 names what to do instead
+        raise BadRequest(str(e), param="messages") from None
     prompt = fitted.ids
     rf = body.response_format
     named = rf.json_schema if rf is not None and rf.type == "json_schema" else None

@@ -159,8 +159,10 @@ def build_ui(service) -> gr.Blocks:
     answers = Answers()
     with gr.Blocks(title=f"EdgeChat · {service.model_id}", analytics_enabled=False) as demo:
         gr.Markdown(f"### EdgeChat · {service.model_id}\n"
-                    f"`{service.precision}` on {service.backend} · context {gen.max_context} tokens",
-                    elem_id="model-line")
+                    f"`{service.precision}` on {service.backend} · context {gen.max_context} tokens"
+                    + ("" if gen.tokenizer.has_template else "\n\n⚠️ This bundle has no chat template (a base "
+                       "model): it cannot chat here; use /v1/completions, or rebuild it with "
+                       "`edge-export build --chat-template FILE`"), elem_id="model-line")
         history = gr.State([])
         chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=420, buttons=["copy"])
         with gr.Row():
