@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -187,6 +188,23 @@ def test_template_kwargs_may_not_replace_the_conversation(server):
         _client(server).chat.completions.create(model="x", messages=HELLO, max_tokens=2,
                                                 extra_body={"chat_template_kwargs": {"no good": 1}})
     assert "chat_template_kwargs" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:  # the template's own functions stay its own
+        _client(server).chat.completions.create(model="x", messages=HELLO, max_tokens=2,
+                                                extra_body={"chat_template_kwargs": {"raise_exception": 1}})
+    assert "one of the template's functions" in str(e.value)
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_a_kwarg_the_template_cannot_use_is_a_clear_error(think_bundle):
+    from edge.bundle import Bundle, TokenizerSpec
+    from edge.decode.tokenizer import ChatTokenizer
+    from edge.errors import EdgeChatError
+
+    spec = Bundle.open(think_bundle.root).manifest.tokenizer
+    template = spec.chat_template + "{% if enable_thinking + 1 %}{% endif %}"  # a template doing arithmetic on it
+    tok = ChatTokenizer(think_bundle.root / spec.file, TokenizerSpec(**{**spec.__dict__, "chat_template": template}))
+    with pytest.raises(EdgeChatError, match=r"failed with these chat_template_kwargs \(enable_thinking\): TypeError"):
+        tok.render(HELLO, template_kwargs={"enable_thinking": [1]})
 
 
 def test_json_and_tool_calls_apply_to_the_content_after_the_think_block(server):

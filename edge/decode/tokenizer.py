@@ -86,14 +86,23 @@ class ChatTokenizer:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise EdgeChatError(f"each message needs 'role' and 'content', got {m!r}")
         extra = dict(template_kwargs or {})
-        clash = sorted(RESERVED_TEMPLATE_VARS & set(extra))
+        clash = sorted((RESERVED_TEMPLATE_VARS | set(self.template.environment.globals)) & set(extra))
         if clash:
-            raise EdgeChatError(f"chat_template_kwargs may not set '{clash[0]}': the conversation sets it")
-        return self.template.render({
-            **self.spec.special_tokens, **extra, "messages": messages, "add_generation_prompt": add_generation_prompt,
-            "bos_token": self.spec.bos_token or "", "eos_token": self.spec.eos_token or "",
-            **({"tools": tools} if tools else {}),
-        })
+            raise EdgeChatError(f"chat_template_kwargs may not set '{clash[0]}': "
+                                + ("the conversation sets it" if clash[0] in RESERVED_TEMPLATE_VARS else
+                                   "it is one of the template's functions"))
+        variables = {**self.spec.special_tokens, **extra, "messages": messages,
+                     "add_generation_prompt": add_generation_prompt, "bos_token": self.spec.bos_token or "",
+                     "eos_token": self.spec.eos_token or "", **({"tools": tools} if tools else {})}
+        if not extra:
+            return self.template.render(variables)
+        try:
+            return self.template.render(variables)
+        except EdgeChatError:
+            raise
+        except Exception as e:  # a variable's value the template cannot use (a list where it compares a bool)
+            raise EdgeChatError(f"the chat template failed with these chat_template_kwargs "
+                                f"({', '.join(sorted(extra))}): {type(e).__name__}: {e}") from None
 
     def encode(self, text: str) -> list[int]:
         # The template already contains the special tokens: add none (as apply_chat_template does).
