@@ -70,7 +70,8 @@ class BuildOptions:
     fresh: bool = False
     reuse_stale: bool = False  # reuse finished stages even when the edgechat code that ran them has changed
     online: bool = False
-    chat_template: str | None = None  # a Jinja chat template file for a model without one (a base model) or to replace its own
+    # a Jinja chat template file: for a model without one (a base model), or instead of its own
+    chat_template: str | None = None
     ram_check: bool = True  # refuse a build whose planned peak memory exceeds this machine's RAM
     threads: int | None = None
     fused: bool = True  # write the fused ONNX Runtime graph and quantize the CPU/CUDA engines from it

@@ -211,7 +211,8 @@ def test_json_and_tool_calls_apply_to_the_content_after_the_think_block(server):
     c = _client(server)
     schema = ADD[0]["function"]["parameters"]
     r = c.chat.completions.create(model="x", messages=HELLO, max_tokens=40, logprobs=True,
-                                  response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+                                  response_format={"type": "json_schema",
+                                                   "json_schema": {"name": "a", "schema": schema}},
                                   extra_body={"reasoning_budget": 3}, **SAMPLED)
     m = r.choices[0].message
     assert _raw(r.choices[0]).index("</think>") == 3 and m.reasoning_content
@@ -324,7 +325,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.mark.browser
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (apt-get install chromium; .ci/run does)")
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (apt-get install chromium)")
 def test_the_page_draws_the_thinking_collapsed_above_the_answer(think_bundle):
     """In a real headless Chromium: the think block is a "Thinking" accordion above the answer, closed once the
     answer is there (its text hidden until the title is clicked)."""

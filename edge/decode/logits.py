@@ -4,8 +4,8 @@ Per row, in this order (`RowLogits.process`): logit_bias, OpenAI's frequency/pre
 of the tokens this answer generated so far), then the grammar mask (response_format, tools), so a
 bias or penalty can never bring back a token the grammar forbids. On a thinking model (`think`,
 edge.decode.thinking.ThinkState) the grammar applies to the content after the think block, and a spent
-reasoning budget forces the close tag, one token per step, over everything else. Logprobs are read from the raw logits
-the step produced (as OpenAI and vLLM report them: the model's distribution, before penalties or the
+reasoning budget forces the close tag, one token per step, over everything else. Logprobs are read from the
+raw logits the step produced (as OpenAI and vLLM report them: the model's distribution, before penalties or the
 grammar), so they equal a log-softmax of the engine's own logits for that position.
 """
 
@@ -77,6 +77,8 @@ class RowLogits:
     def process(self, logits: np.ndarray) -> np.ndarray:
         if not self.active:
             return logits
+        if not (self.matcher is not None or self.logit_bias or self.frequency_penalty or self.presence_penalty):
+            return self._forced(logits)  # a reasoning budget alone: the row as it is until the close is forced
         x = np.array(logits, dtype=np.float32)  # a copy: the raw row stays for logprobs
         if self.logit_bias:
             ids = np.fromiter(self.logit_bias.keys(), dtype=np.int64, count=len(self.logit_bias))
@@ -93,12 +95,16 @@ class RowLogits:
             if opener is not None and opener < x.size:  # the answer may still open its think block
                 masked[opener] = x[opener]
             x = masked
-        forced = think.forced_token() if think is not None else None
-        if forced is not None:
-            only = np.full(x.shape, -np.inf, dtype=np.float32)
-            only[forced] = 0.0
-            return only
-        return x
+        return self._forced(x)
+
+    def _forced(self, x: np.ndarray) -> np.ndarray:
+        """`x`, or, when the reasoning budget is spent, a row where only the forced token is possible."""
+        forced = self.think.forced_token() if self.think is not None else None
+        if forced is None:
+            return x
+        only = np.full(x.shape, -np.inf, dtype=np.float32)
+        only[forced] = 0.0
+        return only
 
     def accept(self, tok: int, raw: np.ndarray) -> TokenLogprob | None:
         self.counts[tok] = self.counts.get(tok, 0) + 1

@@ -2,7 +2,8 @@
 model, system_fingerprint), the finish reason, usage, error bodies; a chat completion's choices (a thinking
 model's think block as `reasoning_content`, tool calls parsed out of the content after it) and a text
 completion's (echo, logprobs); and the server-sent events of both for n rows (reasoning as its own
-`delta.reasoning_content`, tool calls held back until they parse, logprobs per chunk). edge.serve.service only hands it the rows' results."""
+`delta.reasoning_content`, tool calls held back until they parse, logprobs per chunk). edge.serve.service only
+hands it the rows' results."""
 
 from __future__ import annotations
 
