@@ -105,12 +105,48 @@ def _cfg(gen, args: argparse.Namespace):
                         stop=tuple(args.stop) if args.stop else None)
 
 
-def _print_stream(events, show_stats: bool) -> None:
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+
+def _show_thinking(args: argparse.Namespace) -> bool:
+    """A thinking model's think block is shown on a terminal (dimmed) and hidden when the output is piped (a
+    script gets the answer alone); --show-thinking / --hide-thinking decide instead."""
+    if getattr(args, "show_thinking", False) and getattr(args, "hide_thinking", False):
+        raise EdgeChatError("--show-thinking and --hide-thinking contradict each other: give one")
+    if getattr(args, "show_thinking", False) or getattr(args, "hide_thinking", False):
+        return bool(getattr(args, "show_thinking", False))
+    return sys.stdout.isatty()
+
+
+def _print_stream(events, show_stats: bool, chat=None, show_thinking: bool = True) -> None:
+    """An answer streamed to stdout. With `chat` (edge.decode.chat.Chat) a thinking model's reasoning goes dimmed
+    before the answer on a terminal, between <think> tags when piped, or nowhere (`show_thinking` off)."""
+    from edge.decode.thinking import Splitter
+
+    tty = sys.stdout.isatty()
+    thought = answered = False
+    split = None
     for ev in events:
-        if ev.text:
-            sys.stdout.write(ev.text)
+        if chat is not None and split is None:  # the prompt is written once the first event is here
+            split = Splitter(chat.gen.tokenizer.thinking, chat.opened)
+        reasoning, text = split.push(ev.text) if split is not None else ("", ev.text)
+        if ev.finish_reason and split is not None:
+            more = split.finish()
+            reasoning, text = reasoning + more[0], text + more[1]
+        if reasoning and show_thinking:
+            opening = "" if thought else ("" if tty else "<think>\n")
+            sys.stdout.write(f"{DIM}{reasoning}{PLAIN}" if tty else opening + reasoning)
+            thought = True
+        if text:
+            if thought and not answered:
+                sys.stdout.write("\n\n" if tty else "\n</think>\n\n")
+            answered = True
+            sys.stdout.write(text)
+        if reasoning or text:
             sys.stdout.flush()
         if ev.finish_reason:
+            if thought and not answered and not tty:
+                sys.stdout.write("\n</think>")
             sys.stdout.write("\n")
             if show_stats:
                 s = ev.stats
@@ -118,12 +154,26 @@ def _print_stream(events, show_stats: bool) -> None:
                       f"{s['decode_tok_s']:.1f} tok/s, finish: {ev.finish_reason}]", file=sys.stderr)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _chat(gen, args: argparse.Namespace):
     from edge.decode.chat import Chat
 
+    return Chat(gen, system=args.system, reasoning_budget=args.reasoning_budget)
+
+
+def _run(args: argparse.Namespace) -> int:
+    show = _show_thinking(args)
+    if args.raw and args.system:
+        raise EdgeChatError("--raw continues the prompt as text, without a chat template: a --system prompt has no "
+                            "place there; drop one of them")
     gen = _gen(args)
-    chat = Chat(gen, system=args.system)
-    _print_stream(chat.ask(args.prompt, _cfg(gen, args)), args.stats)
+    if args.raw:  # a base model (or any model) continuing text, as /v1/completions does
+        ids = gen.tokenizer.encode(args.prompt)
+        if not ids:
+            raise EdgeChatError("the prompt is empty: give some text to continue")
+        _print_stream(gen.stream(ids, _cfg(gen, args)), args.stats)
+        return 0
+    chat = _chat(gen, args)
+    _print_stream(chat.ask(args.prompt, _cfg(gen, args)), args.stats, chat, show)
     return 0
 
 
@@ -158,10 +208,9 @@ class _PipeLines:
 
 
 def _repl(args: argparse.Namespace) -> int:
-    from edge.decode.chat import Chat
-
+    show = _show_thinking(args)
     gen = _gen(args)
-    chat = Chat(gen, system=args.system)
+    chat = _chat(gen, args)
     cfg = _cfg(gen, args)
     m = gen.bundle.manifest
     print(f"{m.model_name} [{gen.decoder.engine.name}, {gen.decoder.providers[0]}] — /reset clears history, "
@@ -191,7 +240,7 @@ def _repl(args: argparse.Namespace) -> int:
         if line in ("/quit", "/exit"):
             return 0
         if line == "/reset":
-            chat = Chat(gen, system=args.system)
+            chat = _chat(gen, args)
             continue
         if not line:
             continue
@@ -199,7 +248,7 @@ def _repl(args: argparse.Namespace) -> int:
         try:
             sys.stdout.write("bot> ")
             answer = chat.ask(line, cfg)
-            _print_stream(answer, args.stats)
+            _print_stream(answer, args.stats, chat, show)
         except KeyboardInterrupt:  # stop this answer, keep the conversation (with what was said so far)
             if answer is not None:
                 answer.close()
@@ -216,6 +265,13 @@ def _info(args: argparse.Namespace) -> int:
     print(f"bundle   {b.root}  (id {m.bundle_id}, schema {m.schema_version}, created {m.created})")
     print(f"model    {m.model_name}: {d.architecture}, {d.num_parameters / 1e6:.1f}M params, {d.num_layers} layers, "
           f"{d.num_heads}/{d.num_kv_heads} heads, context {d.max_context}")
+    from edge.decode.thinking import tags_in
+
+    template = m.tokenizer.chat_template
+    think = tags_in(template)
+    print("chat     " + ("no chat template (a base model): /v1/completions and `edge-chat run --raw` only"
+                         if not template.strip() else f"thinking model ({think[0]} ... {think[1]}: reasoning_content)"
+                         if think else "chat template"))
     print("engines")
     for e in m.engines:
         fp = e.fingerprint
@@ -279,6 +335,7 @@ def _serve(args: argparse.Namespace) -> int:
         return serve(gen, host=args.host, port=args.port, max_users=args.max_users, max_queue=args.max_queue,
                      auth=auth, ui=not args.no_ui, prompt_cache_mb=args.prompt_cache_mb, sock=sock,
                      request_timeout_s=args.request_timeout, lenient=args.lenient,
+                     reasoning_budget=args.reasoning_budget,
                      limits=ConnectionLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                                              max_connections=args.max_connections))
     finally:
@@ -333,8 +390,19 @@ def _add_gen_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=Bounded(int, 0), help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print tokens, TTFT and tok/s after each answer")
+    p.add_argument("--show-thinking", action="store_true",
+                   help="a thinking model's think block: print it (dimmed on a terminal, between <think> tags when "
+                        "piped); by default it shows on a terminal and is hidden when the output is piped")
+    p.add_argument("--hide-thinking", action="store_true", help="print the answer without its think block")
+    _add_budget_flag(p)
     _add_speculative_flag(p)
     _add_load_flags(p)
+
+
+def _add_budget_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reasoning-budget", type=Bounded(int, 0), metavar="TOKENS",
+                   help="a thinking model thinks at most this many tokens, then its think block is closed "
+                        "(default: no limit; 0: it answers at once)")
 
 
 def _add_speculative_flag(p: argparse.ArgumentParser) -> None:
@@ -368,6 +436,9 @@ def make_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="answer one prompt, streamed", description="Answer one prompt, streamed to the terminal.")
     _add_gen_flags(r)
     r.add_argument("prompt")
+    r.add_argument("--raw", action="store_true",
+                   help="continue the prompt as plain text, without the chat template (a base model's bundle, "
+                        "which has none; as /v1/completions)")
     r.set_defaults(func=_run)
     q = sub.add_parser("repl", help="multi-turn chat in the terminal", description="Multi-turn chat; history is kept and trimmed to the context.")
     _add_gen_flags(q)
@@ -390,6 +461,7 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-cache-mb", type=Bounded(float, 0), default=None,
                    help="memory for the K/V of recent conversations, so a prompt that starts like one of them (the "
                         "system prompt, the chat so far) prefills only what is new (fused graphs; default 64, 0: off)")
+    _add_budget_flag(s)
     s.add_argument("--lenient", action="store_true",
                    help="ignore request fields this server does not support (default: a 400 that names them)")
     s.add_argument("--request-timeout", type=Bounded(float, 0, above=True), metavar="SECONDS",

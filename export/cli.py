@@ -209,6 +209,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help=f"{', '.join(BUILD_CHOICES)} (repeatable; default: int8-dynamic). The bundle ships "
                         "these; the fp32 graph is always measured as the reference, shipped only when asked for")
     b.add_argument("--max-context", type=Bounded(int, 64), help="context window recorded for the runtime (default: the model's, capped at 2048)")
+    b.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template the bundle records instead of the model's own: a base model (which "
+                        "has none) becomes a chat bundle (recipe key chat_template)")
     b.add_argument("--calibration", help="JSONL of chats ({\"messages\": [...]}) for calibration/eval instead of chitchat-dataset")
     b.add_argument("--eval-samples", type=Bounded(int, 1), help="held-out chats for the quality evaluation (default 64)")
     b.add_argument("--skip-eval", action="store_true", help="skip the quality evaluation stage")

@@ -58,12 +58,38 @@ def eos_ids(model, tok) -> list[int]:
     return ids
 
 
-def run(ref: ModelRef, dst: Path, online: bool = False) -> dict:
+def read_chat_template(path: str | Path) -> str:
+    """A Jinja chat template file's text (edge-export build --chat-template), checked to parse as the runtime
+    renders it (edge.decode.tokenizer's sandbox)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelSourceError(f"--chat-template {path}: cannot read it ({e})") from None
+    if not text.strip():
+        raise ModelSourceError(f"--chat-template {path} is empty: give a Jinja chat template (e.g. a ChatML one)")
+    from edge.decode.tokenizer import _template_env
+
+    env, jinja2 = _template_env()
+    try:
+        env.from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelSourceError(f"--chat-template {path} does not parse as a Jinja template: line {e.lineno}: "
+                               f"{e.message}") from None
+    return text
+
+
+def run(ref: ModelRef, dst: Path, online: bool = False, chat_template: str | None = None) -> dict:
     """Copy the model into a Hugging Face folder in its own dtype (bf16 stays bf16: half the memory and
-    disk of fp32; later stages upcast as they need). A GGUF is dequantized by transformers to fp32."""
+    disk of fp32; later stages upcast as they need). A GGUF is dequantized by transformers to fp32.
+    `chat_template`: the template the bundle records instead of the model's own (a base model has none)."""
     model, tok = load_hf(ref, online, dtype="float32" if ref.gguf_file else "auto")
+    if chat_template is not None:
+        tok.chat_template = chat_template
     if not tok.chat_template:
-        raise ModelSourceError(f"{ref.name} has no chat template: EdgeChat needs a chat model (an -Instruct/-Chat checkpoint)")
+        raise ModelSourceError(
+            f"{ref.name} has no chat template (a base model?): the build prompts it with chats (calibration, "
+            "evaluation, golden prompts), so give it one with --chat-template FILE (a Jinja chat template, e.g. "
+            "ChatML), or build its -Instruct/-Chat checkpoint")
     eos = eos_ids(model, tok)
     model.save_pretrained(dst)
     tok.save_pretrained(dst)

@@ -70,6 +70,8 @@ class BuildOptions:
     fresh: bool = False
     reuse_stale: bool = False  # reuse finished stages even when the edgechat code that ran them has changed
     online: bool = False
+    # a Jinja chat template file: for a model without one (a base model), or instead of its own
+    chat_template: str | None = None
     ram_check: bool = True  # refuse a build whose planned peak memory exceeds this machine's RAM
     threads: int | None = None
     fused: bool = True  # write the fused ONNX Runtime graph and quantize the CPU/CUDA engines from it
@@ -158,6 +160,7 @@ class BuildOptions:
                     precisions=tuple(a.precision) if a.precision else None, max_context=a.max_context,
                     calibration=a.calibration, eval_samples=a.eval_samples, skip_eval=a.skip_eval or None,
                     fresh=a.fresh or None, reuse_stale=getattr(a, "reuse_stale", False) or None, online=a.online or None,
+                    chat_template=getattr(a, "chat_template", None),
                     fused=False if getattr(a, "no_fused", False) else None,
                     int4_budget_mb=getattr(a, "int4_budget_mb", None),
                     int4_block_size=getattr(a, "int4_block", None), int4_lm_head_bits=getattr(a, "int4_head_bits", None),
@@ -219,8 +222,11 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
 
     records: list[StageRecord] = []
 
-    hf_dir, rec = stage("load", {"model": f"{ref.kind}:{ref.location}:{ref.gguf_file}"},
-                            lambda d: load.run(ref, d, online=opts.online))
+    template = load.read_chat_template(opts.chat_template) if opts.chat_template else None
+    load_params = {"model": f"{ref.kind}:{ref.location}:{ref.gguf_file}"}
+    if template is not None:  # another template is another load (its digest: the same file reuses the stage)
+        load_params["chat_template_sha256"] = hashlib.sha256(template.encode()).hexdigest()
+    hf_dir, rec = stage("load", load_params, lambda d: load.run(ref, d, online=opts.online, chat_template=template))
     records.append(rec)
     if opts.draft is not None:  # what would fail after hours of building fails now
         from export import draft as dm

@@ -42,9 +42,11 @@ MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qw
 
 def make_tiny_model(dst: Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                     intermediate: int = 128, seed: int = 0, max_pos: int = 512, arch: str = "LlamaForCausalLM",
-                    tie: bool = True, **config) -> Path:
+                    tie: bool = True, chat_template: str | None = CHATML, added_tokens: tuple[str, ...] = (),
+                    **config) -> Path:
     """A random-init causal LM of `arch` (a Hugging Face architectures name) with a real BPE tokenizer;
-    `config`: extra config.json keys (rope_scaling, sliding_window, ...)."""
+    `config`: extra config.json keys (rope_scaling, sliding_window, ...); `added_tokens`: more added (not
+    special) tokens, e.g. a thinking model's <think> and </think>; `chat_template` None: a base model's."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -55,9 +57,11 @@ def make_tiny_model(dst: Path, *, layers: int = 2, hidden: int = 64, heads: int 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if added_tokens:
+        tok.add_tokens(list(added_tokens))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                    unk_token="<|endoftext|>", pad_token="<|im_end|>")
-    fast.chat_template = CHATML
+    fast.chat_template = chat_template
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model(MODEL_TYPES[arch], vocab_size=tok.get_vocab_size(), hidden_size=hidden,
                                intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,

@@ -2,6 +2,8 @@
 
 When history grows past the context, the oldest user/assistant turns are dropped (the system prompt is kept)
 and the caller is told how many: edge.decode.conversation fits and writes the prompt, as for the page and the API.
+On a thinking model the history keeps each answer's content, not its think block (as the API's clients send it
+back); `opened` says whether the last prompt opened the block, for the caller's edge.decode.thinking.Splitter.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from edge.decode import conversation
+from edge.decode import conversation, thinking
+from edge.decode.logits import RowLogits
 from edge.errors import ContextOverflowError
 from edge.decode.generate import Generator
 from edge.decode.text_stream import StreamEvent
@@ -25,6 +28,8 @@ class Chat:
     system: str | None = None
     messages: list[dict] = field(default_factory=list)
     last_dropped: int = 0
+    reasoning_budget: int | None = None  # thinking tokens before the think block is closed (None: no limit)
+    opened: bool = False  # the last prompt opened a think block: its answer starts inside it
 
     def __post_init__(self) -> None:
         if self.system:
@@ -43,10 +48,14 @@ class Chat:
                         self.gen.max_context)
             self.messages = fitted.messages
         self.last_dropped = fitted.dropped
+        self.opened = fitted.opened
+        fmt = self.gen.tokenizer.thinking
+        state = thinking.row_state(fmt, fitted.opened, self.reasoning_budget, False)
         reply = []
         try:
-            for ev in self.gen.stream(fitted.ids, cfg):
+            for ev in self.gen.stream(fitted.ids, cfg, logits=RowLogits(think=state) if state is not None else None):
                 reply.append(ev.text)
                 yield ev
         finally:  # also when the answer is stopped (Ctrl-C, close()): the history keeps what was said
-            self.messages.append({"role": "assistant", "content": "".join(reply)})
+            self.messages.append({"role": "assistant",
+                                  "content": thinking.split("".join(reply), fmt, fitted.opened)[1]})

@@ -7,7 +7,9 @@ turn a conversation into a prompt here, so a template, a tool format or a fittin
 - `fit`: the oldest non-system turns are dropped until the prompt and the answer's reserve fit the context
   (the page and the CLI; the API refuses an overflow instead);
 - `constraint`: the grammar a row decodes under, from tools (a call to one of them) or a response format
-  (any JSON object, or one JSON schema).
+  (any JSON object, or one JSON schema);
+- `template_kwargs` (the API's chat_template_kwargs, e.g. enable_thinking) go to the template render, and the
+  prompt says whether it opened a think block (edge.decode.thinking) the answer starts inside.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Prompt:
     ids: list[int]
     messages: list[dict]  # what the template was given (tools written in, old turns dropped)
     dropped: int = 0  # messages dropped to fit the context
+    opened: bool = False  # the prompt ends inside a think block it opened (edge.decode.thinking)
 
 
 def _written(tokenizer: ChatTokenizer, messages: list[dict],
@@ -38,14 +41,20 @@ def _written(tokenizer: ChatTokenizer, messages: list[dict],
     return messages, tools if native else None
 
 
+def _prompt(tokenizer: ChatTokenizer, ids: list[int], messages: list[dict], dropped: int = 0) -> Prompt:
+    fmt = tokenizer.thinking
+    return Prompt(ids, messages, dropped, opened=fmt is not None and fmt.opens_in(tokenizer, ids))
+
+
 def prompt(tokenizer: ChatTokenizer, messages: list[dict], tools: list[dict] | None = None,
-           fit: tuple[int, int] | None = None) -> Prompt:
+           fit: tuple[int, int] | None = None, template_kwargs: dict | None = None) -> Prompt:
     """The prompt of a conversation. `fit` = (context, reserve): drop the oldest non-system turns (a user turn
     with its answer) until the prompt plus `reserve` new tokens fit `context`; ContextOverflowError when the
-    last message alone does not."""
+    last message alone does not. NoChatTemplateError (edge.decode.tokenizer) for a bundle without a template."""
     messages, template_tools = _written(tokenizer, messages, tools)
     if fit is None:
-        return Prompt(tokenizer.encode_chat(messages, tools=template_tools), messages)
+        return _prompt(tokenizer, tokenizer.encode_chat(messages, tools=template_tools,
+                                                        template_kwargs=template_kwargs), messages)
     context, reserve = fit
     limit = context - reserve
     system = [m for m in messages[:1] if m["role"] == "system"]
@@ -53,9 +62,9 @@ def prompt(tokenizer: ChatTokenizer, messages: list[dict], tools: list[dict] | N
     dropped = 0
     while True:
         kept = system + rest
-        ids = tokenizer.encode_chat(kept, tools=template_tools)
+        ids = tokenizer.encode_chat(kept, tools=template_tools, template_kwargs=template_kwargs)
         if len(ids) <= limit:
-            return Prompt(ids, kept, dropped)
+            return _prompt(tokenizer, ids, kept, dropped)
         if len(rest) <= 1:
             raise ContextOverflowError(
                 f"the last message alone needs {len(ids)} tokens but only {limit} fit "

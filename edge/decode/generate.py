@@ -17,6 +17,7 @@ from edge.decode.text_stream import StreamEvent
 from edge.decode.tokenizer import ChatTokenizer
 
 if TYPE_CHECKING:
+    from edge.decode.logits import RowLogits
     from edge.decode.speculative import RowSpeculator
 
 
@@ -59,13 +60,14 @@ class Generator:
         return SamplingConfig(**base)
 
     def stream(self, prompt_ids: list[int], cfg: SamplingConfig, cancel: threading.Event | None = None,
-               speculator: "RowSpeculator | None" = None) -> Iterator[StreamEvent]:
+               speculator: "RowSpeculator | None" = None, logits: "RowLogits | None" = None) -> Iterator[StreamEvent]:
         """The answer's text as it is generated; the last event has finish_reason and stats. `speculator`: draft
         with this proposer instead of the generator's own (a measurement, e.g. `RowSpeculator.fixed`); the
-        scheduler that ran is left in `self.scheduler` (its `steps`)."""
+        scheduler that ran is left in `self.scheduler` (its `steps`). `logits`: the row's processors (e.g. a
+        reasoning budget, edge.decode.logits)."""
         self.scheduler = sched = Scheduler(self, max_batch=1, max_queue=1, prompt_cache_mb=0)
         sched.speculator = self.speculator = speculator if speculator is not None else self.make_speculator()
-        yield from sched.generate(prompt_ids, cfg, cancel)
+        yield from sched.generate(prompt_ids, cfg, cancel, logits)
 
     def use_draft(self, draft: "Generator", source: str = "--draft") -> None:
         """Draft with a smaller model of the same tokenizer (turns speculation on). `source`: where it came

@@ -1,9 +1,11 @@
 """What a request may do to one row of logits before the sampler draws, and the logprobs it may ask for.
 
 Per row, in this order (`RowLogits.process`): logit_bias, OpenAI's frequency/presence penalties (counts
-of the tokens this answer generated so far), then the grammar mask (response_format, tools) last, so a
-bias or penalty can never bring back a token the grammar forbids. Logprobs are read from the raw logits
-the step produced (as OpenAI and vLLM report them: the model's distribution, before penalties or the
+of the tokens this answer generated so far), then the grammar mask (response_format, tools), so a
+bias or penalty can never bring back a token the grammar forbids. On a thinking model (`think`,
+edge.decode.thinking.ThinkState) the grammar applies to the content after the think block, and a spent
+reasoning budget forces the close tag, one token per step, over everything else. Logprobs are read from the
+raw logits the step produced (as OpenAI and vLLM report them: the model's distribution, before penalties or the
 grammar), so they equal a log-softmax of the engine's own logits for that position.
 """
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge.decode.grammar import Grammar, Matcher
+from edge.decode.thinking import ThinkState
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class RowLogits:
     stop_ids: frozenset[int] = frozenset()  # tokens that end the answer like EOS (request's stop_token_ids)
     counts: dict[int, int] = field(default_factory=dict)
     matcher: Matcher | None = None
+    think: ThinkState | None = None  # the think block (reasoning budget; the grammar waits until it closes)
 
     def __post_init__(self) -> None:
         if self.grammar is not None and self.matcher is None:
@@ -67,11 +71,14 @@ class RowLogits:
     @property
     def active(self) -> bool:
         """Whether `process` changes anything (the sampler's fast path skips it otherwise)."""
-        return bool(self.matcher is not None or self.logit_bias or self.frequency_penalty or self.presence_penalty)
+        return bool(self.matcher is not None or self.logit_bias or self.frequency_penalty or self.presence_penalty
+                    or self.think is not None)
 
     def process(self, logits: np.ndarray) -> np.ndarray:
         if not self.active:
             return logits
+        if not (self.matcher is not None or self.logit_bias or self.frequency_penalty or self.presence_penalty):
+            return self._forced(logits)  # a reasoning budget alone: the row as it is until the close is forced
         x = np.array(logits, dtype=np.float32)  # a copy: the raw row stays for logprobs
         if self.logit_bias:
             ids = np.fromiter(self.logit_bias.keys(), dtype=np.int64, count=len(self.logit_bias))
@@ -81,13 +88,28 @@ class RowLogits:
             ids = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
             n = np.fromiter(self.counts.values(), dtype=np.float32, count=len(ids))
             x[ids] -= n * np.float32(self.frequency_penalty) + np.float32(self.presence_penalty)
-        if self.matcher is not None:
-            x = self.matcher.mask(x)
-        return x
+        think = self.think
+        if self.matcher is not None and (think is None or think.phase != "think"):
+            masked = self.matcher.mask(x)
+            opener = think.may_open if think is not None else None
+            if opener is not None and opener < x.size:  # the answer may still open its think block
+                masked[opener] = x[opener]
+            x = masked
+        return self._forced(x)
+
+    def _forced(self, x: np.ndarray) -> np.ndarray:
+        """`x`, or, when the reasoning budget is spent, a row where only the forced token is possible."""
+        forced = self.think.forced_token() if self.think is not None else None
+        if forced is None:
+            return x
+        only = np.full(x.shape, -np.inf, dtype=np.float32)
+        only[forced] = 0.0
+        return only
 
     def accept(self, tok: int, raw: np.ndarray) -> TokenLogprob | None:
         self.counts[tok] = self.counts.get(tok, 0) + 1
-        if self.matcher is not None:
+        content = self.think.accept(tok) if self.think is not None else True
+        if self.matcher is not None and content:
             self.matcher.advance(tok)
         if self.logprobs is None:
             return None

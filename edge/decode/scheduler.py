@@ -201,15 +201,15 @@ class Scheduler:
             req.deadline = req.submitted + timeout_s
         return req
 
-    def generate(self, prompt_ids: list[int], cfg: SamplingConfig,
-                 cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
+    def generate(self, prompt_ids: list[int], cfg: SamplingConfig, cancel: threading.Event | None = None,
+                 logits: "RowLogits | None" = None) -> Iterator[StreamEvent]:
         """One request run to its end in the caller's thread, on a scheduler that was not `start`ed: the
         single-user path, through the same admission, steps and sampling as a served request. Setting
         `cancel` (or closing the iterator) ends it; a failure raises instead of ending with "error"."""
         if self._thread is not None:
             raise EdgeChatError("generate() runs requests in the caller's thread: use submit() on a started scheduler")
         events: list[StreamEvent] = []
-        req = self._request(prompt_ids, cfg, events.append)
+        req = self._request(prompt_ids, cfg, events.append, logits=logits)
         if cancel is not None:
             req.cancelled = cancel
         self.pending.append(req)

@@ -15,11 +15,12 @@ from typing import Any, AsyncIterator, Iterator
 
 import numpy as np
 
-from edge.decode import conversation
+from edge.decode import conversation, thinking
 from edge.serve.openai_schema import MAX_N, BadRequest, ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from edge.decode.grammar import token_bytes
 from edge.decode.logits import RowLogits, TokenLogprob, token_logprob
 from edge.decode.sampling import MAX_SEED, SamplingConfig
+from edge.decode.tokenizer import NoChatTemplateError
 from edge.errors import ContextOverflowError
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -38,6 +39,8 @@ class Rows:
     echo: bool = False
     prompt_texts: list[str] = field(default_factory=list)
     score_top: int | None = None  # completions echo + logprobs: the prompt's own logprobs, this many alternatives
+    think: thinking.ThinkFormat | None = None  # chat on a thinking model: the answers' reasoning is split out
+    opened: bool = False  # the prompt opened the think block (the answers start inside it)
 
 
 _tables: dict[int, list[bytes]] = {}
@@ -64,12 +67,13 @@ def _check_bias(bias: dict[int, float], vocab: int) -> None:
                          param="logit_bias")
 
 
-def _row_logits(body, vocab: int, grammar, logprobs: int | None) -> RowLogits | None:
+def _row_logits(body, vocab: int, grammar, logprobs: int | None,
+                think: thinking.ThinkState | None = None) -> RowLogits | None:
     bias = body.bias()
     _check_bias(bias, vocab)
     rl = RowLogits(grammar=grammar, logit_bias=bias, frequency_penalty=body.frequency_penalty or 0.0,
                    presence_penalty=body.presence_penalty or 0.0, logprobs=logprobs,
-                   stop_ids=frozenset(body.stop_token_ids or ()))
+                   stop_ids=frozenset(body.stop_token_ids or ()), think=think)
     return rl if rl.active or logprobs is not None or rl.stop_ids else None
 
 
@@ -84,7 +88,12 @@ async def chat_rows(service, body: ChatCompletionRequest) -> Rows:
     surely_too_long(service, sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
                                  for m in messages), "messages")
     # a large body takes seconds to render and tokenize: off the event loop, where /health and the streams run
-    prompt = (await asyncio.to_thread(conversation.prompt, gen.tokenizer, messages, tools)).ids
+    try:
+        fitted = await asyncio.to_thread(conversation.prompt, gen.tokenizer, messages, tools,
+                                         template_kwargs=body.chat_template_kwargs)
+    except NoChatTemplateError as e:  # a base model's bundle: the 400 names what to do instead
+        raise BadRequest(str(e), param="messages") from None
+    prompt = fitted.ids
     rf = body.response_format
     named = rf.json_schema if rf is not None and rf.type == "json_schema" else None
 
@@ -102,12 +111,18 @@ async def chat_rows(service, body: ChatCompletionRequest) -> Rows:
     cfgs = [service.sampling(max_tokens, len(prompt), **{**params, "seed": s}) for s in _seeds(body.seed, n)]
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
 
+    fmt = gen.tokenizer.thinking
+    budget = body.reasoning_budget if body.reasoning_budget is not None else service.reasoning_budget
+    budget = None if budget is not None and budget < 0 else budget  # -1: no limit
+
     def row_logits() -> list[RowLogits | None]:
-        return [_row_logits(body, vocab, grammar, logprobs) for _ in range(n)]
+        return [_row_logits(body, vocab, grammar, logprobs,
+                            thinking.row_state(fmt, fitted.opened, budget, grammar is not None)) for _ in range(n)]
 
     # a matcher per row parses the grammar again: off the event loop when there is one
     logits = await asyncio.to_thread(row_logits) if grammar is not None else row_logits()
-    return Rows([prompt], [0] * n, cfgs, logits, tools=tools, tool_choice=choice if tools else None)
+    return Rows([prompt], [0] * n, cfgs, logits, tools=tools, tool_choice=choice if tools else None, think=fmt,
+                opened=fitted.opened)
 
 
 def surely_too_long(service, chars: int, param: str) -> None:

@@ -47,6 +47,7 @@ class _Strict(BaseModel):
 
 
 NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
+TEMPLATE_VAR = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"  # a Jinja variable name
 
 
 class TextPart(_Strict):
@@ -178,6 +179,12 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
+    # variables for the chat template (vLLM's and llama.cpp's field), e.g. {"enable_thinking": false}
+    chat_template_kwargs: Annotated[dict[Annotated[str, Field(pattern=TEMPLATE_VAR)], Any] | None,
+                                    Field(max_length=32)] = None
+    # a thinking model's think block closes after this many tokens (edge.decode.thinking); -1: no limit (as
+    # llama.cpp's --reasoning-budget); absent: the server's --reasoning-budget
+    reasoning_budget: Annotated[int | None, Field(ge=-1, le=MAX_TOKENS_LIMIT)] = None
 
     def sampling(self) -> dict:
         out = super().sampling()
@@ -257,6 +264,10 @@ RULES = {  # what each field takes, in words, for the error message
     "parallel_tool_calls": "true or false",
     "logprobs": "true or false (chat), an integer from 0 to 20 (completions)",
     "top_logprobs": "an integer from 0 to 20 (with logprobs: true)",
+    "chat_template_kwargs": "an object of up to 32 chat template variables (names: letters, digits and _), e.g. "
+                            "{\"enable_thinking\": false}",
+    "reasoning_budget": "an integer >= 0: tokens a thinking model may think before its think block is closed "
+                        "(-1: no limit)",
     "prompt": f"a string, a list of up to {MAX_PROMPTS} strings, a list of token ids or a list of such lists",
     "echo": "true or false",
 }

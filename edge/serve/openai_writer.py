@@ -1,7 +1,9 @@
 """Every OpenAI answer shape, whole and streamed, written in one place: the envelope (id, object, created,
-model, system_fingerprint), the finish reason, usage, error bodies; a chat completion's choices (tool calls
-parsed out) and a text completion's (echo, logprobs); and the server-sent events of both for n rows (tool
-calls held back until they parse, logprobs per chunk). edge.serve.service only hands it the rows' results."""
+model, system_fingerprint), the finish reason, usage, error bodies; a chat completion's choices (a thinking
+model's think block as `reasoning_content`, tool calls parsed out of the content after it) and a text
+completion's (echo, logprobs); and the server-sent events of both for n rows (reasoning as its own
+`delta.reasoning_content`, tool calls held back until they parse, logprobs per chunk). edge.serve.service only
+hands it the rows' results."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 from typing import Any, AsyncIterator, Protocol
 
 from edge.serve import openai_answers as api_answers
+from edge.decode import thinking
 from edge.decode import tools as toolfmt
 from edge.decode.text_stream import StreamEvent
 
@@ -40,6 +43,7 @@ def envelope(service: Service, cid: str, created: int, kind: str) -> dict[str, A
 def chat_choice(i: int, text: str, last, lps: list, rows, table: list[bytes] | None) -> dict:
     """One choice of a chat completion: the message (tool calls parsed out), finish reason, logprobs."""
     reason = finish(last.finish_reason)
+    reasoning, text = thinking.split(text, rows.think, rows.opened)
     msg: dict[str, Any] = {"role": "assistant", "content": text}
     if rows.tools and rows.tool_choice != "none":
         parsed = toolfmt.parse_calls(text)
@@ -47,6 +51,8 @@ def chat_choice(i: int, text: str, last, lps: list, rows, table: list[bytes] | N
             msg = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
             if reason == "stop":
                 reason = "tool_calls"
+    if rows.think is not None:  # a thinking model: its think block (None when the answer had none)
+        msg["reasoning_content"] = reasoning
     logprobs = {"content": api_answers.chat_logprobs(table, lps)} if table is not None else None
     return {"index": i, "message": msg, "finish_reason": reason, "logprobs": logprobs}
 
@@ -113,17 +119,27 @@ async def chat_sse(service: Service, cid: str, created: int, events: AsyncIterat
     held = [""] * n  # text that may still become a tool call
     held_lps: list[list] = [[] for _ in range(n)]
     plain = [not calls] * n
+    split = [thinking.Splitter(rows.think, rows.opened) for _ in range(n)]  # reasoning | content, per row
+    unsent: list[list] = [[] for _ in range(n)]  # logprobs of text the splitter still holds
     lasts: list[Any] = []
     try:
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
         async for i, ev in events:
-            lps = getattr(ev, "logprobs", None) or []
-            if ev.text or lps:
+            lps = unsent[i] + (getattr(ev, "logprobs", None) or [])
+            reasoning, text = split[i].push(ev.text)
+            if ev.finish_reason:
+                more = split[i].finish()
+                reasoning, text = reasoning + more[0], text + more[1]
+            if reasoning:
+                yield chunk(i, {"reasoning_content": reasoning}, lps=lps)
+                lps = []
+            unsent[i] = [] if text or not ev.text else lps  # held by the splitter: sent with the text later
+            if text or (lps and not unsent[i]):
                 if plain[i]:
-                    yield chunk(i, {"content": ev.text}, lps=lps)
+                    yield chunk(i, {"content": text}, lps=lps)
                 else:
-                    held[i] += ev.text
+                    held[i] += text
                     held_lps[i] += lps
                     if not toolfmt.may_be_call(held[i]):  # plain text after all: let it flow
                         plain[i] = True
@@ -143,7 +159,7 @@ async def chat_sse(service: Service, cid: str, created: int, events: AsyncIterat
                         reason = "tool_calls" if reason == "stop" else reason
                     elif held[i]:
                         yield chunk(i, {"content": held[i]}, lps=held_lps[i])
-                yield chunk(i, {}, reason)
+                yield chunk(i, {}, reason, lps=unsent[i])
                 lasts.append(ev)
         if include_usage:
             yield chunk(0, {}, usage=usage(lasts, prompt_tokens), choices=False)

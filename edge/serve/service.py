@@ -45,10 +45,12 @@ class Service:
 
     def __init__(self, gen: Generator, max_users: int = 8, max_queue: int | None = None,
                  prompt_cache_mb: float | None = None, request_timeout_s: float | None = None,
-                 lenient: bool = False, limits: ConnectionLimits | None = None) -> None:
+                 lenient: bool = False, limits: ConnectionLimits | None = None,
+                 reasoning_budget: int | None = None) -> None:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise EdgeChatError(f"--request-timeout must be > 0 seconds, got {request_timeout_s}")
         self.gen = gen
+        self.reasoning_budget = reasoning_budget  # --reasoning-budget: a request's default (edge.decode.thinking)
         self.metrics = Metrics()
         self.request_timeout_s = request_timeout_s
         self.scheduler = Scheduler(gen, max_batch=max_users, max_queue=4 * max_users if max_queue is None else max_queue,

@@ -1,5 +1,6 @@
 """The Gradio chat page: streaming answers, history, system prompt, sampling controls, stop, clear, JSON mode
-and tools (the API's response_format and tools, shown: a tool call appears in the chat as a call block).
+and tools (the API's response_format and tools, shown: a tool call appears in the chat as a call block). A
+thinking model's think block shows collapsed above its answer (a chatbot message with a title).
 
 The conversation lives in a `gr.State` as plain {role, content} messages; the
 chatbot only displays it. Answers go through the same scheduler as the API.
@@ -23,7 +24,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr
 
 from edge.decode import tools as toolfmt
-from edge.decode import conversation
+from edge.decode import conversation, thinking
 from edge.errors import EdgeChatError
 from edge.decode.logits import RowLogits
 
@@ -76,6 +77,25 @@ def page_sampling(gen, temperature: Any, top_p: Any, max_tokens: Any):
     if p == 0:
         raise EdgeChatError("Top-p must be greater than 0")
     return gen.sampling(max_new_tokens=int(n), temperature=t, top_p=p)
+
+
+THINKING_TITLE = "Thinking"
+
+
+def show_messages(msgs: list[dict], thinking_now: bool = False) -> list[dict]:
+    """The conversation as the chatbot shows it: each answer's think block (kept under "thinking") as a message
+    with a title, which the chatbot draws collapsible, above the answer; the last one open while `thinking_now`."""
+    out = []
+    for k, m in enumerate(msgs):
+        if m["role"] == "system":
+            continue
+        if m.get("thinking"):
+            pending = thinking_now and k == len(msgs) - 1
+            out.append({"role": "assistant", "content": m["thinking"],
+                        "metadata": {"title": THINKING_TITLE, "status": "pending" if pending else "done"}})
+        if m["role"] != "assistant" or m.get("content") or m.get("tool_calls") or not m.get("thinking"):
+            out.append(show_message(m))
+    return out
 
 
 def show_message(m: dict) -> dict:
@@ -139,8 +159,10 @@ def build_ui(service) -> gr.Blocks:
     answers = Answers()
     with gr.Blocks(title=f"EdgeChat · {service.model_id}", analytics_enabled=False) as demo:
         gr.Markdown(f"### EdgeChat · {service.model_id}\n"
-                    f"`{service.precision}` on {service.backend} · context {gen.max_context} tokens",
-                    elem_id="model-line")
+                    f"`{service.precision}` on {service.backend} · context {gen.max_context} tokens"
+                    + ("" if gen.tokenizer.has_template else "\n\n⚠️ This bundle has no chat template (a base "
+                       "model): it cannot chat here; use /v1/completions, or rebuild it with "
+                       "`edge-export build --chat-template FILE`"), elem_id="model-line")
         history = gr.State([])
         chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=420, buttons=["copy"])
         with gr.Row():
@@ -163,8 +185,7 @@ def build_ui(service) -> gr.Blocks:
             tool_choice = gr.Radio(["auto", "required", "none"], value="auto", label="Tool choice",
                                    elem_id="tool-choice")
 
-        def show(msgs: list[dict]) -> list[dict]:
-            return [show_message(m) for m in msgs if m["role"] != "system"]
+        show = show_messages
 
         def take(text: str, msgs: list[dict]):
             if not text.strip():
@@ -191,7 +212,8 @@ def build_ui(service) -> gr.Blocks:
 
         async def answer_events(msgs: list[dict], system_prompt: str, temp: float, p: float, n: int, as_json: bool,
                                 schema_text: str, tools_text: str, choice: str, entry: Answers.Answer):
-            convo = ([{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []) + msgs
+            convo = ([{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []) + [
+                {k: v for k, v in m.items() if k != "thinking"} for m in msgs]  # the template gets the answers only
             try:
                 tool_list, logits = await asyncio.to_thread(page_constraint, gen, as_json, schema_text, tools_text,
                                                             choice)
@@ -200,6 +222,11 @@ def build_ui(service) -> gr.Blocks:
                 fitted = await asyncio.to_thread(conversation.prompt, gen.tokenizer, convo, tool_list,
                                                  fit=(gen.max_context, min(cfg.max_new_tokens, gen.max_context // 2)))
                 dropped = fitted.dropped
+                fmt = gen.tokenizer.thinking
+                think = thinking.row_state(fmt, fitted.opened, service.reasoning_budget, logits is not None)
+                if think is not None:
+                    logits = logits or RowLogits()
+                    logits.think = think
                 req, events = await service.generate(fitted.ids, cfg, logits=logits)
                 answers.running(entry, req)
             except EdgeChatError as e:
@@ -207,16 +234,21 @@ def build_ui(service) -> gr.Blocks:
                 return
             note = f" · dropped {dropped} old message(s) to fit the context" if dropped else ""
             yield msgs, show(msgs), "generating…"  # at once: the events show no progress overlay (see below)
-            reply, last_yield = "", 0.0
+            reply, thought, last_yield = "", "", 0.0
+            split = thinking.Splitter(fmt, fitted.opened)
             async for ev in events:
-                reply += ev.text
-                shown = msgs + [{"role": "assistant", "content": reply}]
+                r, c = split.push(ev.text)
+                if ev.finish_reason:
+                    more = split.finish()
+                    r, c = r + more[0], c + more[1]
+                reply, thought = reply + c, thought + r
+                answer_msg = {"role": "assistant", "content": reply} | ({"thinking": thought} if thought else {})
+                shown = msgs + [answer_msg]
                 if ev.finish_reason:
                     if tool_list and choice != "none":
                         parsed = toolfmt.parse_calls(reply)
                         if parsed.tool_calls:
-                            shown = msgs + [{"role": "assistant", "content": parsed.content,
-                                             "tool_calls": parsed.tool_calls}]
+                            shown = msgs + [answer_msg | {"content": parsed.content, "tool_calls": parsed.tool_calls}]
                     s = ev.stats
                     if ev.finish_reason == "cancelled":
                         yield shown, show(shown), f"stopped · {s['completion_tokens']} tokens"
@@ -228,7 +260,8 @@ def build_ui(service) -> gr.Blocks:
                 elif ev.text and time.monotonic() - last_yield >= UI_UPDATE_S:
                     # coalesce tokens: re-rendering the chat per token costs the browser and the device CPU
                     last_yield = time.monotonic()
-                    yield shown, show(shown), "generating…"
+                    yield shown, show(shown, thinking_now=not reply), "thinking…" if thought and not reply \
+                        else "generating…"
 
         inputs = [history, system, temperature, top_p, max_tokens, json_mode, schema, tools, tool_choice]
         msg.submit(take, [msg, history], [msg, history, chatbot], queue=False).then(
