@@ -115,12 +115,15 @@ def start_llama_server(gguf: str, slots: int, threads: int | None, ctx_per_slot:
     sys.exit("llama-server did not start in 120 s")
 
 
-def raw_decoder(bundle: str, engine: str | None, users: int, threads: int | None, max_tokens: int) -> dict:
+def raw_decoder(bundle: str, engine: str | None, users: int, threads: int | None, max_tokens: int,
+                requests: int = 1) -> dict:
     """The decoder alone on the prompts the server's clients send (same engine and threads, in its own process,
-    the session options of scripts/bench_decode.py): `users` rows prefilled, then `max_tokens` - 1 batched greedy
-    steps of all of them (the step the server's scheduler makes at that many users). What the server adds is the
-    gap between this and the server's rate."""
-    spec = {"bundle": bundle, "engine": engine, "users": users, "threads": threads, "max_tokens": max_tokens}
+    the session options of scripts/bench_decode.py), measured the way run_level measures the server: `users`
+    rows prefilled one by one, then batched greedy steps until each has `max_tokens`, `requests` times over;
+    total tok/s = every token / the whole time, prefills included. What the server adds is the gap between
+    this and the server's rate."""
+    spec = {"bundle": bundle, "engine": engine, "users": users, "threads": threads, "max_tokens": max_tokens,
+            "requests": requests}
     out = subprocess.run([sys.executable, __file__, bundle, "--_raw", json.dumps(spec)], cwd=ROOT, capture_output=True,
                          text=True, timeout=1200)
     if out.returncode:
@@ -139,25 +142,31 @@ def _raw_child(spec: dict) -> dict:
 
     gen = Generator.from_bundle(Bundle.open(spec["bundle"]), engine=spec["engine"], threads=spec["threads"])
     n, new = spec["users"], spec["max_tokens"]
-    prompts = [prompt(gen.tokenizer, [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" (user {i})"}]).ids
-               for i in range(n)]
 
-    def once() -> tuple[float, float]:
+    def prompts(k: int) -> list[list[int]]:  # run_level's questions: client i's k-th request
+        return [prompt(gen.tokenizer, [{"role": "user", "content": QUESTIONS[(i + k) % len(QUESTIONS)]
+                                        + f" (user {i})"}]).ids for i in range(n)]
+
+    def once(ps: list[list[int]]) -> tuple[float, float, float]:
         cache = batch_cache(gen.decoder, n)
         t0 = time.perf_counter()
-        toks = cache.prefill_rows(prompts[:1]).argmax(-1).tolist()
+        toks = cache.prefill_rows(ps[:1]).argmax(-1).tolist()
         first = time.perf_counter() - t0
         if n > 1:
-            toks += cache.prefill_rows(prompts[1:]).argmax(-1).tolist()
+            toks += cache.prefill_rows(ps[1:]).argmax(-1).tolist()
         t1 = time.perf_counter()
         for _ in range(new - 1):
             toks = np.asarray(cache.step(toks)).argmax(-1).tolist()
-        return first, time.perf_counter() - t1
+        t2 = time.perf_counter()
+        return first, t1 - t0, t2 - t1
 
-    once()  # warm-up: first-call allocations
-    first, steps_s = once()
-    return {"users": n, "prefill_ms": 1000 * first, "total_tok_s": n * (new - 1) / steps_s,
-            "step_ms": 1000 * steps_s / (new - 1)}
+    once(prompts(0))  # warm-up: first-call allocations
+    runs = [once(prompts(k)) for k in range(spec.get("requests", 1))]
+    wall = sum(p + s for _, p, s in runs)
+    steps = sum(s for _, _, s in runs)
+    return {"users": n, "prefill_ms": 1000 * statistics.median(f for f, _, _ in runs),
+            "total_tok_s": n * new * len(runs) / wall, "step_tok_s": n * (new - 1) * len(runs) / steps,
+            "step_ms": 1000 * steps / ((new - 1) * len(runs))}
 
 
 def run_level(url: str, users: int, requests: int, max_tokens: int, sampling: dict | None = None) -> dict:
@@ -284,7 +293,7 @@ def versus(args) -> int:
                     load = os.getloadavg()[0]
                     print(f"... {n} users, round {r + 1}, {name} (load {load:.1f})", file=sys.stderr, flush=True)
                     got = run_level(u, n, args.requests, args.max_tokens) if u else \
-                        raw_decoder(args.bundle, args.engine, n, args.threads, args.max_tokens)
+                        raw_decoder(args.bundle, args.engine, n, args.threads, args.max_tokens, args.requests)
                     rows.setdefault(n, {}).setdefault(name, []).append(got | {"load_avg_1m": load})
     finally:
         for p in (ours, theirs):
@@ -310,7 +319,8 @@ def versus(args) -> int:
         prefill = statistics.median(x["prefill_ms"] for x in by["raw decoder"])
         summary[n] = {"tok_s": {k: statistics.median(v) for k, v in tok.items()}, "server_over_raw": raw,
                       "server_over_raw_median": statistics.median(raw), "ttft_p50_ms": ttft,
-                      "raw_prefill_ms": prefill}
+                      "raw_prefill_ms": prefill,
+                      "raw_step_ms": statistics.median(x["step_ms"] for x in by["raw decoder"])}
         if lurl:
             summary[n] |= {"ours_over_llama": vs, "ours_over_llama_median": statistics.median(vs),
                            "llama_ttft_p50_ms": statistics.median(x["ttft_p50_ms"] for x in by["llama-server"])}
