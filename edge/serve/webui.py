@@ -50,6 +50,7 @@ CSS = """
   #composer { gap: 4px; }
   #composer > button { padding: 0 10px; font-size: 0.9em; }
   #composer > #clear { display: none; }  /* the chatbot's own trash icon clears too */
+  #chatbot .message-row.bubble { max-width: calc(100% - 16px) !important; margin-left: 8px !important; margin-right: 8px !important; }
 }
 """
 # the chat list (a gradio Sidebar, closed as built) opens on wide screens; on a phone it covers the page, so it
