@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 STORE_VERSION = 1
-MAX_CHATS = 100  # the newest kept; the browser gives a site about 5 MB and the store is encrypted text
+MAX_CHATS = 50  # the newest kept: each save sends the whole store to the server and back (and a site gets ~5 MB)
 TITLE_CHARS = 60
 NEW_TITLE = "New chat"
 MODEL_KEYS = ("role", "content", "tool_calls")  # what the conversation path reads

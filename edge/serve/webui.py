@@ -50,7 +50,7 @@ CSS = """
   #composer { gap: 4px; }
   #composer > button { padding: 0 10px; font-size: 0.9em; }
   #composer > #clear { display: none; }  /* the chatbot's own trash icon clears too */
-  #chatbot .message-row.bubble { max-width: calc(100% - 16px) !important; margin-left: 8px !important; margin-right: 8px !important; }
+  #chatbot .message-row.bubble { max-width: calc(100% - 16px) !important; margin: 8px !important; }
 }
 """
 # the chat list (a gradio Sidebar, closed as built) opens on wide screens; on a phone it covers the page, so it
@@ -185,7 +185,8 @@ def build_ui(service) -> gr.Blocks:
                             max_lines=6, elem_id="system", interactive=False)
         chatbot = gr.Chatbot(label="Chat", show_label=False, elem_id="chatbot", height="58vh", min_height=260,
                              buttons=["copy"], editable="user", layout="bubble", feedback_options=None,
-                             placeholder="Ask anything. Your chats are kept in this browser: the arrow at the top left lists them.")
+                             placeholder="Ask anything. Your chats are kept in this browser: the arrow at the "
+                                         "top left lists them.")
         with gr.Row(equal_height=True, elem_id="composer"):
             msg = gr.Textbox(placeholder="Message", show_label=False, container=False, scale=1,
                              min_width=80, elem_id="message", autofocus=True, lines=1, max_lines=8,
@@ -294,9 +295,9 @@ def build_ui(service) -> gr.Blocks:
         def edited(msgs: list[dict], data: gr.EditData):
             """Edit-and-resend: the edited user message replaces the one it was; what came after goes."""
             origin = page_chats.show(msgs)[1]
-            if not isinstance(data.index, int) or data.index >= len(origin) or msgs[origin[data.index]]["role"] != "user":
+            i = origin[data.index] if isinstance(data.index, int) and data.index < len(origin) else None
+            if i is None or msgs[i]["role"] != "user":
                 return msgs, drawn(msgs)
-            i = origin[data.index]
             msgs = msgs[:i] + [{"role": "user", "content": str(data.value)}]
             return msgs, drawn(msgs)
 
