@@ -177,7 +177,11 @@ def test_chats_survive_reload_stay_apart_and_use_the_system_prompt(long_bundle):
                                    timeout=10_000)
             assert "Japan" not in page.locator("#chatbot").inner_text()
             assert page.locator("#system textarea").input_value() == ""
-            # delete the open chat: the other one opens, and a reload does not bring it back
+            # delete the open chat (a second click confirms): the other one opens, a reload does not bring it back
+            page.locator("#delete-chat").click()
+            page.wait_for_function("document.querySelector('#delete-chat').innerText.includes('again')",
+                                   timeout=10_000)
+            assert len(_chats(page)) == 2
             page.locator("#delete-chat").click()
             page.wait_for_function("document.querySelector('#chat-list').innerText.includes('Geography') && "
                                    "!document.querySelector('#chat-list').innerText.includes('Fun')", timeout=10_000)

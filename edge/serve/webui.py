@@ -35,6 +35,7 @@ SYSTEM_FONTS = ["ui-sans-serif", "system-ui", "-apple-system", "Segoe UI", "Robo
 UI_UPDATE_S = 0.08  # at most ~12 page updates a second while an answer streams
 MONO_FONTS = ["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"]
 STORE_KEY = "edgechat-chats"  # the browser's localStorage key for the page's chats (page_chats.py)
+DELETE_LABEL = "Delete this chat"
 STORE_SECRET = "edgechat-page-store"  # gradio encrypts the stored value with a secret the page carries
 # the per-answer stats line (page_chats.show_answer) and a phone-wide layout (360 px)
 CSS = """
@@ -173,11 +174,12 @@ def build_ui(service) -> gr.Blocks:
         store = gr.BrowserState(page_chats.empty_store(), storage_key=STORE_KEY, secret=STORE_SECRET)
         chat = gr.State(page_chats.new_chat())  # the open chat's id and title; its messages are `history`
         history = gr.State([])
+        armed = gr.State(None)  # the chat whose Delete was clicked once: a second click deletes it
         with gr.Sidebar(label="Chats", open=False, width=280, elem_id="chats-panel"):
             new = gr.Button("+ New chat", variant="primary", elem_id="new-chat")
             chat_list = gr.Radio([], label="Chats (kept in this browser)", elem_id="chat-list")
             title = gr.Textbox("", label="Rename this chat (Enter)", max_lines=1, elem_id="chat-title")
-            delete = gr.Button("Delete this chat", variant="stop", size="sm", elem_id="delete-chat")
+            delete = gr.Button(DELETE_LABEL, variant="stop", size="sm", elem_id="delete-chat")
         gr.Markdown(f"**EdgeChat · {service.model_id}** · `{service.precision}` on {service.backend} · "
                     f"context {gen.max_context} tokens", elem_id="model-line")
         # the boxes open once the stored chats are read (load_chats): typed before that, their text was lost
@@ -211,13 +213,13 @@ def build_ui(service) -> gr.Blocks:
             return page_chats.show(msgs)[0]
 
         # -- the chats: open, new, rename, delete; each writes the browser's store ---------------------------
-        chat_outputs = [store, chat, history, chatbot, system, chat_list, title, stats]
+        chat_outputs = [store, chat, history, chatbot, system, chat_list, title, stats, delete, armed]
 
         def opened(st: dict, c: dict, status: str = "") -> tuple:
-            """Every chat output for showing chat `c` (a stored record or a new one)."""
+            """Every chat output for showing chat `c` (a stored record or a new one); Delete disarmed."""
             return (st, {k: c[k] for k in ("id", "title", "titled")}, c["messages"], drawn(c["messages"]),
                     c["system"], gr.update(choices=page_chats.choices(st, c), value=c["id"]),
-                    c["title"] if c["titled"] else "", status)
+                    c["title"] if c["titled"] else "", status, gr.update(value=DELETE_LABEL), None)
 
         def record(c: dict, msgs: list[dict], system_prompt: str) -> dict:
             return dict(c, messages=msgs, system=system_prompt or "")
@@ -254,7 +256,9 @@ def build_ui(service) -> gr.Blocks:
             st, renamed = page_chats.rename(page_chats.normalized(st), record(c, msgs, system_prompt), text)
             return opened(st, renamed)
 
-        async def delete_chat(st: Any, c: dict, request: gr.Request) -> tuple:
+        async def delete_chat(st: Any, c: dict, armed_id: str | None, request: gr.Request) -> tuple:
+            if armed_id != c["id"]:  # the first click only asks
+                return *[gr.update()] * 8, gr.update(value="Click again to delete"), c["id"]
             st, nxt = page_chats.delete(page_chats.normalized(st), c["id"])
             answers.stop(request.session_hash or "", final=(nxt["messages"], drawn(nxt["messages"]), ""))
             return opened(st, nxt, "chat deleted")
@@ -271,7 +275,7 @@ def build_ui(service) -> gr.Blocks:
         new.click(new_conversation, [store, chat, history, system], chat_outputs, queue=False,
                   js=CLOSE_LIST_ON_PHONE_JS)
         title.submit(rename_chat, [title, store, chat, history, system], chat_outputs, queue=False)
-        delete.click(delete_chat, [store, chat], chat_outputs, queue=False)
+        delete.click(delete_chat, [store, chat, armed], chat_outputs, queue=False)
         save = dict(fn=save_chat, inputs=[store, chat, history, system], outputs=[store, chat_list], queue=False,
                     show_progress="hidden")
         system.blur(**save)
