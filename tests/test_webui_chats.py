@@ -279,3 +279,34 @@ def test_regenerate_edit_and_a_chat_switched_mid_answer(long_bundle, tmp_path):
     finally:
         code, out = server.stop()
     assert code == 0 and "Traceback" not in out, out
+
+
+def test_two_tabs_of_one_browser_keep_each_others_chats(long_bundle):
+    """Both tabs share the browser's storage: a chat saved in one survives the other's next save (each event
+    reads the stored chats afresh; a copy read at page load overwrote the other tab's chat)."""
+    server = ServerProcess(long_bundle.root, "--max-users", "2")
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = _browser(p)
+            context = browser.new_context(viewport={"width": 1280, "height": 900})
+            one, two = context.new_page(), context.new_page()
+            for page in (one, two):  # both loaded before either saves
+                page.goto(server.url + "/", wait_until="load")
+                page.wait_for_selector(READY, timeout=30_000)
+                _settings(page, 4, 0)
+            _ask(one, server, "First tab's question")
+            _ask(two, server, "Second tab's question")
+            assert _chats(two) == ["Second tab's question", "First tab's question"]
+            one.locator("#system textarea").fill("Be brief.")
+            one.locator("#system textarea").blur()  # a save in the first tab, after the second tab's
+            one.wait_for_function("document.querySelector('#chat-list').innerText.includes('Second')",
+                                  timeout=10_000)
+            for page in (one, two):
+                page.reload(wait_until="load")
+                page.wait_for_selector(READY, timeout=30_000)
+                page.wait_for_function("document.querySelectorAll('#chat-list label').length == 2", timeout=10_000)
+                assert _chats(page) == ["First tab's question", "Second tab's question"]
+            browser.close()
+    finally:
+        code, out = server.stop()
+    assert code == 0 and "Traceback" not in out, out

@@ -1,6 +1,6 @@
 """The page's conversations as the browser keeps them, and how one conversation is drawn in the chatbot.
 
-The browser's storage (a gradio BrowserState, localStorage) holds one JSON object:
+The browser's localStorage (key `edgechat-chats-v1`, read and written by the page's JavaScript) holds one JSON object:
 `{"version": 1, "current": id, "chats": [{"id", "title", "titled", "system", "messages", "updated"}, ...]}`,
 newest first. A message is `{role, content}` as the model gets it, plus what only the page shows: an answer's
 `stats` (tokens, tok/s, time to first token, finish reason) and `notes` (e.g. old turns dropped to fit the

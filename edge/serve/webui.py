@@ -34,9 +34,8 @@ from edge.serve import page_chats
 SYSTEM_FONTS = ["ui-sans-serif", "system-ui", "-apple-system", "Segoe UI", "Roboto", "sans-serif"]
 UI_UPDATE_S = 0.08  # at most ~12 page updates a second while an answer streams
 MONO_FONTS = ["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"]
-STORE_KEY = "edgechat-chats"  # the browser's localStorage key for the page's chats (page_chats.py)
+STORE_KEY = "edgechat-chats-v1"  # the browser's localStorage key for the page's chats (page_chats.py)
 DELETE_LABEL = "Delete this chat"
-STORE_SECRET = "edgechat-page-store"  # gradio encrypts the stored value with a secret the page carries
 # the per-answer stats line (page_chats.show_answer) and a phone-wide layout (360 px)
 CSS = """
 #chatbot .answer-stats { font-size: 0.78em; opacity: 0.65; margin-top: 0.35em; font-variant-numeric: tabular-nums; }
@@ -62,7 +61,20 @@ SIDEBAR_JS = """(wanted) => {
   if (button && panel.classList.contains('open') !== wanted) button.click();
 }"""
 OPEN_LIST_JS = f"() => {{ ({SIDEBAR_JS})(window.innerWidth > 768); }}"
-CLOSE_LIST_ON_PHONE_JS = f"(...args) => {{ if (window.innerWidth <= 768) ({SIDEBAR_JS})(false); return args; }}"
+# The chats are read from localStorage by each event that changes them, just before it runs (its first input
+# is replaced), and written back after it: a tab then changes only its own chat, never a stale copy of the
+# others (gradio's BrowserState reads the storage once per page load, so two tabs overwrote each other).
+# WRITE_JS runs before a no-op server call, to which it sends nothing: gradio 6.17 does not run the `.then`
+# chained after an event that has no server function.
+READ_STORE = f"""(() => {{ try {{ return JSON.parse(localStorage.getItem({json.dumps(STORE_KEY)}) || "null"); }}
+  catch (e) {{ return null; }} }})()"""
+FRESH_JS = f"(st, ...rest) => [{READ_STORE}, ...rest]"
+FRESH_CLOSE_JS = (f"(st, ...rest) => {{ if (window.innerWidth <= 768) ({SIDEBAR_JS})(false); "
+                  f"return [{READ_STORE}, ...rest]; }}")
+WRITE_JS = f"""(st) => {{ if (!st) return [null];
+  try {{ localStorage.setItem({json.dumps(STORE_KEY)}, JSON.stringify(st)); }}
+  catch (e) {{ console.error("EdgeChat: the chats could not be kept in this browser:", e); }}
+  return [null]; }}"""
 
 
 def theme() -> gr.themes.Base:
@@ -169,9 +181,9 @@ def build_ui(service) -> gr.Blocks:
     answers = Answers()
     most = max(1, gen.max_context // 2)
     with gr.Blocks(title=f"EdgeChat · {service.model_id}", analytics_enabled=False, fill_width=True) as demo:
-        # every chat of this browser (edge/serve/page_chats.py); a fixed key and secret so that they outlive a
-        # server restart (gradio's secret only obscures: the page itself holds it)
-        store = gr.BrowserState(page_chats.empty_store(), storage_key=STORE_KEY, secret=STORE_SECRET)
+        # every chat of this browser (edge/serve/page_chats.py), as read from and written to localStorage by
+        # the events' JavaScript (FRESH_JS, WRITE_JS)
+        store = gr.JSON(None, visible=False, elem_id="chat-store")
         chat = gr.State(page_chats.new_chat())  # the open chat's id and title; its messages are `history`
         history = gr.State([])
         armed = gr.State(None)  # the chat whose Delete was clicked once: a second click deletes it
@@ -224,7 +236,7 @@ def build_ui(service) -> gr.Blocks:
         def record(c: dict, msgs: list[dict], system_prompt: str) -> dict:
             return dict(c, messages=msgs, system=system_prompt or "")
 
-        def load_chats(st: Any) -> tuple:
+        def load_chats(st: Any, _system: str) -> tuple:
             st = page_chats.normalized(st)
             c = page_chats.find(st, st["current"]) or (st["chats"][0] if st["chats"] else page_chats.new_chat())
             out = opened(st, c)
@@ -237,7 +249,7 @@ def build_ui(service) -> gr.Blocks:
             answers.stop(request.session_hash or "", final=(nxt["messages"], drawn(nxt["messages"]), ""))
             return st
 
-        async def open_chat(chat_id: str, st: Any, c: dict, msgs: list[dict], system_prompt: str,
+        async def open_chat(st: Any, chat_id: str, c: dict, msgs: list[dict], system_prompt: str,
                             request: gr.Request) -> tuple:
             st = page_chats.normalized(st)
             nxt = page_chats.find(st, chat_id)
@@ -252,7 +264,7 @@ def build_ui(service) -> gr.Blocks:
             st = leave(request, st, c, msgs, system_prompt, nxt)
             return opened(dict(st, current=nxt["id"]), nxt)
 
-        async def rename_chat(text: str, st: Any, c: dict, msgs: list[dict], system_prompt: str) -> tuple:
+        async def rename_chat(st: Any, text: str, c: dict, msgs: list[dict], system_prompt: str) -> tuple:
             st, renamed = page_chats.rename(page_chats.normalized(st), record(c, msgs, system_prompt), text)
             return opened(st, renamed)
 
@@ -268,17 +280,20 @@ def build_ui(service) -> gr.Blocks:
             shown = page_chats.find(st, c["id"]) or record(c, msgs, system_prompt)
             return st, gr.update(choices=page_chats.choices(st, shown), value=c["id"])
 
-        demo.load(load_chats, [store], chat_outputs + [msg], queue=False)
-        demo.load(None, js=OPEN_LIST_JS)
-        chat_list.input(open_chat, [chat_list, store, chat, history, system], chat_outputs, queue=False,
-                        js=CLOSE_LIST_ON_PHONE_JS)
-        new.click(new_conversation, [store, chat, history, system], chat_outputs, queue=False,
-                  js=CLOSE_LIST_ON_PHONE_JS)
-        title.submit(rename_chat, [title, store, chat, history, system], chat_outputs, queue=False)
-        delete.click(delete_chat, [store, chat, armed], chat_outputs, queue=False)
-        save = dict(fn=save_chat, inputs=[store, chat, history, system], outputs=[store, chat_list], queue=False,
+        keep = dict(fn=lambda _: None, inputs=[store], outputs=None, js=WRITE_JS, queue=False,
                     show_progress="hidden")
-        system.blur(**save)
+        demo.load(load_chats, [store, system], chat_outputs + [msg], queue=False, js=FRESH_JS)
+        demo.load(None, js=OPEN_LIST_JS)
+        chat_list.input(open_chat, [store, chat_list, chat, history, system], chat_outputs, queue=False,
+                        js=FRESH_CLOSE_JS).then(**keep)
+        new.click(new_conversation, [store, chat, history, system], chat_outputs, queue=False,
+                  js=FRESH_CLOSE_JS).then(**keep)
+        title.submit(rename_chat, [store, title, chat, history, system], chat_outputs, queue=False,
+                     js=FRESH_JS).then(**keep)
+        delete.click(delete_chat, [store, chat, armed], chat_outputs, queue=False, js=FRESH_JS).then(**keep)
+        save = dict(fn=save_chat, inputs=[store, chat, history, system], outputs=[store, chat_list], queue=False,
+                    show_progress="hidden", js=FRESH_JS)
+        system.blur(**save).then(**keep)
 
         # -- asking: a typed message, regenerate, edit-and-resend, undo --------------------------------------
         def take(text: str, msgs: list[dict]):
@@ -378,12 +393,16 @@ def build_ui(service) -> gr.Blocks:
 
         inputs = [history, system, temperature, top_p, max_tokens, json_mode, schema, tools, tool_choice]
         ask = dict(fn=answer, inputs=inputs, outputs=[history, chatbot, stats], show_progress="hidden")
+        def saved(event):
+            """`event`, then the open chat saved into the stored chats and those written to localStorage."""
+            return event.then(**save).then(**keep)
+
         # each turn is saved as soon as it is asked (a reload mid-answer keeps the question) and when answered
         for trigger in (msg.submit, send.click):
-            trigger(take, [msg, history], [msg, history, chatbot], queue=False).then(**save).then(**ask).then(**save)
-        chatbot.retry(regenerate, [history], [history, chatbot], queue=False).then(**ask).then(**save)
-        chatbot.edit(edited, [history], [history, chatbot], queue=False).then(**save).then(**ask).then(**save)
-        chatbot.undo(undo, [history], [history, chatbot, msg], queue=False).then(**save)
+            saved(saved(trigger(take, [msg, history], [msg, history, chatbot], queue=False)).then(**ask))
+        saved(chatbot.retry(regenerate, [history], [history, chatbot], queue=False).then(**ask))
+        saved(saved(chatbot.edit(edited, [history], [history, chatbot], queue=False)).then(**ask))
+        saved(chatbot.undo(undo, [history], [history, chatbot, msg], queue=False))
 
         # Stop cancels the session's request (Answers); the answer's event then ends by itself with "stopped"
         # on the status line. The answer events show no progress overlay: the status line and the streaming
@@ -397,12 +416,12 @@ def build_ui(service) -> gr.Blocks:
             answers.stop(request.session_hash or "", clear=True)  # a streaming answer would refill the chat
             return [], [], ""
 
-        clear.click(clear_chat, None, [history, chatbot, stats], queue=False).then(**save)
+        saved(clear.click(clear_chat, None, [history, chatbot, stats], queue=False))
         # the chatbot's own trash icon clears the conversation too, not just the screen (the next turn would
         # still send the old history)
         async def clear_history(request: gr.Request):
             return (await clear_chat(request))[::2]
 
-        chatbot.clear(clear_history, None, [history, stats], queue=False).then(**save)
+        saved(chatbot.clear(clear_history, None, [history, stats], queue=False))
     demo.queue(default_concurrency_limit=None)
     return demo
