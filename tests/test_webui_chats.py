@@ -297,6 +297,10 @@ def test_two_tabs_of_one_browser_keep_each_others_chats(long_bundle):
             _ask(one, server, "First tab's question")
             _ask(two, server, "Second tab's question")
             assert _chats(two) == ["Second tab's question", "First tab's question"]
+            # the first tab's list follows by itself (the storage event), its open chat stays
+            one.wait_for_function("document.querySelectorAll('#chat-list label').length == 2", timeout=10_000)
+            assert _chats(one) == ["Second tab's question", "First tab's question"]
+            assert _texts(one, "user") == ["First tab's question"]
             one.locator("#system textarea").fill("Be brief.")
             one.locator("#system textarea").blur()  # a save in the first tab, after the second tab's
             one.wait_for_function("document.querySelector('#chat-list').innerText.includes('Second')",

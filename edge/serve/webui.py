@@ -44,6 +44,7 @@ CSS = """
 #composer { flex-wrap: nowrap; gap: 6px; align-items: stretch; }
 #composer > button { flex: 0 0 auto !important; width: auto !important; white-space: nowrap; padding: 0 16px; }
 #chat-list label { width: 100%; }
+.hidden-control { display: none !important; }
 #chat-list label span { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
 @media (max-width: 640px) {
   .gradio-container { padding-left: 6px !important; padding-right: 6px !important; }
@@ -60,7 +61,11 @@ SIDEBAR_JS = """(wanted) => {
   const button = panel && panel.querySelector('.toggle-button');
   if (button && panel.classList.contains('open') !== wanted) button.click();
 }"""
-OPEN_LIST_JS = f"() => {{ ({SIDEBAR_JS})(window.innerWidth > 768); }}"
+# on load: the list opens on a wide screen, and follows the chats other tabs of this browser change (the
+# storage event fires in every other tab; the hidden button re-reads the list)
+OPEN_LIST_JS = f"""() => {{ ({SIDEBAR_JS})(window.innerWidth > 768);
+  window.addEventListener("storage", (e) => {{
+    if (e.key === {json.dumps(STORE_KEY)}) document.querySelector("#refresh-chats")?.click(); }}); }}"""
 # The chats are read from localStorage by each event that changes them, just before it runs (its first input
 # is replaced), and written back after it: a tab then changes only its own chat, never a stale copy of the
 # others (gradio's BrowserState reads the storage once per page load, so two tabs overwrote each other).
@@ -192,6 +197,7 @@ def build_ui(service) -> gr.Blocks:
             chat_list = gr.Radio([], label="Chats (kept in this browser)", elem_id="chat-list")
             title = gr.Textbox("", label="Rename this chat (Enter)", max_lines=1, elem_id="chat-title")
             delete = gr.Button(DELETE_LABEL, variant="stop", size="sm", elem_id="delete-chat")
+            refresh = gr.Button("Refresh", elem_id="refresh-chats", elem_classes="hidden-control")
         gr.Markdown(f"**EdgeChat · {service.model_id}** · `{service.precision}` on {service.backend} · "
                     f"context {gen.max_context} tokens", elem_id="model-line")
         # the boxes open once the stored chats are read (load_chats): typed before that, their text was lost
@@ -275,6 +281,12 @@ def build_ui(service) -> gr.Blocks:
             answers.stop(request.session_hash or "", final=(nxt["messages"], drawn(nxt["messages"]), ""))
             return opened(st, nxt, "chat deleted")
 
+        def refresh_list(st: Any, c: dict, msgs: list[dict], system_prompt: str) -> tuple:
+            """The list as the stored chats now are (another tab changed them); the open chat stays as it is."""
+            st = page_chats.normalized(st)
+            shown = page_chats.find(st, c["id"]) or record(c, msgs, system_prompt)
+            return gr.update(choices=page_chats.choices(st, shown), value=c["id"])
+
         def save_chat(st: Any, c: dict, msgs: list[dict], system_prompt: str) -> tuple:
             st = page_chats.save(page_chats.normalized(st), record(c, msgs, system_prompt))
             shown = page_chats.find(st, c["id"]) or record(c, msgs, system_prompt)
@@ -294,6 +306,8 @@ def build_ui(service) -> gr.Blocks:
         save = dict(fn=save_chat, inputs=[store, chat, history, system], outputs=[store, chat_list], queue=False,
                     show_progress="hidden", js=FRESH_JS)
         system.blur(**save).then(**keep)
+        refresh.click(refresh_list, [store, chat, history, system], [chat_list], queue=False, js=FRESH_JS,
+                      show_progress="hidden")
 
         # -- asking: a typed message, regenerate, edit-and-resend, undo --------------------------------------
         def take(text: str, msgs: list[dict]):
