@@ -221,6 +221,7 @@ def test_regenerate_edit_and_a_chat_switched_mid_answer(long_bundle, tmp_path):
             one = _prompt_tokens(server) - before
             assert one == _tokens(long_bundle, [{"role": "user", "content": "Hello! Tell me a fun fact."}])
             first = _answer(page)
+            assert page.evaluate("document.documentElement.scrollWidth") <= 360  # with an answer drawn too
             page.screenshot(path=str(tmp_path / "page-360.png"))
             # regenerate: a new request for the same question (its old answer not sent), a new sampled answer
             before, asked = _prompt_tokens(server), _finished(server)
