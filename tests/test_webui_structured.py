@@ -49,7 +49,9 @@ def _ask(page, text: str) -> str:
         status = page.locator("#stats").inner_text()
         if "tok/s" in status and status != old_status and \
                 page.locator("#chatbot [data-testid='bot']").count() > before:
-            return _settled(page.locator("#chatbot [data-testid='bot']").last)
+            bot = page.locator("#chatbot [data-testid='bot']").last
+            text = _settled(bot)  # the answer, then its stats line (tokens, tok/s) under it
+            return text.replace(bot.locator(".answer-stats").inner_text(), "").strip()
         time.sleep(0.1)
     raise AssertionError(f"no finished answer; status: {page.locator('#stats').inner_text()!r}")
 

@@ -338,9 +338,9 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
     if ui:
         import gradio as gr
 
-        from edge.serve.webui import build_ui, theme
+        from edge.serve.webui import CSS, build_ui, theme
 
-        app = gr.mount_gradio_app(app, build_ui(service), path="/", auth=auth, theme=theme(), footer_links=[],
+        app = gr.mount_gradio_app(app, build_ui(service), path="/", auth=auth, theme=theme(), css=CSS, footer_links=[],
                                   ssr_mode=False, mcp_server=False, pwa=False, enable_monitoring=False)
     return app
 
