@@ -49,6 +49,11 @@ def check_architecture(ref: ModelRef) -> None:
                 raise ModelSourceError(f"{ref.gguf_file}: this phi3 GGUF {what} (Phi-4-mini, Phi-3 128k), which "
                                        f"transformers {version} drops when it reads phi3 GGUF files (it would load "
                                        f"another network); {instead}")
+        factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+        if arch == "gemma3" and factor != 1.0:  # Gemma 3 4B and up: linear scaling on the global layers
+            raise ModelSourceError(f"{ref.gguf_file}: this gemma3 GGUF scales its rotary by {factor:g}, which "
+                                   f"transformers {version} drops when it reads gemma3 GGUF files (it would load "
+                                   f"another network); {instead}")
         return
     if ref.kind == "hf-folder":
         try:

@@ -282,7 +282,8 @@ def test_gguf_of_the_family_loads_as_the_same_model(case, tmp_path):
 
 def test_a_gguf_transformers_would_misread_is_refused_before_loading(tmp_path):
     """Phi-4-mini's GGUF (partial rotary, LongRoPE factors as tensors): transformers 4.57 reads phi3 files as
-    fully rotated without the factors, a different network; SmolLM3's it does not read at all; an architecture
+    fully rotated without the factors, a different network; Gemma 3 4B+'s rotary scaling it drops too;
+    SmolLM3's it does not read at all; an architecture
     outside the table is named with the supported list. Each one line, before any weight is read."""
     from edge.errors import ModelSourceError
     from export.load import check_architecture
@@ -291,6 +292,10 @@ def test_a_gguf_transformers_would_misread_is_refused_before_loading(tmp_path):
     src = make_tiny_model(tmp_path / "phi4", arch="Phi3ForCausalLM", **CASES["Phi3ForCausalLM-phi4-mini"])
     with pytest.raises(ModelSourceError, match="rotates 12 of each head's 16 dims"):
         check_architecture(resolve(str(_write_gguf(src, tmp_path / "phi4.gguf", "phi3"))))
+    gemma = make_tiny_model(tmp_path / "gemma", arch="Gemma3ForCausalLM", **CASES["Gemma3ForCausalLM"])
+    scaled = _write_gguf(gemma, tmp_path / "gemma.gguf", "gemma3", **{"rope.scaling.factor": 8.0})
+    with pytest.raises(ModelSourceError, match="scales its rotary by 8.*Hugging Face folder"):
+        check_architecture(resolve(str(scaled)))
     smol = make_tiny_model(tmp_path / "smol", arch="SmolLM3ForCausalLM", **CASES["SmolLM3ForCausalLM"])
     with pytest.raises(ModelSourceError, match="cannot read 'smollm3' GGUF.*Hugging Face folder"):
         check_architecture(resolve(str(_write_gguf(smol, tmp_path / "smol.gguf", "smollm3"))))
