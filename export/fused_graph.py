@@ -60,6 +60,8 @@ def supported(cfg: dict) -> str | None:
     rope = cfg.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type")) == "dynamic":
         return "dynamic NTK rope scaling changes with the sequence length"
+    if cfg.get("use_bidirectional_attention"):
+        return "bidirectional attention (an embedding model, not a chat model)"
     return None
 
 
@@ -156,7 +158,7 @@ def _write(model, cfg: dict, dst: Path, data: "TensorFile", opset: int) -> None:
     spec = arch_spec(cfg["architectures"][0])
     dims = dims_from_hf_config(cfg)
     N, KV, D, eps = dims.num_heads, dims.num_kv_heads, dims.head_dim, float(c.rms_norm_eps)
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+    act = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", "silu")  # Gemma names it differently
     io = FUSED_IO
     inits, nodes = [], []
 
@@ -276,9 +278,8 @@ def _write(model, cfg: dict, dst: Path, data: "TensorFile", opset: int) -> None:
                      scale=float(getattr(attn, "scaling", D ** -0.5)))
         if _layer_window(c, i):
             attrs["local_window_size"] = _layer_window(c, i)
-        softcap = getattr(c, "attn_logit_softcapping", None)
-        if softcap:
-            attrs["softcap"] = float(softcap)
+        # no attention softcap: Gemma 3's config has attn_logit_softcapping, but transformers' Gemma 3 attention
+        # never passes it on (None in every Gemma 3 checkpoint anyway); the final logits' softcap it applies (below)
         if attrs["do_rotary"]:
             qkv_in = [qkv, "", ""]
             rot_in = [table.cos, table.sin]

@@ -72,8 +72,8 @@ def test_fused_graph_matches_the_torch_model(tiny_model_dir, tmp_path):
 # one tiny config per family the fused graph writes differently from Llama: q/k norms before an outside rotary
 # (Qwen3), packed projections (Phi-3), partial rotary with LongRoPE's two tables (Phi-4-mini: the parity runs past
 # original_max_position_embeddings), layers without rotary (SmolLM3), Gemma 3 (q/k norms, sliding and global layers
-# with their own rotary bases, (1 + weight) norms around attention and MLP, scaled embeddings, GeGLU, soft-capped
-# logits)
+# with their own rotary bases and linear scaling on the global ones, (1 + weight) norms around attention and MLP,
+# scaled embeddings, GeGLU, soft-capped logits)
 FAMILIES = {
     "qwen3": dict(arch="Qwen3ForCausalLM", head_dim=16),
     "phi3": dict(arch="Phi3ForCausalLM", tie=False),
@@ -83,7 +83,8 @@ FAMILIES = {
     "smollm3": dict(arch="SmolLM3ForCausalLM", layers=4, no_rope_layers=[1, 1, 1, 0]),
     "gemma3": dict(arch="Gemma3ForCausalLM", head_dim=16, layer_types=["sliding_attention", "full_attention"],
                    sliding_window=12, rope_local_base_freq=1000.0, query_pre_attn_scalar=16,
-                   final_logit_softcapping=30.0),
+                   final_logit_softcapping=30.0, attn_logit_softcapping=2.0,  # HF applies the first, not the second
+                   rope_scaling={"rope_type": "linear", "factor": 8.0}),  # Gemma 3 4B+: global layers scaled
 }
 
 
@@ -138,3 +139,5 @@ def test_fused_graph_refuses_what_it_cannot_express(tmp_path):
         fused_graph.write(tmp_path, tmp_path / "out")
     dynamic = {"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
     assert "dynamic NTK" in fused_graph.supported(dynamic)
+    embedder = {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}
+    assert "bidirectional" in fused_graph.supported(embedder)
