@@ -138,12 +138,12 @@ def _layer_rotary(c, i: int) -> bool:
     return bool(flags[i]) if flags is not None else True
 
 
-def _packed(mod, packed: str, parts: tuple[str, ...], what: str):
-    """The [out, in] weight (or the bias) of a packed projection: the module's own (Phi-3's qkv_proj,
-    gate_up_proj) or its parts concatenated on the output axis."""
+def _packed(mod, packed: str | None, parts: tuple[str, ...], what: str):
+    """The [out, in] weight (or the bias) of a packed projection: the module `packed` when the family packs
+    it (Phi-3's qkv_proj, gate_up_proj: `ArchSpec.packed_proj`), else its parts concatenated on the output axis."""
     import torch
 
-    if hasattr(mod, packed):
+    if packed:
         return getattr(getattr(mod, packed), what)
     tensors = [getattr(getattr(mod, p), what) for p in parts]
     return None if tensors[0] is None else torch.cat(tensors, 0)
@@ -265,10 +265,11 @@ def _write(model, cfg: dict, dst: Path, data: "TensorFile", opset: int) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         x = skip_norm(pending, norm_weight(f"model.layers.{i}.input_layernorm.weight", layer.input_layernorm),
                       f"{p}/input_layernorm")
-        w = _packed(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "weight")
+        qkv_packed, gu_packed = ("qkv_proj", "gate_up_proj") if spec.packed_proj else (None, None)
+        w = _packed(attn, qkv_packed, ("q_proj", "k_proj", "v_proj"), "weight")
         qkv = node("MatMul", [x, const(f"model.layers.{i}.attn.qkv_proj.weight", w.T)], [f"{p}/attn/qkv_proj/out"],
                    f"{p}/attn/qkv_proj/MatMul")
-        bias = _packed(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "bias")
+        bias = _packed(attn, qkv_packed, ("q_proj", "k_proj", "v_proj"), "bias")
         if bias is not None:
             qkv = node("Add", [qkv, const(f"model.layers.{i}.attn.qkv_proj.bias", bias)], [f"{p}/attn/qkv_bias/out"],
                        f"{p}/attn/qkv_proj/Add")
@@ -309,7 +310,7 @@ def _write(model, cfg: dict, dst: Path, data: "TensorFile", opset: int) -> None:
             x = skip_norm(o, norm_weight(f"model.layers.{i}.post_attention_layernorm.weight",
                                          layer.post_attention_layernorm), f"{p}/post_attention_layernorm")
         inter = mlp.down_proj.in_features
-        w = _packed(mlp, "gate_up_proj", ("gate_proj", "up_proj"), "weight")
+        w = _packed(mlp, gu_packed, ("gate_proj", "up_proj"), "weight")
         gu = node("MatMul", [x, const(f"model.layers.{i}.mlp.gate_up_proj.weight", w.T)], [f"{p}/mlp/gate_up_proj/out"],
                   f"{p}/mlp/gate_up_proj/MatMul")
         split = const(f"{p}/mlp/split", np.array([inter, inter], np.int64))
