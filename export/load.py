@@ -26,12 +26,60 @@ def _transformers():
     return transformers
 
 
+def check_architecture(ref: ModelRef) -> None:
+    """Refuse, before any weight is read, a model whose architecture is not in the table (one line naming it and
+    the supported ones), or a GGUF whose architecture transformers cannot read."""
+    from export.architectures import arch_from_gguf, arch_spec
+
+    if ref.gguf_file:
+        from export.gguf_meta import read_gguf_meta
+
+        meta, shapes = read_gguf_meta(Path(ref.location) / ref.gguf_file)
+        arch = str(meta.get("general.architecture"))
+        spec = arch_from_gguf(arch)
+        instead = f"use the {spec.hf_name} checkpoint's Hugging Face folder (safetensors) instead"
+        version = _transformers().__version__
+        if not spec.gguf_loads:
+            raise ModelSourceError(f"{ref.gguf_file}: transformers {version} cannot read '{arch}' GGUF files; {instead}")
+        if arch == "phi3":  # transformers maps neither rope.dimension_count nor the LongRoPE factor tensors
+            head = int(meta.get("phi3.embedding_length", 0)) // max(1, int(meta.get("phi3.attention.head_count", 1)))
+            rot = int(meta.get("phi3.rope.dimension_count", head))
+            if rot != head or "rope_factors_long.weight" in shapes:
+                what = f"rotates {rot} of each head's {head} dims" if rot != head else "carries LongRoPE factors"
+                raise ModelSourceError(f"{ref.gguf_file}: this phi3 GGUF {what} (Phi-4-mini, Phi-3 128k), which "
+                                       f"transformers {version} drops when it reads phi3 GGUF files (it would load "
+                                       f"another network); {instead}")
+        factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+        if arch == "gemma3" and factor != 1.0:  # Gemma 3 4B and up: linear scaling on the global layers
+            raise ModelSourceError(f"{ref.gguf_file}: this gemma3 GGUF scales its rotary by {factor:g}, which "
+                                   f"transformers {version} drops when it reads gemma3 GGUF files (it would load "
+                                   f"another network); {instead}")
+        return
+    if ref.kind == "hf-folder":
+        try:
+            cfg = json.loads((Path(ref.location) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelSourceError(f"cannot read {ref.location}/config.json: {e}") from None
+        archs = cfg.get("architectures") or []
+    elif ref.kind == "hub":  # config.json alone (a few kB) before any weight
+        try:
+            archs = _transformers().AutoConfig.from_pretrained(ref.location).architectures or []
+        except (OSError, ValueError):
+            return  # the model load below says what is wrong with the reference
+    else:
+        return
+    if archs:
+        arch_spec(archs[0])
+
+
 def load_hf(ref: ModelRef, online: bool = False, dtype: str = "float32"):
     """(model, tokenizer) for a reference, with weights in `dtype` ("auto": the checkpoint's own)."""
     if not online:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tf = _transformers()
     import torch
+
+    check_architecture(ref)
 
     kw = {"gguf_file": ref.gguf_file} if ref.gguf_file else {}
     try:

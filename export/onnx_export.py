@@ -50,8 +50,28 @@ def _export_optimum(src: Path, dst: Path, opts: ExportOptions) -> None:
     cfg = json.loads((src / "config.json").read_text())
     spec = arch_spec((cfg.get("architectures") or ["LlamaForCausalLM"])[0])
     main_export(str(src), output=str(dst), task=spec.optimum_task, opset=opts.opset, device="cpu",
-                do_validation=False, no_post_process=True)  # its tied-weight pass serialises the whole graph:
-    # past 2 GB it fails (ByteSize), so tie_lm_head does the same job one tensor at a time
+                do_validation=False, no_post_process=True,  # its tied-weight pass serialises the whole graph:
+                # past 2 GB it fails (ByteSize), so tie_lm_head does the same job one tensor at a time
+                **_with_position_ids(src, spec.optimum_task))
+
+
+def _with_position_ids(src: Path, task: str) -> dict:
+    """main_export's custom_onnx_configs when optimum's config for this model type has no position_ids input
+    (Gemma's: the trace would count positions from the past length, wrong for the runtime's left-padded rows):
+    the same config with the input added, as optimum's own Llama config has it."""
+    import optimum.exporters.onnx.model_configs  # noqa: F401 - registers optimum's configs with the TasksManager
+    from optimum.exporters.onnx.config import TextDecoderWithPositionIdsOnnxConfig
+    from optimum.exporters.tasks import TasksManager
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(src)
+    make = TasksManager.get_exporter_config_constructor("onnx", task=task, model_type=config.model_type,
+                                                        library_name="transformers")
+    onnx_config = make(config)
+    if "position_ids" in onnx_config.inputs:
+        return {}
+    cls = type(f"{type(onnx_config).__name__}WithPositionIds", (TextDecoderWithPositionIdsOnnxConfig, type(onnx_config)), {})
+    return {"custom_onnx_configs": {"model": cls(config, **make.keywords, use_past_in_inputs=True)}}
 
 
 def tie_lm_head(path: Path) -> bool:

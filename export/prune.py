@@ -77,12 +77,19 @@ class Importance:
 
 
 def _check_arch(model) -> None:
+    from export.architectures import arch_spec
+
+    spec = arch_spec((model.config.architectures or [type(model).__name__])[0])
+    if not spec.prunable:
+        raise RecipeError(f"pruning does not support {spec.hf_name} yet: {spec.not_prunable}")
     inner = getattr(model, "model", None)
     layer = inner.layers[0] if inner is not None and hasattr(inner, "layers") else None
-    need = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-            "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+    need = ("self_attn.o_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+    packed = layer is not None and _get(layer, "self_attn.qkv_proj") is not None  # Phi-3: one module each
+    need += ("self_attn.qkv_proj", "mlp.gate_up_proj") if packed else (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
     if layer is None or any(_get(layer, n) is None for n in need) or not hasattr(inner, "embed_tokens"):
-        raise RecipeError(f"pruning supports Llama-style decoders (Llama, SmolLM, Mistral, Qwen2): "
+        raise RecipeError(f"pruning supports Llama-style decoders (Llama, SmolLM, Mistral, Qwen2/3, Phi-3): "
                           f"{type(model).__name__} does not have their module layout")
 
 
@@ -167,8 +174,9 @@ def _config_for(cfg, shape: Shape):
     new.intermediate_size = shape.intermediate
     if shape.vocab is not None:
         new.vocab_size = shape.vocab
-    if getattr(cfg, "layer_types", None):
-        new.layer_types = [cfg.layer_types[i] for i in shape.layers]
+    for per_layer in ("layer_types", "no_rope_layers"):  # per-layer lists follow the blocks kept (SmolLM3, Gemma 3)
+        if getattr(cfg, per_layer, None):
+            setattr(new, per_layer, [getattr(cfg, per_layer)[i] for i in shape.layers])
     return new
 
 
@@ -217,6 +225,12 @@ def solve_shape(cfg, imp: Importance, opts: PruneOptions, target_ratio: float, v
     keep_layers = sorted(np.argsort(-imp.blocks, kind="stable")[: L - opts.drop_layers].tolist())
     m = opts.multiple
     hidden = cfg.hidden_size if opts.hidden_ratio >= 1 else max(m, int(cfg.hidden_size * opts.hidden_ratio) // m * m)
+    rope = getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("type", rope.get("rope_type")) == "longrope" and getattr(cfg, "model_type", "") == "phi3" and (
+            hidden * cfg.num_attention_heads != cfg.hidden_size * groups * (cfg.num_attention_heads // kv)):
+        raise RecipeError("Phi-3's config checks its LongRoPE factors against hidden_size / num_attention_heads, "
+                          "so pruning must keep that ratio: prune depth (drop_layers) and the MLP only, or keep "
+                          "hidden_ratio and kv_groups in proportion")
     full = count_params(cfg)
     budget = int(full * target_ratio)
     shape = lambda inter: Shape(keep_layers, groups, hidden, inter, vocab)  # noqa: E731
@@ -270,6 +284,10 @@ def prune_state(model, imp: Importance, shape: Shape, vocab_ids: list[int] | Non
         ch = torch.from_numpy(_top(imp.mlp[old_i], shape.intermediate))
         rows = {"self_attn.q_proj": q_rows, "self_attn.k_proj": kv_rows, "self_attn.v_proj": kv_rows,
                 "mlp.gate_proj": ch, "mlp.up_proj": ch}
+        if p + "self_attn.qkv_proj.weight" in sd:  # Phi-3's packed modules: the same rows, at each part's offset
+            nq, nkv, inter = cfg.num_attention_heads * D, cfg.num_key_value_heads * D, cfg.intermediate_size
+            rows = {"self_attn.qkv_proj": torch.cat([q_rows, nq + kv_rows, nq + nkv + kv_rows]),
+                    "mlp.gate_up_proj": torch.cat([ch, inter + ch])}
         cols = {"self_attn.o_proj": q_rows, "mlp.down_proj": ch}
         for name, r in rows.items():
             out[q + name + ".weight"] = ix(ix(sd[p + name + ".weight"], 0, r), 1, hid)

@@ -18,8 +18,8 @@ import numpy as np
 from export.onnx_weights import GraphWeights, untie_lm_head, weight_matmuls
 
 # plain-graph MatMul name -> the fused graph's name for the MatMul it is packed into (export/fused_graph.py)
-FUSED = [(re.compile(r"/self_attn/[qkv]_proj/"), "/attn/qkv_proj/"), (re.compile(r"/self_attn/o_proj/"), "/attn/o_proj/"),
-         (re.compile(r"/mlp/(gate|up)_proj/"), "/mlp/gate_up_proj/")]
+FUSED = [(re.compile(r"/self_attn/(qkv|[qkv])_proj/"), "/attn/qkv_proj/"),  # Phi-3's plain graph: qkv_proj already
+         (re.compile(r"/self_attn/o_proj/"), "/attn/o_proj/"), (re.compile(r"/mlp/(gate_up|gate|up)_proj/"), "/mlp/gate_up_proj/")]
 
 
 def target_name(plain: str, fused: bool) -> str:

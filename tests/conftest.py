@@ -37,7 +37,8 @@ CORPUS = [
 
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
+               "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3",
+               "Gemma3ForCausalLM": "gemma3_text"}
 
 
 def make_tiny_model(dst: Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
@@ -63,10 +64,11 @@ def make_tiny_model(dst: Path, *, layers: int = 2, hidden: int = 64, heads: int 
                                    unk_token="<|endoftext|>", pad_token="<|im_end|>")
     fast.chat_template = chat_template
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(MODEL_TYPES[arch], vocab_size=tok.get_vocab_size(), hidden_size=hidden,
-                               intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
-                               num_key_value_heads=kv_heads, max_position_embeddings=max_pos, tie_word_embeddings=tie,
-                               bos_token_id=1, eos_token_id=2, pad_token_id=2, rope_theta=10000.0, **config)
+    cfg = AutoConfig.for_model(MODEL_TYPES[arch], **{
+        "vocab_size": tok.get_vocab_size(), "hidden_size": hidden, "intermediate_size": intermediate,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "max_position_embeddings": max_pos, "tie_word_embeddings": tie, "bos_token_id": 1, "eos_token_id": 2,
+        "pad_token_id": 2, "rope_theta": 10000.0, **config})
     model = AutoModelForCausalLM.from_config(cfg).eval()
     dst.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dst)

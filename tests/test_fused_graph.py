@@ -69,6 +69,63 @@ def test_fused_graph_matches_the_torch_model(tiny_model_dir, tmp_path):
     np.testing.assert_allclose(some[0], want[0, [20, 3, 3]], atol=1e-4, rtol=1e-3)
 
 
+# one tiny config per family the fused graph writes differently from Llama: q/k norms before an outside rotary
+# (Qwen3), packed projections (Phi-3), partial rotary with LongRoPE's two tables (Phi-4-mini: the parity runs past
+# original_max_position_embeddings), layers without rotary (SmolLM3), Gemma 3 (q/k norms, sliding and global layers
+# with their own rotary bases and linear scaling on the global ones, (1 + weight) norms around attention and MLP,
+# scaled embeddings, GeGLU, soft-capped logits)
+FAMILIES = {
+    "qwen3": dict(arch="Qwen3ForCausalLM", head_dim=16),
+    "phi3": dict(arch="Phi3ForCausalLM", tie=False),
+    "phi4-mini": dict(arch="Phi3ForCausalLM", partial_rotary_factor=0.75, original_max_position_embeddings=24,
+                      rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5],
+                                    "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 8.0]}),
+    "smollm3": dict(arch="SmolLM3ForCausalLM", layers=4, no_rope_layers=[1, 1, 1, 0]),
+    "gemma3": dict(arch="Gemma3ForCausalLM", head_dim=16, layer_types=["sliding_attention", "full_attention"],
+                   sliding_window=12, rope_local_base_freq=1000.0, query_pre_attn_scalar=16,
+                   final_logit_softcapping=30.0, attn_logit_softcapping=2.0,  # HF applies the first, not the second
+                   rope_scaling={"rope_type": "linear", "factor": 8.0}),  # Gemma 3 4B+: global layers scaled
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fused_graph_of_each_family_matches_torch(family, tmp_path):
+    """Whole prompt and token-by-token decode, 40 positions (past the sliding window and LongRoPE's switch), against
+    the torch model run the same two ways: HF's own incremental decode is the reference for the second (LongRoPE
+    rotates new positions with the long table once the sequence is past the switch; cached keys keep theirs)."""
+    import onnx
+    import onnxruntime as ort
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_tiny_model
+    from export import fused_graph
+
+    src = make_tiny_model(tmp_path / family, **FAMILIES[family])
+    fused_graph.write(src, tmp_path / "g")
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "g/model.onnx"), load_external_data=False).graph.node}
+    assert "GroupQueryAttention" in ops and "Concat" not in ops
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    c = model.config
+    L, T = c.num_hidden_layers, 40
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    session = ort.InferenceSession(str(tmp_path / "g/model.onnx"), providers=["CPUExecutionProvider"])
+    ids = np.random.RandomState(0).randint(0, c.vocab_size, (1, T))
+    bufs = lambda: [ort.OrtValue.ortvalue_from_numpy(np.zeros((1, c.num_key_value_heads, 64, head_dim), np.float32))
+                    for _ in range(2 * L)]
+    with torch.no_grad():
+        whole = model(torch.tensor(ids)).logits.numpy()
+        r = model(torch.tensor(ids[:, :15]), use_cache=True)
+        steps = [r.logits.numpy()]
+        for t in range(15, T):
+            r = model(torch.tensor(ids[:, t:t + 1]), past_key_values=r.past_key_values, use_cache=True)
+            steps.append(r.logits.numpy())
+    np.testing.assert_allclose(_step(session, ids, 0, bufs(), L), whole, atol=1e-4, rtol=1e-3)
+    cache = bufs()
+    got = [_step(session, ids[:, :15], 0, cache, L)] + [_step(session, ids[:, t:t + 1], t, cache, L) for t in range(15, T)]
+    np.testing.assert_allclose(np.concatenate(got, 1), np.concatenate(steps, 1), atol=1e-4, rtol=1e-3)
+
+
 def test_fused_graph_refuses_what_it_cannot_express(tmp_path):
     import json
 
@@ -76,7 +133,11 @@ def test_fused_graph_refuses_what_it_cannot_express(tmp_path):
     from export import fused_graph
 
     assert fused_graph.supported({"architectures": ["LlamaForCausalLM"]}) is None
-    assert "Qwen3ForCausalLM" in fused_graph.supported({"architectures": ["Qwen3ForCausalLM"]})
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}))
-    with pytest.raises(ModelSourceError, match="not SiLU.*plain graph"):
+    assert fused_graph.supported({"architectures": ["Qwen3ForCausalLM"]}) is None
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_act": "relu"}))
+    with pytest.raises(ModelSourceError, match="activation 'relu'.*plain graph"):
         fused_graph.write(tmp_path, tmp_path / "out")
+    dynamic = {"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    assert "dynamic NTK" in fused_graph.supported(dynamic)
+    embedder = {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}
+    assert "bidirectional" in fused_graph.supported(embedder)
