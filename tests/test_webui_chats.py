@@ -304,8 +304,11 @@ def test_two_tabs_of_one_browser_keep_each_others_chats(long_bundle):
             assert _texts(one, "user") == ["First tab's question"]
             one.locator("#system textarea").fill("Be brief.")
             one.locator("#system textarea").blur()  # a save in the first tab, after the second tab's
-            one.wait_for_function("document.querySelector('#chat-list').innerText.includes('Second')",
-                                  timeout=10_000)
+            # the save has landed when the stored list has the first tab's chat newest (the list showed
+            # 'Second' before it too: waiting on that raced the reload below on a loaded machine)
+            one.wait_for_function("(() => { const s = JSON.parse(localStorage.getItem('edgechat-chats-v1') || 'null');"
+                                  " return s && s.chats.length == 2 && s.chats[0].title.startsWith('First'); })()",
+                                  timeout=30_000)
             for page in (one, two):
                 page.reload(wait_until="load")
                 page.wait_for_selector(READY, timeout=30_000)
