@@ -39,13 +39,15 @@ def _written(tokenizer: ChatTokenizer, messages: list[dict],
 
 
 def prompt(tokenizer: ChatTokenizer, messages: list[dict], tools: list[dict] | None = None,
-           fit: tuple[int, int] | None = None) -> Prompt:
+           fit: tuple[int, int] | None = None, answer_start: str = "") -> Prompt:
     """The prompt of a conversation. `fit` = (context, reserve): drop the oldest non-system turns (a user turn
     with its answer) until the prompt plus `reserve` new tokens fit `context`; ContextOverflowError when the
-    last message alone does not."""
+    last message alone does not. `answer_start`: text the answer begins with (Anthropic's final assistant
+    message), written after the assistant's header; the answer continues it."""
     messages, template_tools = _written(tokenizer, messages, tools)
+    start = tokenizer.encode(answer_start) if answer_start else []
     if fit is None:
-        return Prompt(tokenizer.encode_chat(messages, tools=template_tools), messages)
+        return Prompt(tokenizer.encode_chat(messages, tools=template_tools) + start, messages)
     context, reserve = fit
     limit = context - reserve
     system = [m for m in messages[:1] if m["role"] == "system"]
@@ -53,7 +55,7 @@ def prompt(tokenizer: ChatTokenizer, messages: list[dict], tools: list[dict] | N
     dropped = 0
     while True:
         kept = system + rest
-        ids = tokenizer.encode_chat(kept, tools=template_tools)
+        ids = tokenizer.encode_chat(kept, tools=template_tools) + start
         if len(ids) <= limit:
             return Prompt(ids, kept, dropped)
         if len(rest) <= 1:

@@ -65,6 +65,7 @@ def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: 
                       flush=True)
                 print(f"  chat page   {url}/" if ui else "  chat page   off (--no-ui)", flush=True)
                 print(f"  OpenAI API  {url}/v1   (health {url}/health, metrics {url}/metrics)", flush=True)
+                print(f"  Anthropic   {url}/v1/messages   (base_url {url})", flush=True)
                 b = gen.bundle
                 if b is not None:
                     print(f"  bundle      {len(b.manifest.files)} files checked, {len(b.hashed)} hashed now (SHA-256)",

@@ -73,18 +73,18 @@ def _row_logits(body, vocab: int, grammar, logprobs: int | None) -> RowLogits | 
     return rl if rl.active or logprobs is not None or rl.stop_ids else None
 
 
-async def chat_rows(service, body: ChatCompletionRequest) -> Rows:
+async def chat_rows(service, body: ChatCompletionRequest, answer_start: str = "") -> Rows:
     """The rows of a chat request: the prompt (tools rendered), the grammar (response_format or tools) and
-    n configs. BadRequest / GrammarError (-> 400) for what cannot be served."""
+    n configs. BadRequest / GrammarError (-> 400) for what cannot be served. `answer_start`: text the answer
+    continues (Anthropic's final assistant message, edge.serve.anthropic_schema)."""
     gen = service.gen
     vocab = gen.decoder.dims.vocab_size
     tools = [t.model_dump() for t in body.tools] if body.tools else None
     choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
     messages = body.conversation()
     surely_too_long(service, sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
-                                 for m in messages), "messages")
-    # a large body takes seconds to render and tokenize: off the event loop, where /health and the streams run
-    prompt = (await asyncio.to_thread(conversation.prompt, gen.tokenizer, messages, tools)).ids
+                                 for m in messages) + len(answer_start), "messages")
+    prompt = await chat_prompt(service, body, answer_start)
     rf = body.response_format
     named = rf.json_schema if rf is not None and rf.type == "json_schema" else None
 
@@ -108,6 +108,14 @@ async def chat_rows(service, body: ChatCompletionRequest) -> Rows:
     # a matcher per row parses the grammar again: off the event loop when there is one
     logits = await asyncio.to_thread(row_logits) if grammar is not None else row_logits()
     return Rows([prompt], [0] * n, cfgs, logits, tools=tools, tool_choice=choice if tools else None)
+
+
+async def chat_prompt(service, body: ChatCompletionRequest, answer_start: str = "") -> list[int]:
+    """The prompt ids of a chat request (tools rendered): edge.decode.conversation, off the event loop (a large
+    body takes seconds to render and tokenize; /health and the streams run there)."""
+    tools = [t.model_dump() for t in body.tools] if body.tools else None
+    return (await asyncio.to_thread(conversation.prompt, service.gen.tokenizer, body.conversation(), tools,
+                                    answer_start=answer_start)).ids
 
 
 def surely_too_long(service, chars: int, param: str) -> None:
