@@ -1,7 +1,8 @@
 """Every Anthropic Messages answer shape, whole and streamed, written in one place: the message (id, type, role,
 model, content blocks, stop_reason, stop_sequence, usage), its server-sent events (message_start, ping,
 content_block_start / delta / stop, message_delta, message_stop, error), the token count and the error object
-`{"type": "error", "error": {"type", "message"}}` with Anthropic's HTTP status for each error type.
+`{"type": "error", "error": {"type", "message"}}` with Anthropic's HTTP status for each error type. EdgeChat's
+own `context_shift` field (edge.serve.openai_writer) goes on the message and on message_start's.
 edge.serve.service hands it the row's result; tool calls are parsed out by edge.decode.tools, as for OpenAI.
 """
 
@@ -13,7 +14,7 @@ from typing import Any, AsyncIterator
 
 from edge.decode import tools as toolfmt
 from edge.decode.text_stream import StreamEvent
-from edge.serve.openai_writer import Service, timeout_message
+from edge.serve.openai_writer import Service, context_shift, timeout_message  # the same on both routes
 
 # Anthropic's error type for each HTTP status this server answers with (docs.claude.com/en/api/errors); a 4xx not
 # listed is an invalid_request_error, a 5xx an api_error
@@ -79,12 +80,13 @@ def _envelope(service: Service, mid: str) -> dict[str, Any]:
     return {"id": mid, "type": "message", "role": "assistant", "model": service.model_id}
 
 
+
 def message(service: Service, mid: str, text: str, last: StreamEvent, rows, prompt_tokens: int) -> dict:
     """A whole Messages answer."""
     blocks = content(text, rows)
     reason, seq = stop_reason(last, any(b["type"] == "tool_use" for b in blocks))
     return _envelope(service, mid) | {"content": blocks, "stop_reason": reason, "stop_sequence": seq,
-                                      "usage": usage(last, prompt_tokens)}
+                                      "usage": usage(last, prompt_tokens)} | context_shift(rows)
 
 
 def _event(kind: str, **body: Any) -> str:
@@ -120,7 +122,8 @@ async def messages_sse(service: Service, mid: str, events: AsyncIterator[tuple[i
 
     try:
         yield _event("message_start", message=_envelope(service, mid) | {
-            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(None, prompt_tokens)})
+            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(None, prompt_tokens)}
+            | context_shift(rows))
         yield _event("ping")
         async for _, ev in events:
             if ev.text:

@@ -42,7 +42,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: int = 8, max_queue: int | None = None,
           auth: tuple[str, str] | None = None, ui: bool = True, prompt_cache_mb: float | None = None,
           sock: socket.socket | None = None, request_timeout_s: float | None = None, lenient: bool = False,
-          limits: "ConnectionLimits | None" = None) -> int:
+          limits: "ConnectionLimits | None" = None, context_overflow: str = "shift") -> int:
     import uvicorn
 
     from edge.serve.limits import ConnectionLimits, timed_h11_protocol
@@ -51,7 +51,8 @@ def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: 
     limits = limits or ConnectionLimits()
     sock = sock if sock is not None else bind_socket(host, port)
     service = Service(gen, max_users=max_users, max_queue=max_queue, prompt_cache_mb=prompt_cache_mb,
-                      request_timeout_s=request_timeout_s, lenient=lenient, limits=limits)
+                      request_timeout_s=request_timeout_s, lenient=lenient, limits=limits,
+                      context_overflow=context_overflow)
     service.scheduler.start()
     app = create_app(service, auth=auth, ui=ui)
     shown = f"[{host}]" if ":" in host else host

@@ -38,6 +38,7 @@ class Rows:
     echo: bool = False
     prompt_texts: list[str] = field(default_factory=list)
     score_top: int | None = None  # completions echo + logprobs: the prompt's own logprobs, this many alternatives
+    dropped: int = 0  # the chat's oldest messages dropped to fit the context (--context-overflow shift)
 
 
 _tables: dict[int, list[bytes]] = {}
@@ -82,9 +83,20 @@ async def chat_rows(service, body: ChatCompletionRequest, answer_start: str = ""
     tools = [t.model_dump() for t in body.tools] if body.tools else None
     choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
     messages = body.conversation()
+    params = body.sampling()
+    max_tokens = params.pop("max_tokens")
+    fit = None
+    if service.context_overflow == "shift":  # only the system prompt and the last message must fit
+        if max_tokens is not None and max_tokens >= gen.max_context:
+            raise ContextOverflowError(f"this model's context is {gen.max_context} tokens and max_tokens asks for "
+                                       f"{max_tokens}: lower max_tokens (the prompt takes some of the context too)")
+        fit = (gen.max_context, max_tokens if max_tokens is not None else
+               min(gen.sampling().max_new_tokens, gen.max_context // 2))
+        messages = messages[:1] * (messages[0]["role"] == "system") + messages[-1:]
     surely_too_long(service, sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
                                  for m in messages) + len(answer_start), "messages")
-    prompt = await chat_prompt(service, body, answer_start)
+    fitted = await chat_prompt(service, body, answer_start, fit)
+    prompt = fitted.ids
     rf = body.response_format
     named = rf.json_schema if rf is not None and rf.type == "json_schema" else None
 
@@ -96,8 +108,6 @@ async def chat_rows(service, body: ChatCompletionRequest, answer_start: str = ""
 
     needs = (tools and choice != "none") or (body.response_format is not None and body.response_format.type != "text")
     grammar = await asyncio.to_thread(compile_grammar) if needs else None
-    params = body.sampling()
-    max_tokens = params.pop("max_tokens")
     n = body.n or 1
     cfgs = [service.sampling(max_tokens, len(prompt), **{**params, "seed": s}) for s in _seeds(body.seed, n)]
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -107,15 +117,18 @@ async def chat_rows(service, body: ChatCompletionRequest, answer_start: str = ""
 
     # a matcher per row parses the grammar again: off the event loop when there is one
     logits = await asyncio.to_thread(row_logits) if grammar is not None else row_logits()
-    return Rows([prompt], [0] * n, cfgs, logits, tools=tools, tool_choice=choice if tools else None)
+    return Rows([prompt], [0] * n, cfgs, logits, tools=tools, tool_choice=choice if tools else None,
+                dropped=fitted.dropped)
 
 
-async def chat_prompt(service, body: ChatCompletionRequest, answer_start: str = "") -> list[int]:
-    """The prompt ids of a chat request (tools rendered): edge.decode.conversation, off the event loop (a large
-    body takes seconds to render and tokenize; /health and the streams run there)."""
+async def chat_prompt(service, body: ChatCompletionRequest, answer_start: str = "",
+                      fit: tuple[int, int] | None = None) -> conversation.Prompt:
+    """The prompt of a chat request (tools rendered; fitted to the context by dropping the oldest turns when `fit`
+    is given): edge.decode.conversation, off the event loop (a large body takes seconds to render and tokenize;
+    /health and the streams run there)."""
     tools = [t.model_dump() for t in body.tools] if body.tools else None
-    return (await asyncio.to_thread(conversation.prompt, service.gen.tokenizer, body.conversation(), tools,
-                                    answer_start=answer_start)).ids
+    return await asyncio.to_thread(conversation.prompt, service.gen.tokenizer, body.conversation(), tools, fit=fit,
+                                   answer_start=answer_start)
 
 
 def surely_too_long(service, chars: int, param: str) -> None:

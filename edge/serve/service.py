@@ -46,9 +46,13 @@ class Service:
 
     def __init__(self, gen: Generator, max_users: int = 8, max_queue: int | None = None,
                  prompt_cache_mb: float | None = None, request_timeout_s: float | None = None,
-                 lenient: bool = False, limits: ConnectionLimits | None = None) -> None:
+                 lenient: bool = False, limits: ConnectionLimits | None = None, context_overflow: str = "shift") -> None:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise EdgeChatError(f"--request-timeout must be > 0 seconds, got {request_timeout_s}")
+        if context_overflow not in ("shift", "error"):
+            raise EdgeChatError(f"--context-overflow must be shift or error, got {context_overflow!r}")
+        # a chat past the context: drop its oldest turns (edge.decode.conversation) or refuse it (400)
+        self.context_overflow = context_overflow
         self.gen = gen
         self.metrics = Metrics()
         self.request_timeout_s = request_timeout_s
@@ -492,7 +496,7 @@ async def _count_tokens(service: Service, request: HTTPRequest):
     longer than the context is counted too (that is what a client asks it for)."""
     async def plan(service: Service, body: anthropic_schema.CountTokensRequest):
         chat, answer_start = body.chat()
-        return await api_answers.chat_prompt(service, chat, answer_start)
+        return (await api_answers.chat_prompt(service, chat, answer_start)).ids
 
     _, ids, _, _ = await _admit(service, request, anthropic_schema.parse_count_tokens_request, plan, queue=False)
     return anthropic_writer.token_count(len(ids))
