@@ -69,6 +69,8 @@ def test_the_last_turn_alone_too_long_is_still_an_error(tiny_generator):
         conversation.prompt(tok, [SYSTEM, {"role": "user", "content": "Tokyo " * 400}], fit=(256, 16))
     with pytest.raises(ContextOverflowError, match="ask for fewer"):
         conversation.prompt(tok, [SYSTEM, {"role": "user", "content": "hi"}], fit=(256, 300))
+    with pytest.raises(ContextOverflowError, match="the system prompt alone"):  # nothing else to drop (was a 500)
+        conversation.prompt(tok, [{"role": "system", "content": "Tokyo " * 400}], fit=(256, 16))
 
 
 @pytest.fixture(scope="module")

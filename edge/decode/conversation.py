@@ -89,6 +89,9 @@ def _fitted(tokenizer: ChatTokenizer, messages: list[dict], tools: list[dict] | 
     if len(ids) <= limit:
         return Prompt(ids, written)
     system, turns = _turns(messages)
+    if not turns:  # the system message is all there is
+        raise ContextOverflowError(f"the system prompt alone needs {len(ids)} tokens but only {limit} fit (context "
+                                   f"{context} minus {reserve} for the answer): shorten it or ask for fewer new tokens")
     last, _ = encoded(system + turns[-1])
     if len(last) > limit:
         raise ContextOverflowError(
