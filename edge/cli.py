@@ -384,7 +384,8 @@ def make_parser() -> argparse.ArgumentParser:
     _add_speculative_flag(s)
     s.add_argument("--max-queue", type=Bounded(int, 0), help="requests allowed to wait beyond that (default 4 x max-users); "
                                                   "more get HTTP 429 with Retry-After")
-    s.add_argument("--auth", help="user:password for the page; API clients send 'Bearer <password>'")
+    s.add_argument("--auth", help="user:password for the page; API clients send 'Bearer <password>' (or, "
+                                    "Anthropic's, 'x-api-key: <password>')")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without --auth")
     s.add_argument("--no-ui", action="store_true", help="API only, no Gradio page")
     s.add_argument("--prompt-cache-mb", type=Bounded(float, 0), default=None,

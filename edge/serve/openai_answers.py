@@ -95,8 +95,6 @@ async def chat_rows(service, body: ChatCompletionRequest, answer_start: str = ""
         messages = messages[:1] * (messages[0]["role"] == "system") + messages[-1:]
     surely_too_long(service, sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
                                  for m in messages) + len(answer_start), "messages")
-    fitted = await chat_prompt(service, body, answer_start, fit)
-    prompt = fitted.ids
     rf = body.response_format
     named = rf.json_schema if rf is not None and rf.type == "json_schema" else None
 
@@ -107,7 +105,9 @@ async def chat_rows(service, body: ChatCompletionRequest, answer_start: str = ""
             what=f"response_format json_schema '{named.name}'" if named else "the JSON schema")
 
     needs = (tools and choice != "none") or (body.response_format is not None and body.response_format.type != "text")
-    grammar = await asyncio.to_thread(compile_grammar) if needs else None
+    grammar = await asyncio.to_thread(compile_grammar) if needs else None  # a bad schema is named before the context
+    fitted = await chat_prompt(service, body, answer_start, fit)
+    prompt = fitted.ids
     n = body.n or 1
     cfgs = [service.sampling(max_tokens, len(prompt), **{**params, "seed": s}) for s in _seeds(body.seed, n)]
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -310,7 +310,7 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            schema = get_openapi(title="EdgeChat", version="1", description="OpenAI-compatible chat API",
+            schema = get_openapi(title="EdgeChat", version="1", description="OpenAI-compatible chat API and Anthropic's Messages API",
                                  routes=app.routes)
             schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
             schema["components"]["schemas"].update(anthropic_schema.openapi_schemas())
