@@ -335,7 +335,7 @@ def _serve(args: argparse.Namespace) -> int:
         return serve(gen, host=args.host, port=args.port, max_users=args.max_users, max_queue=args.max_queue,
                      auth=auth, ui=not args.no_ui, prompt_cache_mb=args.prompt_cache_mb, sock=sock,
                      request_timeout_s=args.request_timeout, lenient=args.lenient,
-                     reasoning_budget=args.reasoning_budget,
+                     reasoning_budget=args.reasoning_budget, context_overflow=args.context_overflow,
                      limits=ConnectionLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                                              max_connections=args.max_connections))
     finally:
@@ -455,13 +455,18 @@ def make_parser() -> argparse.ArgumentParser:
     _add_speculative_flag(s)
     s.add_argument("--max-queue", type=Bounded(int, 0), help="requests allowed to wait beyond that (default 4 x max-users); "
                                                   "more get HTTP 429 with Retry-After")
-    s.add_argument("--auth", help="user:password for the page; API clients send 'Bearer <password>'")
+    s.add_argument("--auth", help="user:password for the page; API clients send 'Bearer <password>' (or, "
+                                    "Anthropic's, 'x-api-key: <password>')")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without --auth")
     s.add_argument("--no-ui", action="store_true", help="API only, no Gradio page")
     s.add_argument("--prompt-cache-mb", type=Bounded(float, 0), default=None,
                    help="memory for the K/V of recent conversations, so a prompt that starts like one of them (the "
                         "system prompt, the chat so far) prefills only what is new (fused graphs; default 64, 0: off)")
     _add_budget_flag(s)
+    s.add_argument("--context-overflow", choices=("shift", "error"), default="shift",
+                   help="a chat longer than the context: shift drops its oldest turns (never the system prompt or the "
+                        "last turn; the answer says how many) on /v1/chat/completions and /v1/messages; error answers "
+                        "400 instead (/v1/completions prompts always do; the page always shifts). Default: shift")
     s.add_argument("--lenient", action="store_true",
                    help="ignore request fields this server does not support (default: a 400 that names them)")
     s.add_argument("--request-timeout", type=Bounded(float, 0, above=True), metavar="SECONDS",

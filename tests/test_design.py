@@ -253,6 +253,38 @@ def test_openai_answer_shapes_are_written_in_one_place():
     assert not found, "OpenAI answer shapes written outside edge/serve/openai_writer.py:\n" + "\n".join(found)
 
 
+def _shape_marks(skip: str, marks: tuple[str, ...], dict_key: str, dict_value: str | None = None) -> list[str]:
+    """Places outside edge/serve/`skip` that write one of `marks` (docstrings aside) or a dict literal keyed
+    `dict_key` (with the value `dict_value` when given)."""
+    found = []
+    for path in (ROOT / "edge").rglob("*.py"):
+        if path.name == skip:
+            continue
+        tree = ast.parse(path.read_text())
+        doc = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef,
+               ast.AsyncFunctionDef, ast.ClassDef)) and n.body and isinstance(n.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in marks and id(node) not in doc:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+            if isinstance(node, ast.Dict) and any(
+                    isinstance(k, ast.Constant) and k.value == dict_key and
+                    (dict_value is None or isinstance(v, ast.Constant) and v.value == dict_value)
+                    for k, v in zip(node.keys, node.values)):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} a dict keyed {dict_key!r}")
+    return found
+
+
+def test_anthropic_answer_shapes_are_written_in_one_place():
+    """Anthropic's message envelope, its stream's event names, its stop reasons and its error object
+    ({"type": "error", ...}) are written in edge/serve/anthropic_writer.py alone, whole, streamed and errors."""
+    marks = ("message_start", "message_delta", "message_stop", "content_block_start", "content_block_delta",
+             "content_block_stop", "text_delta", "input_json_delta", "end_turn", "overloaded_error",
+             "cache_read_input_tokens")
+    found = _shape_marks("anthropic_writer.py", marks, "type", "error") + \
+        _shape_marks("anthropic_writer.py", (), "type", "message")
+    assert not found, "Anthropic answer shapes written outside edge/serve/anthropic_writer.py:\n" + "\n".join(found)
+
+
 # ----------------------------------------------------------------------------- the design checks can fail
 
 

@@ -179,6 +179,21 @@ def test_enable_thinking_false_gives_no_think_block(server):
     assert off.usage.prompt_tokens > on.usage.prompt_tokens
 
 
+def test_anthropic_route_asks_a_thinking_model_not_to_think(server):
+    """Anthropic's thinking is off unless enabled (which this server refuses): /v1/messages renders the thinking
+    model's template with enable_thinking false, so its prompt is the OpenAI route's with that switch, and no
+    think block reaches the text."""
+    import anthropic
+
+    a = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    msg = a.messages.create(model="x", max_tokens=8, messages=HELLO, extra_body={"temperature": 1.0, "seed": 7})
+    off = _client(server).chat.completions.create(model="x", messages=HELLO, max_tokens=8, **SAMPLED,
+                                                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == off.usage.prompt_tokens
+    assert a.messages.count_tokens(model="x", messages=HELLO).input_tokens == off.usage.prompt_tokens
+    assert all("think>" not in b.text for b in msg.content if b.type == "text")
+
+
 def test_template_kwargs_may_not_replace_the_conversation(server):
     with pytest.raises(openai.BadRequestError) as e:
         _client(server).chat.completions.create(model="x", messages=HELLO, max_tokens=2,

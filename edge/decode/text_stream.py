@@ -35,6 +35,7 @@ class TextStream:
         self.held = ""  # text that might be the start of a stop string
         self.ids: list[int] = []
         self.stopped = False  # a stop string was hit
+        self.stop_hit: str | None = None  # which one (Anthropic's answer names it: stop_sequence)
         self.t0 = time.perf_counter()
         self.first: float | None = None
         self.cached_tokens = 0  # prompt tokens whose K/V came from the prompt cache (not prefilled)
@@ -44,7 +45,8 @@ class TextStream:
         if self.first is None:
             self.first = time.perf_counter()
         self.held += self.detok.push(tok)
-        out, self.held, self.stopped = _split_stop(self.held, self.cfg.stop)
+        out, self.held, self.stop_hit = _split_stop(self.held, self.cfg.stop)
+        self.stopped = self.stop_hit is not None
         return StreamEvent(out, token_ids=[tok]) if out else None
 
     def finish(self, reason: str) -> list[StreamEvent]:
@@ -55,8 +57,8 @@ class TextStream:
             reason = "stop"
         else:
             self.held += self.detok.flush()
-            out, _, hit = _split_stop(self.held, self.cfg.stop, final=True)
-            if hit:
+            out, _, self.stop_hit = _split_stop(self.held, self.cfg.stop, final=True)
+            if self.stop_hit is not None:
                 reason = "stop"
             if out:
                 events.append(StreamEvent(out))
@@ -70,23 +72,24 @@ class TextStream:
         decode_s = t1 - first
         return {"prompt_tokens": self.prompt_len, "cached_prompt_tokens": self.cached_tokens,
                 "completion_tokens": n, "ttft_s": first - self.t0,
-                "decode_tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, "total_s": t1 - self.t0}
+                "decode_tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, "total_s": t1 - self.t0,
+                "stop_sequence": self.stop_hit}
 
 
-def _split_stop(text: str, stops: tuple[str, ...], final: bool = False) -> tuple[str, str, bool]:
-    """Return (safe to emit, held back, stop hit)."""
+def _split_stop(text: str, stops: tuple[str, ...], final: bool = False) -> tuple[str, str, str | None]:
+    """Return (safe to emit, held back, the stop string hit: the earliest in the text, or None)."""
     if not stops:
-        return text, "", False
+        return text, "", None
     hits = [(text.find(s), s) for s in stops if s in text]
     if hits:
-        pos = min(h[0] for h in hits)
-        return text[:pos], "", True
+        pos, hit = min(hits, key=lambda h: h[0])
+        return text[:pos], "", hit
     if final:
-        return text, "", False
+        return text, "", None
     keep = 0
     for s in stops:
         for k in range(min(len(s) - 1, len(text)), 0, -1):
             if text.endswith(s[:k]):
                 keep = max(keep, k)
                 break
-    return (text[:-keep], text[-keep:], False) if keep else (text, "", False)
+    return (text[:-keep], text[-keep:], None) if keep else (text, "", None)

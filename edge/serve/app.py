@@ -42,7 +42,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: int = 8, max_queue: int | None = None,
           auth: tuple[str, str] | None = None, ui: bool = True, prompt_cache_mb: float | None = None,
           sock: socket.socket | None = None, request_timeout_s: float | None = None, lenient: bool = False,
-          limits: "ConnectionLimits | None" = None, reasoning_budget: int | None = None) -> int:
+          limits: "ConnectionLimits | None" = None, reasoning_budget: int | None = None,
+          context_overflow: str = "shift") -> int:
     import uvicorn
 
     from edge.serve.limits import ConnectionLimits, timed_h11_protocol
@@ -52,7 +53,7 @@ def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: 
     sock = sock if sock is not None else bind_socket(host, port)
     service = Service(gen, max_users=max_users, max_queue=max_queue, prompt_cache_mb=prompt_cache_mb,
                       request_timeout_s=request_timeout_s, lenient=lenient, limits=limits,
-                      reasoning_budget=reasoning_budget)
+                      reasoning_budget=reasoning_budget, context_overflow=context_overflow)
     service.scheduler.start()
     app = create_app(service, auth=auth, ui=ui)
     shown = f"[{host}]" if ":" in host else host
@@ -66,6 +67,7 @@ def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: 
                       flush=True)
                 print(f"  chat page   {url}/" if ui else "  chat page   off (--no-ui)", flush=True)
                 print(f"  OpenAI API  {url}/v1   (health {url}/health, metrics {url}/metrics)", flush=True)
+                print(f"  Anthropic   {url}/v1/messages   (base_url {url})", flush=True)
                 b = gen.bundle
                 if b is not None:
                     print(f"  bundle      {len(b.manifest.files)} files checked, {len(b.hashed)} hashed now (SHA-256)",

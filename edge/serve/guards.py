@@ -1,6 +1,6 @@
-"""The server's HTTP guards, before a request reaches its route: the OpenAI error object every refusal uses
-(`APIError`), API paths spelled another way (`APIPaths`), credentials (`CheckAuth`). Plain ASGI middlewares:
-they never touch a response they let through."""
+"""The server's HTTP guards, before a request reaches its route: the error object every refusal uses
+(`APIError`: OpenAI's shape, Anthropic's on /v1/messages), API paths spelled another way (`APIPaths`),
+credentials (`CheckAuth`). Plain ASGI middlewares: they never touch a response they let through."""
 
 from __future__ import annotations
 
@@ -10,11 +10,19 @@ import secrets
 
 from fastapi.responses import JSONResponse
 
+from edge.serve import anthropic_writer
 from edge.serve.metrics import Metrics
 
 
+def anthropic_path(path: str) -> bool:
+    """Whether a path is Anthropic's Messages API, whose every answer (errors included) is in Anthropic's shape."""
+    p = re.sub("/{2,}", "/", path).lower().rstrip("/")
+    return p == "/v1/messages" or p.startswith("/v1/messages/")
+
+
 class APIError(Exception):
-    """An OpenAI-style error response: {"error": {"message", "type", "param", "code"}}."""
+    """An error response: OpenAI's {"error": {"message", "type", "param", "code"}}, or on an Anthropic path
+    Anthropic's {"type": "error", "error": {"type", "message"}} (edge.serve.anthropic_writer)."""
 
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
                  type_: str = "invalid_request_error", headers: dict | None = None) -> None:
@@ -22,12 +30,17 @@ class APIError(Exception):
         self.status, self.message, self.code, self.param, self.type = status, message, code, param, type_
         self.headers = headers or {}
 
-    def response(self, metrics: Metrics | None = None) -> JSONResponse:
-        """The JSON response; every error response of the server goes through here, so /metrics counts it."""
+    def response(self, metrics: Metrics | None = None, path: str = "") -> JSONResponse:
+        """The JSON response to a request for `path`; every error response of the server goes through here, so
+        /metrics counts it."""
+        if anthropic_path(path):
+            status, body = anthropic_writer.error(self.status, self.message)
+        else:
+            status = self.status
+            body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         if metrics is not None:
-            metrics.http_error(self.status)
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+            metrics.http_error(status)
+        return JSONResponse(body, status_code=status, headers=self.headers)
 
 
 class ClientGone(Exception):
@@ -54,7 +67,7 @@ class APIPaths:
                 want = "/v1/" + canon[4:] if low.startswith("/v1/") else low.rstrip("/")
                 hint = f": use {want}" if want not in ("/v1", "/v1/") else ""
                 await APIError(404, f"no such API path: {scope.get('method', '')} {path}{hint}",
-                               code="not_found").response(self.metrics)(scope, receive, send)
+                               code="not_found").response(self.metrics, path)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -70,29 +83,40 @@ class CheckAuth:
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and (path.startswith("/v1") or path == "/metrics"):
-            header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
-            if not _authorized(header, self.auth):
-                await APIError(401, "missing or wrong credentials: send 'Authorization: Bearer <password>' "
-                                    "(the password given to --auth) or HTTP Basic user:password",
-                               type_="authentication_error", code="invalid_api_key",
-                               headers={"WWW-Authenticate": "Bearer"}).response(self.metrics)(scope, receive, send)
+            headers = dict(scope["headers"])
+            header = headers.get(b"authorization", b"").decode("latin-1")
+            key = headers.get(b"x-api-key")  # Anthropic's clients send the key here
+            if not (_authorized(header, self.auth) or
+                    (key is not None and _same_key(key.decode("latin-1"), self.auth))):
+                await APIError(401, "missing or wrong credentials: send 'Authorization: Bearer <password>' or "
+                                    "'x-api-key: <password>' (the password given to --auth) or HTTP Basic "
+                                    "user:password", type_="authentication_error", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"}).response(self.metrics, path)(scope, receive,
+                                                                                                    send)
                 return
         await self.app(scope, receive, send)
 
 
-def _authorized(header: str, auth: tuple[str, str]) -> bool:
+def _same(a: str, b: str) -> bool:
     """Compared as UTF-8 bytes: `secrets.compare_digest` refuses non-ASCII str (a TypeError, i.e. a 500, for
     any client that sends a non-ASCII password or user)."""
-    def same(a: str, b: str) -> bool:
-        return secrets.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
+    return secrets.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
 
+
+def _same_key(value: str, auth: tuple[str, str]) -> bool:
+    """A bearer token or an x-api-key: the password, or user:password."""
+    return _same(value.strip(), auth[1]) or _same(value.strip(), ":".join(auth))
+
+
+def _authorized(header: str, auth: tuple[str, str]) -> bool:
+    """An Authorization header: Bearer (as `_same_key`) or HTTP Basic user:password."""
     scheme, _, value = header.partition(" ")
     if scheme.lower() == "bearer":
-        return same(value.strip(), auth[1]) or same(value.strip(), ":".join(auth))
+        return _same_key(value, auth)
     if scheme.lower() == "basic":
         try:
             user, _, pw = base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")
         except ValueError:  # not base64, or not UTF-8 (UnicodeDecodeError is a ValueError)
             return False
-        return same(user, auth[0]) and same(pw, auth[1])
+        return _same(user, auth[0]) and _same(pw, auth[1])
     return False

@@ -41,6 +41,7 @@ class Rows:
     score_top: int | None = None  # completions echo + logprobs: the prompt's own logprobs, this many alternatives
     think: thinking.ThinkFormat | None = None  # chat on a thinking model: the answers' reasoning is split out
     opened: bool = False  # the prompt opened the think block (the answers start inside it)
+    dropped: int = 0  # the chat's oldest messages dropped to fit the context (--context-overflow shift)
 
 
 _tables: dict[int, list[bytes]] = {}
@@ -77,23 +78,27 @@ def _row_logits(body, vocab: int, grammar, logprobs: int | None,
     return rl if rl.active or logprobs is not None or rl.stop_ids else None
 
 
-async def chat_rows(service, body: ChatCompletionRequest) -> Rows:
+async def chat_rows(service, body: ChatCompletionRequest, answer_start: str = "") -> Rows:
     """The rows of a chat request: the prompt (tools rendered), the grammar (response_format or tools) and
-    n configs. BadRequest / GrammarError (-> 400) for what cannot be served."""
+    n configs. BadRequest / GrammarError (-> 400) for what cannot be served. `answer_start`: text the answer
+    continues (Anthropic's final assistant message, edge.serve.anthropic_schema)."""
     gen = service.gen
     vocab = gen.decoder.dims.vocab_size
     tools = [t.model_dump() for t in body.tools] if body.tools else None
     choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
     messages = body.conversation()
+    params = body.sampling()
+    max_tokens = params.pop("max_tokens")
+    fit = None
+    if service.context_overflow == "shift":  # only the system prompt and the last message must fit
+        if max_tokens is not None and max_tokens >= gen.max_context:
+            raise ContextOverflowError(f"this model's context is {gen.max_context} tokens and max_tokens asks for "
+                                       f"{max_tokens}: lower max_tokens (the prompt takes some of the context too)")
+        fit = (gen.max_context, max_tokens if max_tokens is not None else
+               min(gen.sampling().max_new_tokens, gen.max_context // 2))
+        messages = messages[:1] * (messages[0]["role"] == "system") + messages[-1:]
     surely_too_long(service, sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
-                                 for m in messages), "messages")
-    # a large body takes seconds to render and tokenize: off the event loop, where /health and the streams run
-    try:
-        fitted = await asyncio.to_thread(conversation.prompt, gen.tokenizer, messages, tools,
-                                         template_kwargs=body.chat_template_kwargs)
-    except NoChatTemplateError as e:  # a base model's bundle: the 400 names what to do instead
-        raise BadRequest(str(e), param="messages") from None
-    prompt = fitted.ids
+                                 for m in messages) + len(answer_start), "messages")
     rf = body.response_format
     named = rf.json_schema if rf is not None and rf.type == "json_schema" else None
 
@@ -104,9 +109,9 @@ async def chat_rows(service, body: ChatCompletionRequest) -> Rows:
             what=f"response_format json_schema '{named.name}'" if named else "the JSON schema")
 
     needs = (tools and choice != "none") or (body.response_format is not None and body.response_format.type != "text")
-    grammar = await asyncio.to_thread(compile_grammar) if needs else None
-    params = body.sampling()
-    max_tokens = params.pop("max_tokens")
+    grammar = await asyncio.to_thread(compile_grammar) if needs else None  # a bad schema is named before the context
+    fitted = await chat_prompt(service, body, answer_start, fit)
+    prompt = fitted.ids
     n = body.n or 1
     cfgs = [service.sampling(max_tokens, len(prompt), **{**params, "seed": s}) for s in _seeds(body.seed, n)]
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -122,7 +127,21 @@ async def chat_rows(service, body: ChatCompletionRequest) -> Rows:
     # a matcher per row parses the grammar again: off the event loop when there is one
     logits = await asyncio.to_thread(row_logits) if grammar is not None else row_logits()
     return Rows([prompt], [0] * n, cfgs, logits, tools=tools, tool_choice=choice if tools else None, think=fmt,
-                opened=fitted.opened)
+                opened=fitted.opened, dropped=fitted.dropped)
+
+
+async def chat_prompt(service, body: ChatCompletionRequest, answer_start: str = "",
+                      fit: tuple[int, int] | None = None) -> conversation.Prompt:
+    """The prompt of a chat request (tools rendered; fitted to the context by dropping the oldest turns when `fit`
+    is given; chat_template_kwargs to the template): edge.decode.conversation, off the event loop (a large body
+    takes seconds to render and tokenize; /health and the streams run there). A bundle without a chat template
+    (a base model) is a 400 naming what to do instead."""
+    tools = [t.model_dump() for t in body.tools] if body.tools else None
+    try:
+        return await asyncio.to_thread(conversation.prompt, service.gen.tokenizer, body.conversation(), tools,
+                                       fit=fit, answer_start=answer_start, template_kwargs=body.chat_template_kwargs)
+    except NoChatTemplateError as e:
+        raise BadRequest(str(e), param="messages") from None
 
 
 def surely_too_long(service, chars: int, param: str) -> None:

@@ -273,12 +273,12 @@ RULES = {  # what each field takes, in words, for the error message
 }
 
 
-def _where(loc: tuple) -> str:
+def _where(loc: tuple, members: frozenset[str] = frozenset()) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "list[TextPart]", "TextPart", "list[constrained-str]", "constrained-str", "int", "float",
+        elif part in members or part in ("str", "list[TextPart]", "TextPart", "list[constrained-str]", "constrained-str", "int", "float",
                       "bool", "StreamOptions", "function-after[_unicode(), str]", "NamedToolChoice", "ResponseFormat",
                       "function-after[_unicode(), constrained-str]") or "[" in str(part) or "'" in str(part):
             continue  # pydantic's names of union members
@@ -351,7 +351,7 @@ def _parse(model: type[_S], raw: bytes, lenient: bool) -> _S:
     try:
         body = model.model_validate_json(raw)
     except ValidationError as e:
-        raise _bad(e) from None
+        raise validation_error(e) from None
     extra = body.extra_fields()
     if extra and not lenient:
         name = extra[0]
@@ -361,8 +361,15 @@ def _parse(model: type[_S], raw: bytes, lenient: bool) -> _S:
     return body
 
 
-def _bad(e: ValidationError) -> BadRequest:
-    err = e.errors(include_url=False)[0]
+def validation_error(e: ValidationError, rules: dict[str, str] | None = None,
+                     members: frozenset[str] = frozenset(), deepest: bool = False) -> BadRequest:
+    """pydantic's first complaint as a BadRequest naming the field and what it takes (`rules`: field -> what it
+    takes, in words; `members`: the names pydantic gives union members, left out of the field's path;
+    `deepest`: the complaint about the innermost field, e.g. a content block's missing text rather than "not a
+    string"). The Anthropic schema (edge.serve.anthropic_schema) words its errors here too."""
+    rules = RULES if rules is None else rules
+    errors = e.errors(include_url=False)
+    err = max(errors, key=lambda x: len(x["loc"])) if deepest else errors[0]
     if err["type"] == "json_invalid":
         why = str(err.get("ctx", {}).get("error", err["msg"]))
         if "recursion limit" in why:
@@ -373,9 +380,9 @@ def _bad(e: ValidationError) -> BadRequest:
         return BadRequest(f"the body is not valid JSON ({why})")
     if err["type"] == "model_type" and not err["loc"]:
         return BadRequest("the body must be a JSON object")
-    where = _where(err["loc"])
+    where = _where(err["loc"], members)
     field = where.split(".")[0].split("[")[0]
-    rule = RULES.get(re.sub(r"\[\d+\]", "", where), RULES.get(field))
+    rule = rules.get(re.sub(r"\[\d+\]", "", where), rules.get(field))
     if err["type"] == "missing":
         return BadRequest(f"'{where}' is required: {rule or 'see the API reference'}", param=field)
     detail = err["msg"].removeprefix("Value error, ")

@@ -62,7 +62,13 @@ def chat_completion(service: Service, cid: str, created: int, texts: list[str], 
     """A whole chat completion of n rows."""
     return envelope(service, cid, created, "chat.completion") | {
         "choices": [chat_choice(i, texts[i], lasts[i], lps[i], rows, table) for i in range(len(texts))],
-        "usage": usage(lasts, len(rows.prompts[0]))}
+        "usage": usage(lasts, len(rows.prompts[0]))} | context_shift(rows)
+
+
+def context_shift(rows) -> dict:
+    """EdgeChat's field saying the chat's oldest messages were dropped to fit the context (--context-overflow
+    shift): on the answer, and on the first chunk of a stream; absent when nothing was dropped."""
+    return {"context_shift": {"dropped_messages": rows.dropped}} if rows.dropped else {}
 
 
 def text_completion(service: Service, cid: str, created: int, texts: list[str], lasts: list, lps: list, rows,
@@ -107,10 +113,11 @@ async def chat_sse(service: Service, cid: str, created: int, events: AsyncIterat
     """Chat chunks for n rows. With tools, a row's text is held while it may still be a call; a call goes out
     as one tool_calls delta (id, name, arguments) when its answer ends, with finish_reason "tool_calls"."""
     def chunk(i: int, delta: dict, finish: str | None = None, usage: dict | None = None, choices: bool = True,
-              lps: list | None = None) -> str:
+              lps: list | None = None, extra: dict | None = None) -> str:
         logprobs = {"content": api_answers.chat_logprobs(table, lps or [])} if table is not None and choices else None
         body = envelope(service, cid, created, "chat.completion.chunk") | {
-            "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}] if choices else []}
+            "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}] if choices else []
+        } | (extra or {})
         if usage is not None:
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -124,7 +131,7 @@ async def chat_sse(service: Service, cid: str, created: int, events: AsyncIterat
     lasts: list[Any] = []
     try:
         for i in range(n):
-            yield chunk(i, {"role": "assistant", "content": ""})
+            yield chunk(i, {"role": "assistant", "content": ""}, extra=context_shift(rows) if i == 0 else None)
         async for i, ev in events:
             lps = unsent[i] + (getattr(ev, "logprobs", None) or [])
             reasoning, text = split[i].push(ev.text)

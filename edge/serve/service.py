@@ -1,4 +1,5 @@
-"""`edge-chat serve`: one process, one port — the Gradio page, an OpenAI-compatible API, /health and /metrics.
+"""`edge-chat serve`: one process, one port — the Gradio page, an OpenAI-compatible API, Anthropic's Messages
+API, /health and /metrics.
 
 All requests, from the page and the API alike, go through one `Scheduler`, so
 they share batched decode steps. Handlers never block on the model: the
@@ -23,6 +24,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from edge.serve import anthropic_schema, anthropic_writer
 from edge.serve import openai_answers as api_answers
 from edge.serve import openai_schema as api_schema
 from edge.serve import openai_writer as writer
@@ -46,9 +48,13 @@ class Service:
     def __init__(self, gen: Generator, max_users: int = 8, max_queue: int | None = None,
                  prompt_cache_mb: float | None = None, request_timeout_s: float | None = None,
                  lenient: bool = False, limits: ConnectionLimits | None = None,
-                 reasoning_budget: int | None = None) -> None:
+                 reasoning_budget: int | None = None, context_overflow: str = "shift") -> None:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise EdgeChatError(f"--request-timeout must be > 0 seconds, got {request_timeout_s}")
+        if context_overflow not in ("shift", "error"):
+            raise EdgeChatError(f"--context-overflow must be shift or error, got {context_overflow!r}")
+        # a chat past the context: drop its oldest turns (edge.decode.conversation) or refuse it (400)
+        self.context_overflow = context_overflow
         self.gen = gen
         self.reasoning_budget = reasoning_budget  # --reasoning-budget: a request's default (edge.decode.thinking)
         self.metrics = Metrics()
@@ -222,7 +228,8 @@ async def _client_gone(request: HTTPRequest) -> None:
 # every method a client may send to an API path: the ones a route does not take are a 405 there (with Allow),
 # never a fall-through to the page mounted at /
 OTHER_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "TRACE", "CONNECT"]
-API_ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
+API_ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/messages": "POST",
+              "/v1/messages/count_tokens": "POST", "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
 ERRORS = {400: "bad input (names the field)", 401: "missing or wrong credentials", 404: "no such model or path",
           405: "wrong method", 408: "body not sent in time (--body-timeout)", 413: "body over 4 MiB", 415: "compressed body (Content-Encoding)", 429: "queue full (Retry-After)", 500: "generation failed",
           503: "the model is not running", 504: "over --request-timeout"}
@@ -248,7 +255,7 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
 
     @app.exception_handler(APIError)
     async def api_error(request: HTTPRequest, e: APIError):
-        return e.response(metrics)
+        return e.response(metrics, request.url.path)
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: HTTPRequest, e: ClientGone):
@@ -259,13 +266,13 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
     async def http_error(request: HTTPRequest, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code,
-                        headers=dict(e.headers or {})).response(metrics)
+                        headers=dict(e.headers or {})).response(metrics, request.url.path)
 
     @app.exception_handler(Exception)
     async def server_error(request: HTTPRequest, e: Exception):
         log.exception("%s %s failed", request.method, request.url.path)
         return APIError(500, f"internal error ({type(e).__name__}): the server logged it; the request was not served",
-                        type_="server_error").response(metrics)
+                        type_="server_error").response(metrics, request.url.path)
 
     error_body = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     responses: dict = {s: {"description": d, "content": error_body} for s, d in ERRORS.items()}
@@ -316,6 +323,26 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
     async def completions(request: HTTPRequest):
         return await _completions(service, request)
 
+    anthropic_errors = {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicError"}}}
+    anthropic_responses = {s: {"description": d, "content": anthropic_errors} for s, d in ERRORS.items() if s != 429}
+    anthropic_responses[529] = {"description": "queue full (Retry-After): Anthropic's overloaded_error",
+                                "content": anthropic_errors}
+
+    @app.post("/v1/messages", openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/MessagesRequest"}}}}},
+        responses={200: {"description": "the message (JSON), or Anthropic's server-sent events with stream: true",
+                         "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                   **{s: anthropic_responses[s] for s in (400, 401, 413, 500, 503, 504, 529)}})
+    async def messages(request: HTTPRequest):
+        return await _messages(service, request)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CountTokensRequest"}}}}},
+        responses={200: {"description": "{\"input_tokens\": N}: the prompt's tokens, nothing generated"},
+                   **{s: anthropic_responses[s] for s in (400, 401, 413)}})
+    async def count_tokens(request: HTTPRequest):
+        return await _count_tokens(service, request)
+
     @app.api_route("/v1/{rest:path}", methods=OTHER_METHODS,
                    include_in_schema=False)
     async def unknown(request: HTTPRequest, rest: str):
@@ -327,9 +354,10 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            schema = get_openapi(title="EdgeChat", version="1", description="OpenAI-compatible chat API",
+            schema = get_openapi(title="EdgeChat", version="1", description="OpenAI-compatible chat API and Anthropic's Messages API",
                                  routes=app.routes)
             schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+            schema["components"]["schemas"].update(anthropic_schema.openapi_schemas())
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -353,12 +381,14 @@ def _no_route(request: HTTPRequest) -> JSONResponse:
         raise APIError(405, f"{request.method} {path} is not supported: use {method}", code="method_not_allowed",
                        headers={"Allow": method})
     raise APIError(404, f"no such API path: {request.method} {path} (this server has POST /v1/chat/completions, "
-                        "POST /v1/completions, GET /v1/models, /health, /metrics)", code="not_found")
+                        "POST /v1/completions, POST /v1/messages, POST /v1/messages/count_tokens, GET /v1/models, "
+                        "/health, /metrics)", code="not_found")
 
 
-async def _admit(service: Service, request: HTTPRequest, parse, plan) -> tuple[Any, Any, list[Request], asyncio.Queue]:
-    """Read, validate and plan a request, then queue its rows: every refusal is an APIError (400, 413, 429, 503)
-    before anything reaches the model."""
+async def _admit(service: Service, request: HTTPRequest, parse, plan,
+                 queue: bool = True) -> tuple[Any, Any, list[Request], asyncio.Queue | None]:
+    """Read, validate and plan a request, then queue its rows (unless `queue` is False: a token count): every
+    refusal is an APIError (400, 413, 429, 503) before anything reaches the model."""
     metrics = service.metrics
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
@@ -378,6 +408,8 @@ async def _admit(service: Service, request: HTTPRequest, parse, plan) -> tuple[A
         body = await asyncio.to_thread(parse, raw, lenient=service.lenient) if len(raw) > 65536 else \
             parse(raw, lenient=service.lenient)
         rows = await plan(service, body)
+        if not queue:
+            return body, rows, [], None
         if not service.scheduler.alive:
             raise APIError(503, f"the model is not running ({service.scheduler.error or 'stopped'})",
                            type_="server_error", headers={"Retry-After": "30"})
@@ -472,6 +504,56 @@ async def _completions(service: Service, request: HTTPRequest):
     _failed(service, lasts)
     return writer.text_completion(service, cid, created, texts, lasts, lps, rows, table, scored, body.logprobs,
                                   body.n or 1)
+
+
+async def _messages(service: Service, request: HTTPRequest):
+    """POST /v1/messages: Anthropic's request, translated into the chat request the OpenAI route serves (same
+    rows, grammar, conversation path, scheduler), answered in Anthropic's shapes."""
+    body, rows, reqs, q = await _admit(service, request, anthropic_schema.parse_messages_request, _plan_messages)
+    mid = anthropic_writer.message_id()
+    prompt_tokens = len(rows.prompts[0])
+    try:
+        if body.stream:
+            return StreamingResponse(anthropic_writer.messages_sse(service, mid, api_answers.merged_events(reqs, q, 1),
+                                                                   rows, prompt_tokens),
+                                     media_type="text/event-stream", background=BackgroundTask(_cancel_all, reqs),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        got = await _collect(request, q, 1)
+    except BaseException:
+        _cancel_all(reqs)
+        raise
+    if got is None:
+        _cancel_all(reqs)
+        return Response(status_code=499)
+    texts, _, lasts = got
+    _failed(service, lasts)
+    return anthropic_writer.message(service, mid, texts[0], lasts[0], rows, prompt_tokens)
+
+
+def _anthropic_chat(service: Service, body: anthropic_schema.CountTokensRequest):
+    """The chat request /v1/messages runs. Anthropic's thinking is off unless asked for (and this server takes it
+    off only): a thinking model's template is told so (`enable_thinking: false`, Qwen3's and SmolLM3's switch),
+    so no think block lands in the answer's text."""
+    chat, answer_start = body.chat()
+    if service.gen.tokenizer.thinking is not None:
+        chat.chat_template_kwargs = {"enable_thinking": False}
+    return chat, answer_start
+
+
+async def _plan_messages(service: Service, body: anthropic_schema.MessagesRequest):
+    chat, answer_start = _anthropic_chat(service, body)
+    return await api_answers.chat_rows(service, chat, answer_start=answer_start)
+
+
+async def _count_tokens(service: Service, request: HTTPRequest):
+    """POST /v1/messages/count_tokens: the prompt /v1/messages would run, counted (tools included); a prompt
+    longer than the context is counted too (that is what a client asks it for)."""
+    async def plan(service: Service, body: anthropic_schema.CountTokensRequest):
+        chat, answer_start = _anthropic_chat(service, body)
+        return (await api_answers.chat_prompt(service, chat, answer_start)).ids
+
+    _, ids, _, _ = await _admit(service, request, anthropic_schema.parse_count_tokens_request, plan, queue=False)
+    return anthropic_writer.token_count(len(ids))
 
 
 async def _plan_completion(service: Service, body):
