@@ -172,3 +172,25 @@ def test_profile_buckets_put_each_stack_where_its_time_goes():
     assert bucket(main, ["StreamingResponse.stream_response (r.py:1)", "RequestResponseCycle.send (h.py:2)",
                          "_SelectorSocketTransport.write (asyncio/selector_events.py:1057)"]) == \
         ("event loop", "SSE: socket writes")
+
+
+def test_served_connections_send_small_writes_at_once():
+    """Every connection the server accepts has TCP_NODELAY: the listening socket was made with proto 0, so
+    asyncio never set it, and each answer's first chunk waited ~40 ms for the client's delayed ACK (Nagle)."""
+    import socket
+
+    from edge.serve.app import bind_socket
+
+    listener = bind_socket("127.0.0.1", 0)
+    try:
+        listener.listen(1)
+        client = socket.create_connection(listener.getsockname()[:2])
+        conn, _ = listener.accept()
+        try:
+            assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+            assert listener.proto == socket.IPPROTO_TCP  # so asyncio's transport sets it too (base_events._set_nodelay)
+        finally:
+            conn.close()
+            client.close()
+    finally:
+        listener.close()

@@ -24,9 +24,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise EdgeChatError(f"cannot listen on {host}: {e.strerror}; check --host") from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, _, proto, _, addr = infos[0]
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP. Without it a
+    # stream's small writes wait for the client's delayed ACK (Nagle): 40 ms before the first chunk of every
+    # answer, and stalls between tokens (docs/speed.md, "The serving path's cost per token"). The listening
+    # socket's TCP_NODELAY is inherited by every connection it accepts, whoever sets up the transport.
+    sock = socket.socket(family, socket.SOCK_STREAM, proto or socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind(addr)
     except OSError as e:
