@@ -254,7 +254,8 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
 
     from export.prose import SOURCE, prose_texts
 
-    sets = {"chats": [ref_tok.encode_chat(c, add_generation_prompt=False)[: opts.max_tokens] for c in chats],
+    chat_limit = min(opts.max_tokens, opts.max_context)  # a bundle built with a short context scores within it
+    sets = {"chats": [ref_tok.encode_chat(c, add_generation_prompt=False)[:chat_limit] for c in chats],
             "prose": prose_windows(ref_tok, prose_texts("eval"), min(opts.prose_window, opts.max_context), opts.prose_tokens)}
     parts: dict[str, dict[str, list[dict]]] = {s: {n: [] for n in decs} for s in sets}
     for kind, seqs in sets.items():
@@ -263,7 +264,7 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
                 continue
             ids = ref_ids
             if t_ids is not None:  # vocabulary-pruned: the same text in the student's tokens (cut until it fits too)
-                limit = opts.max_tokens if kind == "chats" else min(opts.prose_window, opts.max_context)
+                limit = chat_limit if kind == "chats" else min(opts.prose_window, opts.max_context)
                 while len(ids := tok.encode(ref_tok.decode(ref_ids, skip_special_tokens=False))) > limit:
                     ref_ids = ref_ids[: len(ref_ids) - (len(ids) - limit)]
                 on_student = timed(ref, lambda: Reference.of(logits(ref, t_ids[ids].tolist())[:, t_ids]))  # over the kept tokens
