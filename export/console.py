@@ -119,7 +119,7 @@ class Progress:
         """A tqdm bar was updated (or closed): remember it; in "lines" mode write a line at each new tenth."""
         state = BarState.of(bar)
         with self._lock:
-            self._bar = None if closed and state.total is None else state
+            self._bar = None if closed else state  # a finished bar is not shown (or repeated) any more
             if self.mode != "lines" or not state.total:
                 return
             tenth = min(10, int(10 * state.n / state.total))
