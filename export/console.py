@@ -100,7 +100,7 @@ class Progress:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._bar: BarState | None = None  # the bar that moved last
+        self._bar = None  # the tqdm bar that moved last (read again at each redraw: its rate and time left move on)
         self._tenths: dict[int, int] = {}  # bar id -> tenths of its total already written ("lines")
         self._last_line = self.t0
 
@@ -119,7 +119,7 @@ class Progress:
         """A tqdm bar was updated (or closed): remember it; in "lines" mode write a line at each new tenth."""
         state = BarState.of(bar)
         with self._lock:
-            self._bar = None if closed else state  # a finished bar is not shown (or repeated) any more
+            self._bar = None if closed else bar  # a finished bar is not shown (or repeated) any more
             if self.mode != "lines" or not state.total:
                 return
             tenth = min(10, int(10 * state.n / state.total))
@@ -138,6 +138,10 @@ class Progress:
         while not self._stop.wait(wait):
             with self._lock:
                 now, bar = time.perf_counter(), self._bar
+                try:
+                    bar = bar and BarState.of(bar)
+                except Exception:  # a bar being torn down by its thread
+                    bar = None
                 if self.mode == "live":
                     text = f"{self.label} " + (bar.describe() + f" [{fmt_seconds(now - self.t0)}]" if bar else
                                                f"running ... {fmt_seconds(now - self.t0)}")

@@ -155,13 +155,15 @@ def summarize(parts: list[dict]) -> dict:
     return out
 
 
-def speed(gen: Generator, prompt_ids: list[int], new_tokens: int, runs: int) -> dict:
+def speed(gen: Generator, prompt_ids: list[int], new_tokens: int, runs: int, done=lambda: None) -> dict:
     """Median TTFT (prefill + first token) and decode tok/s of a greedy answer of `new_tokens` tokens, EOS
-    ignored, after a warm-up: through `Generator.stream`, the loop users run (its own timing of each answer)."""
+    ignored, after a warm-up: through `Generator.stream`, the loop users run (its own timing of each answer).
+    `done()` is called after each answer (progress)."""
     cfg = SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True)
     ttfts, rates = [], []
     for r in range(runs + 1):
         stats = list(gen.stream(prompt_ids, cfg))[-1].stats
+        done()
         if r:  # run 0 is the warm-up
             ttfts.append(stats["ttft_s"])
             rates.append(stats["decode_tok_s"])
@@ -285,7 +287,14 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
                      "prose": {"source": SOURCE, "texts": len(sets["prose"])}}
     bench_ids = tok.encode_chat(BENCH_PROMPT)
     greedy = SamplingConfig(max_new_tokens=opts.golden_tokens)
-    for e in tqdm(engines, desc="golden prompts + speed", unit="engine"):
+
+    def quality_only(e) -> bool:  # an ablation: scored, no golden answers or speed
+        return getattr(e, "report_only", False) and not getattr(e, "lineage", False) and not getattr(e, "reference", False)
+
+    answers = sum(0 if quality_only(e) else opts.bench_runs + 1 + (0 if getattr(e, "lineage", False) else len(GOLDEN))
+                  for e in engines)
+    bar = tqdm(total=answers, desc="golden prompts + speed", unit="answer")
+    for e in engines:
         d = decs[e.name]
         q = summarize(parts["chats"][e.name])
         if parts["prose"][e.name]:
@@ -295,11 +304,11 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
         q["scored_with"] = scored_with(e.precision, d)
         q["timing"] = timing[e.name]
         results["engines"][e.name] = q
-        if getattr(e, "report_only", False) and not getattr(e, "lineage", False) and not getattr(e, "reference", False):
-            continue  # quality only: no golden answers or timing for ablations
+        if quality_only(e):
+            continue
         gen = Generator(tok, d)
         t0 = time.perf_counter()
-        q |= speed(gen, bench_ids, opts.bench_tokens, opts.bench_runs)
+        q |= speed(gen, bench_ids, opts.bench_tokens, opts.bench_runs, bar.update)
         timing[e.name]["speed_s"] = time.perf_counter() - t0
         q["bench_prompt_tokens"] = len(bench_ids)
         if getattr(e, "lineage", False):
@@ -310,11 +319,13 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
             text, last = gen.complete(tok.encode_chat([{"role": "user", "content": g["prompt"]}]), greedy)
             ok = any(k.lower() in text.lower() for k in g["expect"]) if g["expect"] else None  # None: nothing to check
             passed += bool(ok)
+            bar.update()
             results["golden"].append({"engine": e.name, "prompt": g["prompt"], "answer": text.strip(),
                                       "expect": g["expect"], "passed": ok, "token_ids": list(last.token_ids),
                                       "finish_reason": last.finish_reason})
         timing[e.name]["golden_s"] = time.perf_counter() - t0
         q["golden_passed"] = f"{passed}/{sum(1 for g in GOLDEN if g['expect'])}"
+    bar.close()
     for t in timing.values():
         t |= {k: round(v, 2) for k, v in t.items() if k.endswith("_s")}
         t["total_s"] = round(sum(v for k, v in t.items() if k.endswith("_s")), 2)
