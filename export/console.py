@@ -176,7 +176,7 @@ class BarState:
     def describe(self) -> str:
         """`held-out chats: 32/64 texts (50%), 2.4 s/text, ~1 min 17 s left`."""
         n = f"{self.n:g}" if isinstance(self.n, float) else str(self.n)
-        units = self.unit if self.unit.endswith("s") or not self.unit.isalpha() else self.unit + "s"
+        units = self.unit if self.unit in ("it", "B") or self.unit.endswith("s") or not self.unit.isalpha() else self.unit + "s"
         text = (f"{self.desc}: " if self.desc else "") + (
             f"{n}/{self.total:g} {units} ({int(100 * self.n / self.total)}%)" if self.total else f"{n} {units}")
         if self.n and self.elapsed > 0:
