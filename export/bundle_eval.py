@@ -7,6 +7,7 @@ top-1 agreement and perplexity, on held-out chats and held-out prose (or the use
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -16,7 +17,7 @@ from tqdm import tqdm
 
 from edge.errors import DataError
 from edge.precisions import FP32
-from export.evaluate import prose_windows, summarize, token_metrics
+from export.evaluate import Reference, prose_windows, summarize, token_metrics
 
 Logits = Callable[[list[int]], np.ndarray]  # token ids -> [len - 1, vocab] logits predicting ids[1:]
 
@@ -120,21 +121,27 @@ def evaluate_bundle(req: EvalRequest) -> dict:
     if ref not in models:
         raise DataError(f"reference {req.reference!r} is neither an engine of the bundle ({', '.join(models)}) nor a .gguf")
     parts: dict[str, dict[str, list[dict]]] = {s: {n: [] for n in models} for s in sets}
+    seconds = dict.fromkeys(models, 0.0)  # scoring time per model (the reference's includes its side of the metrics)
     for kind, seqs in sets.items():
-        for ids in tqdm(seqs, desc=f"eval ({kind})", unit="text"):
+        for ids in tqdm(seqs, desc=f"held-out {kind}" if not req.data else kind, unit="text"):
             if len(ids) < 2:
                 continue
-            teacher = models[ref][0](ids)
+            t0 = time.perf_counter()
+            teacher = Reference.of(models[ref][0](ids))
+            seconds[ref] += time.perf_counter() - t0
             y = np.array(ids[1:])
             n_bytes = len(tok.decode(ids[1:], skip_special_tokens=False).encode("utf-8"))
             for name, (run, _) in models.items():
-                student = teacher if name == ref else run(ids)
+                t0 = time.perf_counter()
+                student = teacher.logits if name == ref else run(ids)
                 parts[kind][name].append(token_metrics(student, teacher, y) | {"bytes": n_bytes})
+                seconds[name] += time.perf_counter() - t0
     out: dict = {"bundle": str(bundle.root), "reference": ref, "sets": {k: len(v) for k, v in sets.items()},
                  "data": req.data or "held-out chats (chitchat-dataset) + held-out prose (export/prose.py)",
                  "engines": {}}
     for name, (_, size) in models.items():
-        out["engines"][name] = {"size_bytes": size} | {k: summarize(parts[k][name]) for k in sets}
+        out["engines"][name] = {"size_bytes": size, "score_s": round(seconds[name], 2)} | {
+            k: summarize(parts[k][name]) for k in sets}
     for k in sets:
         base = out["engines"][ref][k]["perplexity"]
         for q in out["engines"].values():

@@ -113,7 +113,7 @@ def _build(args: argparse.Namespace) -> int:
     from export.recipe import BuildOptions, build
 
     opts = BuildOptions.from_cli(args)
-    bundle = build(opts, verbose=args.verbose)
+    bundle = build(opts, verbose=args.verbose, quiet=args.quiet)
     print(f"bundle written: {bundle.root}")
     return 0
 
@@ -252,8 +252,11 @@ def make_parser() -> argparse.ArgumentParser:
                    help="blocks the draft keeps (default: a sixth of the model's); implies --draft")
     b.add_argument("--skip-ram-check", action="store_true",
                    help="build even when the planned peak memory exceeds this machine's RAM")
-    b.add_argument("-v", "--verbose", action="store_true",
-                   help="show every library's output (by default it goes to OUT.work/<stage>/log.txt)")
+    noise = b.add_mutually_exclusive_group()
+    noise.add_argument("-v", "--verbose", action="store_true",
+                       help="show every library's output (by default it goes to OUT.work/<stage>/log.txt)")
+    noise.add_argument("-q", "--quiet", action="store_true",
+                       help="no progress lines: each stage's result and the summary only")
     b.set_defaults(func=_build)
 
     v = sub.add_parser("eval", help="score a bundle's engines (and llama.cpp GGUFs) on held-out or your own text",

@@ -11,6 +11,7 @@ Writes the report too.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from edge.io_contract import io_for_variant
 from edge.decode.generate import Generator
 from edge.backends.onnxruntime import OrtDecoder
 from edge.decode.sampling import SamplingConfig
+from edge import precisions
 from edge.precisions import FP32
 from export import vocab
 from export.onnx_weights import graph_bytes
@@ -56,11 +58,50 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
-def token_metrics(student: np.ndarray, teacher: np.ndarray, targets: np.ndarray) -> dict:
+@dataclass(frozen=True)
+class Reference:
+    """The reference's side of `token_metrics` for one text, computed once and compared with every engine."""
+
+    logits: np.ndarray  # [seq, vocab] float32
+    probs: np.ndarray  # its softmax, float32
+    lse: np.ndarray  # log-sum-exp per position, float64
+    top1: np.ndarray
+
+    @classmethod
+    def of(cls, logits: np.ndarray) -> "Reference":
+        logits = np.ascontiguousarray(logits, dtype=np.float32)
+        m = logits.max(axis=-1, keepdims=True)
+        e = np.exp(logits - m)
+        z = e.sum(axis=-1, dtype=np.float64)
+        e /= z[:, None].astype(np.float32)
+        return cls(logits, e, m[:, 0].astype(np.float64) + np.log(z), logits.argmax(-1))
+
+
+def _lse(x: np.ndarray) -> np.ndarray:
+    m = x.max(axis=-1, keepdims=True)
+    return m[:, 0].astype(np.float64) + np.log(np.exp(x - m).sum(axis=-1, dtype=np.float64))
+
+
+def token_metrics(student: np.ndarray, teacher: np.ndarray | Reference, targets: np.ndarray) -> dict:
     """Per-position sums for one sequence: NLL of targets, KL(teacher || student), top-1 agreement.
 
-    student/teacher: [seq, vocab] logits predicting targets [seq].
+    student/teacher: [seq, vocab] logits predicting targets [seq] (teacher: or its `Reference`, computed once
+    for all engines). KL = sum_v p_t (t_v - s_v) - (lse_t - lse_s): float32 element-wise work with float64
+    sums, ~8x faster than float64 log-softmaxes and within ~1e-7 nats of them (tests/test_eval.py checks).
     """
+    ref = teacher if isinstance(teacher, Reference) else Reference.of(teacher)
+    s = np.ascontiguousarray(student, dtype=np.float32)
+    lse_s = _lse(s)
+    d = ref.logits - s
+    d *= ref.probs
+    kl = d.sum(axis=-1, dtype=np.float64) - (ref.lse - lse_s)
+    nll = lse_s - s[np.arange(len(targets)), targets]
+    agree = s.argmax(-1) == ref.top1
+    return {"nll": float(nll.sum()), "kl": float(kl.sum()), "agree": int(agree.sum()), "n": int(len(targets))}
+
+
+def token_metrics_f64(student: np.ndarray, teacher: np.ndarray, targets: np.ndarray) -> dict:
+    """`token_metrics` the direct way (float64 log-softmaxes): what the fast one is checked against."""
     ls, lt = log_softmax(student), log_softmax(teacher)
     nll = -ls[np.arange(len(targets)), targets]
     kl = (np.exp(lt) * (lt - ls)).sum(axis=-1)
@@ -82,14 +123,31 @@ def prose_windows(tok, texts: list[str], window: int, total: int) -> list[list[i
     return out
 
 
+CI_RESAMPLES = 1000
+
+
+def kl_interval(parts: list[dict], level: float = 0.95) -> tuple[float, float]:
+    """A `level` confidence interval for the mean KL per token, by a bootstrap over texts (the texts are the
+    sample; tokens of one text are not independent): `CI_RESAMPLES` resamples, a fixed seed."""
+    kl = np.array([p["kl"] for p in parts])
+    n = np.array([p["n"] for p in parts], dtype=np.float64)
+    if len(parts) < 2:
+        return (float(kl.sum() / n.sum()),) * 2
+    idx = np.random.default_rng(0).integers(0, len(parts), (CI_RESAMPLES, len(parts)))
+    means = kl[idx].sum(axis=1) / n[idx].sum(axis=1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
 def summarize(parts: list[dict]) -> dict:
     """Perplexity per reference token (`n_ref`: the teacher's token count for the same text, which a
     vocabulary-pruned student splits into more tokens), so models with different vocabularies compare on the
-    same text; KL and agreement per position the model predicts."""
+    same text; KL and agreement per position the model predicts, KL with its 95% interval over the texts."""
     n = sum(p["n"] for p in parts)
     n_ref = sum(p.get("n_ref", p["n"]) for p in parts)
     out = {"perplexity": float(np.exp(sum(p["nll"] for p in parts) / n_ref)), "kl_to_fp32": sum(p["kl"] for p in parts) / n,
-           "top1_agreement": sum(p["agree"] for p in parts) / n, "eval_tokens": n_ref}
+           "top1_agreement": sum(p["agree"] for p in parts) / n, "eval_tokens": n_ref, "texts": len(parts),
+           "kl_ci95": list(kl_interval(parts))}
     if all("bytes" in p for p in parts):
         from export.prose import bits_per_byte
 
@@ -97,17 +155,38 @@ def summarize(parts: list[dict]) -> dict:
     return out
 
 
-def speed(gen: Generator, prompt_ids: list[int], new_tokens: int, runs: int) -> dict:
+def speed(gen: Generator, prompt_ids: list[int], new_tokens: int, runs: int, done=lambda: None) -> dict:
     """Median TTFT (prefill + first token) and decode tok/s of a greedy answer of `new_tokens` tokens, EOS
-    ignored, after a warm-up: through `Generator.stream`, the loop users run (its own timing of each answer)."""
+    ignored, after a warm-up: through `Generator.stream`, the loop users run (its own timing of each answer).
+    `done()` is called after each answer (progress)."""
     cfg = SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True)
     ttfts, rates = [], []
     for r in range(runs + 1):
         stats = list(gen.stream(prompt_ids, cfg))[-1].stats
+        done()
         if r:  # run 0 is the warm-up
             ttfts.append(stats["ttft_s"])
             rates.append(stats["decode_tok_s"])
     return {"ttft_ms": statistics.median(ttfts) * 1000, "decode_tok_s": statistics.median(rates)}
+
+
+def scored_with(precision: str, dec: OrtDecoder) -> str:
+    """How an engine's numbers were computed: the runtime, its provider and threads, and session settings
+    that change the arithmetic (an explicit Q/DQ graph run as written, not fused into ORT's int8 kernels)."""
+    providers = [p.removesuffix("ExecutionProvider") for p in dec.session.get_providers()]
+    so = dec.session.get_session_options()
+    text = f"ONNX Runtime {ort_version()} {'+'.join(providers)}, {so.intra_op_num_threads} threads"
+    own = dict(precisions.get(precision).cpu_session_config) if providers == ["CPU"] else {}
+    if own.get("session.disable_quant_qdq") == "1":
+        text += (", Q/DQ run as written (session.disable_quant_qdq=1): float arithmetic between explicit quantize "
+                 "points, as TensorRT's Q/DQ semantics define, not ORT's fused int8 kernels")
+    return text
+
+
+def ort_version() -> str:
+    import onnxruntime
+
+    return onnxruntime.__version__
 
 
 def golden_regressions(golden: list[dict], tok, next_logits) -> list[dict]:
@@ -152,12 +231,15 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
     from export.report import write_report
 
     tok = chat_tokenizer(hf_dir)
-    decs = {e.name: OrtDecoder(e.folder / "model.onnx", model_dims(getattr(e, "dims_dir", None) or hf_dir, opts.max_context),
-                            io_for_variant(e.variant), threads=opts.threads, name=e.name, precision=e.precision)
-            for e in engines}
+    timing: dict[str, dict] = {e.name: {} for e in engines}  # what each engine cost, by step (the stage record)
+    decs = {}
+    for e in engines:
+        t0 = time.perf_counter()
+        decs[e.name] = OrtDecoder(e.folder / "model.onnx", model_dims(getattr(e, "dims_dir", None) or hf_dir, opts.max_context),
+                                  io_for_variant(e.variant), threads=opts.threads, name=e.name, precision=e.precision)
+        timing[e.name] = {"load_s": time.perf_counter() - t0, "score_s": 0.0, "scored_tokens": 0}
     ref = "teacher" if "teacher" in decs else FP32
     chats = load_chats(opts.data, "evaluation", opts.samples)
-    parts: dict[str, list[dict]] = {n: [] for n in decs}
     t_ids = vocab.teacher_ids(hf_dir) if ref == "teacher" else None  # the shipped model's tokens in the teacher's ids
     own_vocab = {e.name for e in engines if t_ids is not None and vocab.teacher_ids(getattr(e, "dims_dir", None) or hf_dir) is None}
     ref_tok = chat_tokenizer(next(e.dims_dir for e in engines if e.name == ref)) if t_ids is not None else tok
@@ -166,61 +248,87 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
         d, x = decs[name], np.array([ids[:-1]])
         return d.forward(x, d.new_cache(capacity=x.shape[1]), last_only=False)[0]
 
+    def timed(name: str, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        timing[name]["score_s"] += time.perf_counter() - t0
+        return out
+
     from export.prose import SOURCE, prose_texts
 
-    sets = {"chats": [ref_tok.encode_chat(c, add_generation_prompt=False)[: opts.max_tokens] for c in chats],
+    chat_limit = min(opts.max_tokens, opts.max_context)  # a bundle built with a short context scores within it
+    sets = {"chats": [ref_tok.encode_chat(c, add_generation_prompt=False)[:chat_limit] for c in chats],
             "prose": prose_windows(ref_tok, prose_texts("eval"), min(opts.prose_window, opts.max_context), opts.prose_tokens)}
     parts: dict[str, dict[str, list[dict]]] = {s: {n: [] for n in decs} for s in sets}
     for kind, seqs in sets.items():
-        for ref_ids in tqdm(seqs, desc=f"evaluate (held-out {kind})", unit="text"):
+        for ref_ids in tqdm(seqs, desc=f"held-out {kind}", unit="text"):
             if len(ref_ids) < 2:
                 continue
             ids = ref_ids
             if t_ids is not None:  # vocabulary-pruned: the same text in the student's tokens (cut until it fits too)
-                limit = opts.max_tokens if kind == "chats" else min(opts.prose_window, opts.max_context)
+                limit = chat_limit if kind == "chats" else min(opts.prose_window, opts.max_context)
                 while len(ids := tok.encode(ref_tok.decode(ref_ids, skip_special_tokens=False))) > limit:
                     ref_ids = ref_ids[: len(ref_ids) - (len(ids) - limit)]
-                on_student = logits(ref, t_ids[ids].tolist())[:, t_ids]  # the teacher on them, over the kept tokens
-            teacher, y = logits(ref, ref_ids), np.array(ids[1:])
+                on_student = timed(ref, lambda: Reference.of(logits(ref, t_ids[ids].tolist())[:, t_ids]))  # over the kept tokens
+            teacher, y = timed(ref, lambda: Reference.of(logits(ref, ref_ids))), np.array(ids[1:])
             n_bytes = len(ref_tok.decode(ref_ids[1:], skip_special_tokens=False).encode("utf-8"))
             for name in decs:
+                timing[name]["scored_tokens"] += len(ids) - 1
                 if name in own_vocab:  # the teacher on its own tokens
-                    parts[kind][name].append(token_metrics(teacher, teacher, np.array(ref_ids[1:])) | {"bytes": n_bytes})
+                    parts[kind][name].append(timed(name, token_metrics, teacher.logits, teacher, np.array(ref_ids[1:]))
+                                             | {"bytes": n_bytes})
                     continue
                 ref_logits = on_student if t_ids is not None else teacher
-                student = ref_logits if name == ref else logits(name, ids)
-                parts[kind][name].append(token_metrics(student, ref_logits, y) | {"n_ref": len(ref_ids) - 1, "bytes": n_bytes})
+                student = ref_logits.logits if name == ref else timed(name, logits, name, ids)
+                parts[kind][name].append(timed(name, token_metrics, student, ref_logits, y)
+                                         | {"n_ref": len(ref_ids) - 1, "bytes": n_bytes})
     results: dict = {"engines": {}, "golden": [], "eval_chats": len(chats), "reference": ref,
                      "data": opts.data or "chitchat-dataset:evaluation", "stages": stages or {},
                      "prose": {"source": SOURCE, "texts": len(sets["prose"])}}
     bench_ids = tok.encode_chat(BENCH_PROMPT)
     greedy = SamplingConfig(max_new_tokens=opts.golden_tokens)
-    for e in tqdm(engines, desc="golden prompts + speed", unit="engine"):
+
+    def quality_only(e) -> bool:  # an ablation: scored, no golden answers or speed
+        return getattr(e, "report_only", False) and not getattr(e, "lineage", False) and not getattr(e, "reference", False)
+
+    answers = sum(0 if quality_only(e) else opts.bench_runs + 1 + (0 if getattr(e, "lineage", False) else len(GOLDEN))
+                  for e in engines)
+    bar = tqdm(total=answers, desc="golden prompts + speed", unit="answer")
+    for e in engines:
         d = decs[e.name]
         q = summarize(parts["chats"][e.name])
         if parts["prose"][e.name]:
             q["prose"] = summarize(parts["prose"][e.name])
         q["size_bytes"] = graph_bytes(e.folder / "model.onnx")
         q["shipped"] = not getattr(e, "report_only", False)
-        if getattr(e, "report_only", False) and not getattr(e, "lineage", False) and not getattr(e, "reference", False):
-            results["engines"][e.name] = q  # quality only: no golden answers or timing for ablations
+        q["scored_with"] = scored_with(e.precision, d)
+        q["timing"] = timing[e.name]
+        results["engines"][e.name] = q
+        if quality_only(e):
             continue
         gen = Generator(tok, d)
-        q |= speed(gen, bench_ids, opts.bench_tokens, opts.bench_runs)
+        t0 = time.perf_counter()
+        q |= speed(gen, bench_ids, opts.bench_tokens, opts.bench_runs, bar.update)
+        timing[e.name]["speed_s"] = time.perf_counter() - t0
         q["bench_prompt_tokens"] = len(bench_ids)
         if getattr(e, "lineage", False):
-            results["engines"][e.name] = q  # teacher / pruned-only: speed too, golden answers only for what ships
-            continue
+            continue  # teacher / pruned-only: speed too, golden answers only for what ships
         passed = 0
+        t0 = time.perf_counter()
         for g in GOLDEN:
             text, last = gen.complete(tok.encode_chat([{"role": "user", "content": g["prompt"]}]), greedy)
             ok = any(k.lower() in text.lower() for k in g["expect"]) if g["expect"] else None  # None: nothing to check
             passed += bool(ok)
+            bar.update()
             results["golden"].append({"engine": e.name, "prompt": g["prompt"], "answer": text.strip(),
                                       "expect": g["expect"], "passed": ok, "token_ids": list(last.token_ids),
                                       "finish_reason": last.finish_reason})
+        timing[e.name]["golden_s"] = time.perf_counter() - t0
         q["golden_passed"] = f"{passed}/{sum(1 for g in GOLDEN if g['expect'])}"
-        results["engines"][e.name] = q
+    bar.close()
+    for t in timing.values():
+        t |= {k: round(v, 2) for k, v in t.items() if k.endswith("_s")}
+        t["total_s"] = round(sum(v for k, v in t.items() if k.endswith("_s")), 2)
     results["golden_regressions"] = golden_regressions(results["golden"], tok, lambda ids: logits(FP32, ids + [0])[-1])
     base = results["engines"][FP32]
     for q in results["engines"].values():

@@ -197,10 +197,11 @@ class BuildOptions:
         return dataclasses.replace(base, prune=prune, distill=distill, draft=draft)
 
 
-def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
+def build(opts: BuildOptions, log=print, verbose: bool = False, quiet: bool = False) -> Bundle:
     """load -> export (+parity) -> quantize per precision -> evaluate -> package.
 
-    Each stage's third-party output goes to OUT.work/<stage>/log.txt (`verbose`: to the terminal)."""
+    Each stage's third-party output goes to OUT.work/<stage>/log.txt (`verbose`: to the terminal); its
+    progress shows on the terminal unless `quiet`."""
     from export import load, onnx_export, package
     from export.model_source import resolve
     from export.stages import run_stage
@@ -218,7 +219,7 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
         base = name.removeprefix("draft-")  # the draft's stages run the same modules
         code = STAGE_CODE["quantize" if base.startswith("quantize-") else base]
         return run_stage(work, name, params, fn, opts.fresh, log, code=code, reuse_stale=opts.reuse_stale,
-                         verbose=verbose)
+                         verbose=verbose, quiet=quiet)
 
     records: list[StageRecord] = []
 
@@ -325,8 +326,8 @@ def build(opts: BuildOptions, log=print, verbose: bool = False) -> Bundle:
                               lambda d: evaluate.run(hf_dir, measured, d, evopts, stages=stage_info))
         records.append(rec)
         results = rec.metrics
-        for e in engines:
-            e.quality.update(results["engines"].get(e.name, {}))
+        for e in engines:  # what the evaluate stage cost per engine stays in its stage record
+            e.quality.update({k: v for k, v in results["engines"].get(e.name, {}).items() if k != "timing"})
         golden = results.get("golden", [])
         extra = {p.name: p for p in sorted(edir.iterdir()) if p.suffix in (".png", ".html", ".md")}
         extra = {f"report/{k}": v for k, v in extra.items()}

@@ -40,11 +40,33 @@ def _by_prompt(golden: list[dict]) -> list[tuple[str, list[dict]]]:
     return [(p, sorted(rows, key=lambda g: g["engine"] != FP32)) for p, rows in groups.items()]
 
 
+def _cell(q: dict, key: str, fmt) -> str:
+    """A column's value; a KL with its 95% interval over the texts when there is one (and it is not 0)."""
+    v = _get(q, key)
+    if v is None:
+        return "-"
+    ci = _get(q, key.replace("kl_to_fp32", "kl_ci95")) if key.endswith("kl_to_fp32") else None
+    return fmt(v) + (f" ({fmt(ci[0])}–{fmt(ci[1])})" if ci and ci[1] > 0 else "")
+
+
 def _rows(results: dict) -> list[list[str]]:
-    rows = []
+    return [[name] + [_cell(q, k, fmt) for k, _, fmt in _columns(results)] for name, q in results["engines"].items()]
+
+
+def _scoring_lines(results: dict) -> list[str]:
+    """How each engine was scored and what it cost (the evaluate stage's time, engine by engine)."""
+    out = []
     for name, q in results["engines"].items():
-        rows.append([name] + [fmt(_get(q, k)) if _get(q, k) is not None else "-" for k, _, fmt in _columns(results)])
-    return rows
+        t = q.get("timing")
+        if not t or "scored_with" not in q:
+            continue
+        texts = f"{q.get('texts', '?')} chats" + (f" + {q['prose']['texts']} prose texts" if "prose" in q else "")
+        rate = t["scored_tokens"] / t["score_s"] if t.get("score_s") else 0
+        steps = [f"scoring {texts} ({t['scored_tokens']:,} tokens) {t['score_s']:.1f} s ({rate:.0f} tok/s)"]
+        steps += [f"{label} {t[k]:.1f} s" for k, label in (("golden_s", "golden prompts"), ("speed_s", "speed"),
+                                                           ("load_s", "session load")) if k in t]
+        out.append(f"{name}: {q['scored_with']}; {', '.join(steps)}; {t['total_s']:.1f} s in all.")
+    return out
 
 
 def _stage_lines(results: dict) -> list[str]:
@@ -235,10 +257,13 @@ def write_report(results: dict, dst: Path) -> None:
     rows = _rows(results)
     ref = "the fp32 teacher (the model before pruning)" if results.get("reference") == "teacher" else "the fp32 graph"
     stages = _stage_lines(results)
+    scoring = _scoring_lines(results)
+    ci = (" In brackets: the KL's 95% interval, a bootstrap over the texts." if any(
+        "kl_ci95" in q for q in results["engines"].values()) else "")
     md = ["# EdgeChat export report", "",
           f"Held-out data: {results['data']} ({results['eval_chats']} chats)"
           + (f" and prose: {results['prose']['source']} ({results['prose']['texts']} held-out texts)" if results.get("prose") else "")
-          + f". KL (the headline) and top-1 agreement are against {ref}, on the same token ids for every engine.", "",
+          + f". KL (the headline) and top-1 agreement are against {ref}, on the same token ids for every engine.{ci}", "",
           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
     md += ([""] + stages) if stages else []
@@ -260,6 +285,8 @@ def write_report(results: dict, dst: Path) -> None:
         md += ["", f"SmoothQuant on vs off ({n.removesuffix('-no-smoothquant')}): perplexity {on['perplexity']:.3f} vs "
                    f"{off['perplexity']:.3f}, KL {on['kl_to_fp32']:.4f} vs {off['kl_to_fp32']:.4f}, top-1 "
                    f"{100 * on['top1_agreement']:.1f}% vs {100 * off['top1_agreement']:.1f}%"]
+    if scoring:
+        md += ["", "## How each engine was scored", ""] + [f"- {x}" for x in scoring]
     (dst / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     e = html.escape
     table = "<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>" + "".join(
@@ -273,6 +300,7 @@ def write_report(results: dict, dst: Path) -> None:
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:48%}}</style></head><body>
 <h1>EdgeChat export report</h1><p>Held-out data: {e(results['data'])} ({results['eval_chats']} chats){
 e(f" and prose: {results['prose']['source']} ({results['prose']['texts']} held-out texts)") if results.get("prose") else ""}.
-KL (the headline) and top-1 agreement are measured against {e(ref)}, on the same token ids for every engine.</p>{table}{''.join(f"<p>{e(x)}</p>" for x in stages)}
-{''.join(f'<img src="{i}" alt="{i}">' for i in images)}<h2>Golden prompts (greedy)</h2>{golden}</body></html>"""
+KL (the headline) and top-1 agreement are measured against {e(ref)}, on the same token ids for every engine.{e(ci)}</p>{table}{''.join(f"<p>{e(x)}</p>" for x in stages)}
+{''.join(f'<img src="{i}" alt="{i}">' for i in images)}<h2>Golden prompts (greedy)</h2>{golden}{
+"<h2>How each engine was scored</h2><ul>" + "".join(f"<li>{e(x)}</li>" for x in scoring) + "</ul>" if scoring else ""}</body></html>"""
     (dst / "report.html").write_text(page, encoding="utf-8")

@@ -97,12 +97,12 @@ def code_fingerprint(module: str, packages: tuple[str, ...] = OWN_PACKAGES) -> s
 
 def run_stage(work: Path, name: str, params: dict, fn: Callable[[Path], dict], fresh: bool = False,
               log: Callable[[str], None] = print, code: str | None = None,
-              reuse_stale: bool = False, verbose: bool = False) -> tuple[Path, StageRecord]:
+              reuse_stale: bool = False, verbose: bool = False, quiet: bool = False) -> tuple[Path, StageRecord]:
     """Run `fn` into WORK/name, or reuse a finished run with the same params and (when `code` names the
     stage's module) the same source fingerprint; `reuse_stale` accepts a different fingerprint.
 
-    Third-party output goes to WORK/name/log.txt (all of it on the terminal with `verbose`); the stage's
-    peak resident memory is measured and recorded. Any failure becomes a StageError naming the stage,
+    Third-party output goes to WORK/name/log.txt (all of it on the terminal with `verbose`), the stage's
+    progress to the terminal (none with `quiet`: export.console.Progress); the stage's peak resident memory is measured and recorded. Any failure becomes a StageError naming the stage,
     the problem, what to do and the log."""
     out = work / name
     rec_path = out / "stage.json"
@@ -121,7 +121,7 @@ def run_stage(work: Path, name: str, params: dict, fn: Callable[[Path], dict], f
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     t0 = time.perf_counter()
-    with guarded(name, tmp / LOG, verbose) as mem:
+    with guarded(name, tmp / LOG, verbose, quiet=quiet) as mem:
         metrics = fn(tmp) or {}
     rec = StageRecord(name=name, params=_jsonable(params), seconds=round(time.perf_counter() - t0, 2),
                       tool_versions=tool_versions() | ({CODE_KEY: now} if now else {}), metrics=_jsonable(metrics),
@@ -137,11 +137,15 @@ LOG = "log.txt"  # a stage's captured third-party output, inside its folder
 
 
 @contextlib.contextmanager
-def guarded(name: str, log_path: Path, verbose: bool = False, progress: bool = True) -> Iterator[PeakRSS]:
-    """Run a build step with its output in `log_path`, its peak memory measured (the yielded PeakRSS), and
-    any failure turned into one StageError (the traceback of an unexpected one goes to the log only)."""
+def guarded(name: str, log_path: Path, verbose: bool = False, progress: bool = True,
+            quiet: bool = False) -> Iterator[PeakRSS]:
+    """Run a build step with its output in `log_path`, its progress on the terminal (`progress`, unless
+    `quiet`; with `verbose` the stage line alone, the libraries' own bars being on the terminal), its peak
+    memory measured (the yielded PeakRSS), and any failure turned into one StageError (the traceback of an
+    unexpected one goes to the log only)."""
+    mode = "off" if quiet or not progress else "plain" if verbose else "auto"
     with PeakRSS() as mem, captured(log_path, verbose) as stream:
-        with Progress(Terminal(stream), f"[{name}] running") if progress else contextlib.nullcontext():
+        with Progress(Terminal(stream), f"[{name}]", mode):
             try:
                 yield mem
             except KeyboardInterrupt:
