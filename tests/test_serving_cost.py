@@ -28,7 +28,7 @@ def _config(dec, key: str) -> str:
 
 
 def test_serving_session_spins_within_a_call_and_stops_after_it(serving_decoder):
-    """`allow_spinning=0` made each operator wake ORT's workers: 25% of a 135M model's step through the server
+    """`allow_spinning=0` made each operator wake ORT's workers: the server's step slower by ~15%
     (docs/speed.md). The server's session spins between operators and stops when the call returns."""
     assert _config(serving_decoder, "session.intra_op.allow_spinning") != "0"
     assert _config(serving_decoder, "session.force_spinning_stop") == "1"

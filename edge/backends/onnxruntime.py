@@ -38,7 +38,7 @@ def session_options(threads: int | None, spin: bool, config: dict[str, str] | No
     """The session options every decoder graph runs with. `spin=False` is for a process with other busy threads
     (the server: HTTP, SSE writes; a draft model beside its target): ORT's workers must not busy-wait on the
     cores between calls (with spinning on, each call leaves them spinning ~25 ms), yet within a call they still
-    spin between operators: `allow_spinning=0` made every operator wake its workers, 25% of a small model's
+    spin between operators: `allow_spinning=0` made every operator wake its workers, ~15% of a small model's
     decode step through the server (docs/speed.md, "The serving path's cost per token")."""
     ort = _ort()
     so = ort.SessionOptions()
