@@ -20,17 +20,15 @@ import os
 import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import QUESTIONS, start_server  # noqa: E402
+from bench_serve import run_level, start_server  # noqa: E402
 
 # (thread role, bucket, any of these substrings in a frame): first match wins, so the specific rules come first
 RULES = [
@@ -93,44 +91,6 @@ def metric(url: str, name: str) -> float:
     return 0.0
 
 
-def stream_answer(url: str, question: str, max_tokens: int) -> dict:
-    import httpx
-
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    stamps, tokens = [], 0
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                elif chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
-                    stamps.append(time.perf_counter())
-    return {"ttft_ms": (stamps[0] - t0) * 1000, "tokens": tokens,
-            "tok_s": (tokens - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0}
-
-
-def clients(url: str, users: int, answers: int, max_tokens: int) -> list[dict]:
-    out: list[dict] = []
-    lock = threading.Lock()
-
-    def one(i: int) -> None:
-        for k in range(answers):
-            r = stream_answer(url, QUESTIONS[(i + k) % len(QUESTIONS)], max_tokens)
-            with lock:
-                out.append(r)
-
-    ts = [threading.Thread(target=one, args=(i,)) for i in range(users)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle")
@@ -147,7 +107,7 @@ def main() -> int:
         sys.exit("py-spy is not installed: .venv/bin/pip install py-spy")
     proc, url = start_server(a.bundle, a.engine, max(a.users, 1), a.threads)
     try:
-        clients(url, a.users, 1, a.max_tokens)  # warm-up: first-call allocations, prompt cache of the questions
+        run_level(url, a.users, 1, a.max_tokens)  # warm-up: first-call allocations, prompt cache of the questions
         steps0, tokens0 = metric(url, "edgechat_decode_steps_total"), metric(url, "edgechat_completion_tokens_total")
         raw = Path(tempfile.mkdtemp()) / "samples.txt"
         rec = subprocess.Popen([spy, "record", "-p", str(proc.pid), "-r", str(a.rate), "-f", "raw", "-o", str(raw),
@@ -155,7 +115,7 @@ def main() -> int:
                                text=True)
         time.sleep(1.0)
         t0 = time.perf_counter()
-        answers = clients(url, a.users, a.answers, a.max_tokens)
+        level = run_level(url, a.users, a.answers, a.max_tokens)
         wall = time.perf_counter() - t0
         time.sleep(0.5)
         rec.send_signal(signal.SIGINT)
@@ -176,9 +136,9 @@ def main() -> int:
         rows.append({"thread": r, "bucket": name, "samples": n, "ms_per_token": 1000 * s / tokens,
                      "ms_per_step": 1000 * s / steps if steps else None, "idle": name in IDLE})
     tok_wall_ms = 1000 * wall / tokens * a.users  # one client's wall time per token it received
-    print(f"\n{a.users} user(s), {len(answers)} answers, {int(tokens)} tokens in {int(steps)} decode steps, "
-          f"{wall:.1f} s; per client: median {statistics.median(x['tok_s'] for x in answers):.1f} tok/s, "
-          f"TTFT median {statistics.median(x['ttft_ms'] for x in answers):.0f} ms; load {os.getloadavg()[0]:.2f}")
+    print(f"\n{a.users} user(s), {level['requests']} answers, {int(tokens)} tokens in {int(steps)} decode steps, "
+          f"{wall:.1f} s; per client: median {level['per_user_tok_s']:.1f} tok/s, TTFT median "
+          f"{level['ttft_p50_ms']:.0f} ms; load {os.getloadavg()[0]:.2f}")
     print(f"{'thread':<14} {'bucket':<36} {'ms/token':>9} {'ms/step':>8}")
     for r in rows:
         if not r["idle"]:
@@ -190,7 +150,7 @@ def main() -> int:
           f"({100 * rest / (call + rest):.1f}%)" if call + rest else "")
     out = {"script": "scripts/profile_serve.py", "date": time.strftime("%Y-%m-%d"), "machine": platform.node(),
            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "bundle": a.bundle,
-           "engine": a.engine, "users": a.users, "threads": a.threads, "rate_hz": a.rate, "answers": answers,
+           "engine": a.engine, "users": a.users, "threads": a.threads, "rate_hz": a.rate, "clients": level,
            "tokens": tokens, "steps": steps, "wall_s": wall, "client_ms_per_token": tok_wall_ms,
            "scheduler_ms_per_step": {"decoder_call": call, "other": rest}, "buckets": rows}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -236,20 +236,8 @@ def test_messages_become_a_prompt_in_one_place():
 def test_openai_answer_shapes_are_written_in_one_place():
     """The envelope (system_fingerprint), the object kinds and the finish-reason mapping of OpenAI answers are
     written in edge/serve/openai_writer.py alone, for whole and streamed answers."""
-    marks = ("system_fingerprint", "chat.completion", "text_completion")
-    found = []
-    for path in (ROOT / "edge").rglob("*.py"):
-        if path.name == "openai_writer.py":
-            continue
-        tree = ast.parse(path.read_text())
-        doc = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef,
-               ast.AsyncFunctionDef, ast.ClassDef)) and n.body and isinstance(n.body[0], ast.Expr)}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and node.value in marks and id(node) not in doc:
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
-            if isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "cancelled"
-                                                  for k in node.keys):  # the loop's finish -> OpenAI's
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno} a finish-reason mapping")
+    # a dict keyed "cancelled": the loop's finish -> OpenAI's finish_reason mapping
+    found = _shape_marks("openai_writer.py", ("system_fingerprint", "chat.completion", "text_completion"), "cancelled")
     assert not found, "OpenAI answer shapes written outside edge/serve/openai_writer.py:\n" + "\n".join(found)
 
 

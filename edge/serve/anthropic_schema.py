@@ -18,7 +18,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from edge.decode.sampling import MAX_SEED
 from edge.serve.openai_schema import (MAX_TOKENS_LIMIT, NAME, BadRequest, ChatCompletionRequest, StopText, Text,
-                                      _Strict, validation_error)
+                                      _Strict, parse_body, validation_error)
 
 MAX_STOP_SEQUENCES = 16
 MAX_TOOLS = 64
@@ -364,17 +364,7 @@ def _check(body: CountTokensRequest) -> CountTokensRequest:
 
 
 def _parse(model: type[CountTokensRequest], raw: bytes, lenient: bool) -> Any:
-    try:
-        body = model.model_validate_json(raw)
-    except ValidationError as e:
-        raise validation_error(e, RULES, MEMBERS, deepest=True) from None
-    extra = body.extra_fields()
-    if extra and not lenient:
-        name = extra[0]
-        hint = UNSUPPORTED_HINTS.get(name, "send the request without it")
-        raise BadRequest(f"'{name}' is not supported by this server: {hint} (or start the server with --lenient "
-                         "to ignore fields it does not support)", param=name)
-    return body
+    return parse_body(model, raw, lenient, UNSUPPORTED_HINTS, rules=RULES, members=MEMBERS, deepest=True)
 
 
 def openapi_schemas() -> dict:

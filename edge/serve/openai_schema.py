@@ -301,7 +301,7 @@ def _check_common(body: "_Sampling") -> None:
 
 def parse_chat_request(raw: bytes, lenient: bool = False) -> ChatCompletionRequest:
     """Validate a chat-completions body; raises BadRequest naming the field and what it takes."""
-    body = _parse(ChatCompletionRequest, raw, lenient)
+    body = parse_body(ChatCompletionRequest, raw, lenient)
     _check_common(body)
     if body.tools:
         names = [t.function.name for t in body.tools]
@@ -340,22 +340,24 @@ def parse_chat_request(raw: bytes, lenient: bool = False) -> ChatCompletionReque
 
 def parse_completion_request(raw: bytes, lenient: bool = False) -> CompletionRequest:
     """Validate a text-completions body; raises BadRequest naming the field and what it takes."""
-    body = _parse(CompletionRequest, raw, lenient)
+    body = parse_body(CompletionRequest, raw, lenient)
     _check_common(body)
     if body.max_tokens == 0 and not body.echo:
         raise BadRequest("'max_tokens' 0 only makes sense with 'echo': true (score the prompt)", param="max_tokens")
     return body
 
 
-def _parse(model: type[_S], raw: bytes, lenient: bool) -> _S:
+def parse_body(model: type[_S], raw: bytes, lenient: bool, hints: dict[str, str] | None = None, **rules: Any) -> _S:
+    """The body validated (`rules`: validation_error's) and, unless `lenient`, a field this server does not
+    support refused by name with its `hints` entry (both APIs' requests: edge.serve.anthropic_schema too)."""
     try:
         body = model.model_validate_json(raw)
     except ValidationError as e:
-        raise validation_error(e) from None
+        raise validation_error(e, **rules) from None
     extra = body.extra_fields()
     if extra and not lenient:
         name = extra[0]
-        hint = UNSUPPORTED_HINTS.get(name, "send the request without it")
+        hint = (UNSUPPORTED_HINTS if hints is None else hints).get(name, "send the request without it")
         raise BadRequest(f"'{name}' is not supported by this server: {hint} (or start the server with --lenient "
                          "to ignore fields it does not support)", param=name)
     return body

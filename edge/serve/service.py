@@ -307,19 +307,21 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
 
     body_schema, components = api_schema.openapi_schemas()
 
-    @app.post("/v1/chat/completions", openapi_extra={"requestBody": {
-        "required": True, "content": {"application/json": {"schema": body_schema}}}},
-        responses={200: {"description": "the answer (JSON), or server-sent events with stream: true",
-                         "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-                   **{s: responses[s] for s in (400, 401, 413, 429, 500, 503, 504)}})
+    def body(schema: dict) -> dict:
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+    def answered(what: str, errors: dict, statuses: tuple[int, ...]) -> dict:
+        return {200: {"description": f"{what} (JSON), or server-sent events with stream: true",
+                      "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                **{s: errors[s] for s in statuses}}
+
+    @app.post("/v1/chat/completions", openapi_extra=body(body_schema),
+              responses=answered("the answer", responses, (400, 401, 413, 429, 500, 503, 504)))
     async def chat_completions(request: HTTPRequest):
         return await _chat(service, request)
 
-    @app.post("/v1/completions", openapi_extra={"requestBody": {
-        "required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CompletionRequest"}}}}},
-        responses={200: {"description": "the completion (JSON), or server-sent events with stream: true",
-                         "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-                   **{s: responses[s] for s in (400, 401, 413, 429, 500, 503, 504)}})
+    @app.post("/v1/completions", openapi_extra=body({"$ref": "#/components/schemas/CompletionRequest"}),
+              responses=answered("the completion", responses, (400, 401, 413, 429, 500, 503, 504)))
     async def completions(request: HTTPRequest):
         return await _completions(service, request)
 
@@ -328,18 +330,14 @@ def create_app(service: Service, auth: tuple[str, str] | None = None, ui: bool =
     anthropic_responses[529] = {"description": "queue full (Retry-After): Anthropic's overloaded_error",
                                 "content": anthropic_errors}
 
-    @app.post("/v1/messages", openapi_extra={"requestBody": {
-        "required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/MessagesRequest"}}}}},
-        responses={200: {"description": "the message (JSON), or Anthropic's server-sent events with stream: true",
-                         "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-                   **{s: anthropic_responses[s] for s in (400, 401, 413, 500, 503, 504, 529)}})
+    @app.post("/v1/messages", openapi_extra=body({"$ref": "#/components/schemas/MessagesRequest"}),
+              responses=answered("the message", anthropic_responses, (400, 401, 413, 500, 503, 504, 529)))
     async def messages(request: HTTPRequest):
         return await _messages(service, request)
 
-    @app.post("/v1/messages/count_tokens", openapi_extra={"requestBody": {
-        "required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CountTokensRequest"}}}}},
-        responses={200: {"description": "{\"input_tokens\": N}: the prompt's tokens, nothing generated"},
-                   **{s: anthropic_responses[s] for s in (400, 401, 413)}})
+    @app.post("/v1/messages/count_tokens", openapi_extra=body({"$ref": "#/components/schemas/CountTokensRequest"}),
+              responses={200: {"description": "{\"input_tokens\": N}: the prompt's tokens, nothing generated"},
+                         **{s: anthropic_responses[s] for s in (400, 401, 413)}})
     async def count_tokens(request: HTTPRequest):
         return await _count_tokens(service, request)
 
@@ -455,23 +453,38 @@ async def _chat(service: Service, request: HTTPRequest):
     table = api_answers.token_table(service.gen.tokenizer, service.gen.decoder.dims.vocab_size) \
         if body.logprobs else None
     n = len(reqs)
+
+    async def streamed():
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return writer.chat_sse(service, cid, created, api_answers.merged_events(reqs, q, n), n, rows, table,
+                               include_usage, len(rows.prompts[0]))
+
+    got = await _drain(request, reqs, q, streamed if body.stream else None)
+    if isinstance(got, Response):
+        return got
+    texts, lps, lasts = got
+    _failed(service, lasts)
+    return writer.chat_completion(service, cid, created, texts, lasts, lps, rows, table)
+
+
+async def _drain(request: HTTPRequest, reqs: list[Request], q: asyncio.Queue, streamed, whole=None):
+    """A request's rows, once admitted, as the client gets them: `streamed()` (a coroutine making the body's
+    server-sent events; None: a whole answer) -> the streaming response; else (texts, logprobs, lasts) of every
+    row (`whole()` when given makes them), or a 499 when the client hung up. Whatever goes wrong after admission,
+    the slots are freed at once."""
     try:
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(writer.chat_sse(service, cid, created, api_answers.merged_events(reqs, q, n), n,
-                                               rows, table, include_usage, len(rows.prompts[0])),
-                                     media_type="text/event-stream", background=BackgroundTask(_cancel_all, reqs),
+        if streamed is not None:
+            return StreamingResponse(await streamed(), media_type="text/event-stream",
+                                     background=BackgroundTask(_cancel_all, reqs),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        got = await _collect(request, q, n)
+        got = await (whole() if whole is not None else _collect(request, q, len(reqs)))
     except BaseException:
-        _cancel_all(reqs)  # whatever went wrong after admission, the slots are freed now
+        _cancel_all(reqs)
         raise
     if got is None:  # the client hung up: nobody to answer
         _cancel_all(reqs)
         return Response(status_code=499)
-    texts, lps, lasts = got
-    _failed(service, lasts)
-    return writer.chat_completion(service, cid, created, texts, lasts, lps, rows, table)
+    return got
 
 
 async def _completions(service: Service, request: HTTPRequest):
@@ -482,24 +495,25 @@ async def _completions(service: Service, request: HTTPRequest):
     created = int(time.time())
     gen = service.gen
     table = api_answers.token_table(gen.tokenizer, gen.decoder.dims.vocab_size)
-    try:
-        scored = []
+    scored: list = []
+
+    async def score() -> None:  # echo + logprobs: the prompts' own logprobs first (on the scheduler, stepped)
         if rows.score_top is not None:
-            scored = await service.run_steps(api_answers.score_steps(gen, rows.prompts, rows.score_top), request)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(writer.completion_sse(service, cid, created, api_answers.merged_events(reqs, q, len(reqs)),
-                                                     rows, table, scored, body.logprobs, include_usage,
-                                                     body.n or 1),
-                                     media_type="text/event-stream", background=BackgroundTask(_cancel_all, reqs),
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        got = await _collect(request, q, len(reqs))
-    except BaseException:
-        _cancel_all(reqs)
-        raise
-    if got is None:
-        _cancel_all(reqs)
-        return Response(status_code=499)
+            scored[:] = await service.run_steps(api_answers.score_steps(gen, rows.prompts, rows.score_top), request)
+
+    async def streamed():
+        await score()
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return writer.completion_sse(service, cid, created, api_answers.merged_events(reqs, q, len(reqs)), rows,
+                                     table, scored, body.logprobs, include_usage, body.n or 1)
+
+    async def whole():
+        await score()
+        return await _collect(request, q, len(reqs))
+
+    got = await _drain(request, reqs, q, streamed if body.stream else None, whole)
+    if isinstance(got, Response):
+        return got
     texts, lps, lasts = got
     _failed(service, lasts)
     return writer.text_completion(service, cid, created, texts, lasts, lps, rows, table, scored, body.logprobs,
@@ -512,19 +526,12 @@ async def _messages(service: Service, request: HTTPRequest):
     body, rows, reqs, q = await _admit(service, request, anthropic_schema.parse_messages_request, _plan_messages)
     mid = anthropic_writer.message_id()
     prompt_tokens = len(rows.prompts[0])
-    try:
-        if body.stream:
-            return StreamingResponse(anthropic_writer.messages_sse(service, mid, api_answers.merged_events(reqs, q, 1),
-                                                                   rows, prompt_tokens),
-                                     media_type="text/event-stream", background=BackgroundTask(_cancel_all, reqs),
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        got = await _collect(request, q, 1)
-    except BaseException:
-        _cancel_all(reqs)
-        raise
-    if got is None:
-        _cancel_all(reqs)
-        return Response(status_code=499)
+    async def streamed():
+        return anthropic_writer.messages_sse(service, mid, api_answers.merged_events(reqs, q, 1), rows, prompt_tokens)
+
+    got = await _drain(request, reqs, q, streamed if body.stream else None)
+    if isinstance(got, Response):
+        return got
     texts, _, lasts = got
     _failed(service, lasts)
     return anthropic_writer.message(service, mid, texts[0], lasts[0], rows, prompt_tokens)
