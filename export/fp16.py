@@ -51,8 +51,9 @@ class Fp16ConversionError(EdgeChatError):
 class Fp16Options:
     # node-name patterns (regular expressions) of the scopes computed in fp32: optimum names nodes after the
     # HF modules, so every RMSNorm (input_layernorm, post_attention_layernorm, the final norm, Qwen3's q_norm and
-    # k_norm) and the rotary embedding (positions, frequencies, sin, cos)
-    fp32_scopes: tuple[str, ...] = (r"/[A-Za-z0-9_]*norm/", r"/rotary_emb/")
+    # k_norm; Gemma 3's pre/post feed-forward norms) and the rotary embeddings (positions, frequencies, sin, cos;
+    # Gemma 3's sliding-window layers have their own, rotary_emb_local)
+    fp32_scopes: tuple[str, ...] = (r"/[A-Za-z0-9_]*norm/", r"/rotary_emb(_local)?/")
     fp32_softmax: bool = True  # Softmax, the mask add before it and the NaN guard after it in fp32
     fp32_outputs: tuple[str, ...] = ("logits",)  # float graph outputs kept fp32 (a cast after the fp16 LM head)
     fp16_kv: bool = True  # past/present K/V in fp16 (False: fp32 inputs, cast at the graph's edge)
