@@ -206,6 +206,7 @@ def _write_gguf(hf_dir, dst, arch: str, **extra_kv):
 
     import gguf
     from safetensors.numpy import load_file
+    from tiny_gguf import write_out
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     st = load_file(str(hf_dir / "model.safetensors"))
@@ -247,11 +248,7 @@ def _write_gguf(hf_dir, dst, arch: str, **extra_kv):
     tensor("output_norm.weight", st["model.norm.weight"])
     if "lm_head.weight" in st:  # an untied head
         w.add_tensor("output.weight", st["lm_head.weight"].astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return write_out(w, dst)
 
 
 @pytest.mark.parametrize("case", ["Phi3ForCausalLM", "Gemma3ForCausalLM"])

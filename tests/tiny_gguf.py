@@ -59,6 +59,11 @@ def write_llama_gguf(hf_dir: Path, dst: Path) -> Path:
     w.add_tensor("output_norm.weight", st["model.norm.weight"].astype(np.float32))
     if not cfg.get("tie_word_embeddings"):
         w.add_tensor("output.weight", st["lm_head.weight"].astype(np.float32))
+    return write_out(w, dst)
+
+
+def write_out(w, dst: Path) -> Path:
+    """A GGUFWriter's header, metadata and tensors written to `dst`, the file closed."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
