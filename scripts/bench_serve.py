@@ -236,6 +236,14 @@ def main() -> int:
     if args._raw:
         print(json.dumps(_raw_child(json.loads(args._raw))))
         return 0
+    try:
+        bad = [x for x in args.users.split(",") if int(x) < 1]
+    except ValueError:
+        bad = [args.users]
+    if bad or args.requests < 1 or args.max_tokens < 1:
+        ap.error(f"--users takes user counts >= 1 (got {args.users}), --requests and --max-tokens >= 1")
+    if args.rounds is not None and args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.llama_server or args.rounds:
         return versus(args)
     levels = [int(x) for x in args.users.split(",")]

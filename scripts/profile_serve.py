@@ -102,6 +102,9 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second per thread")
     ap.add_argument("--json", default="bench-results/profile-serve.json")
     a = ap.parse_args()
+    for flag in ("users", "answers", "max_tokens", "threads", "rate"):
+        if getattr(a, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(spy).exists():
         sys.exit("py-spy is not installed: .venv/bin/pip install py-spy")

@@ -459,7 +459,7 @@ async def _chat(service: Service, request: HTTPRequest):
         return writer.chat_sse(service, cid, created, api_answers.merged_events(reqs, q, n), n, rows, table,
                                include_usage, len(rows.prompts[0]))
 
-    got = await _drain(request, reqs, q, streamed if body.stream else None)
+    got = await _answer_rows(request, reqs, q, streamed if body.stream else None)
     if isinstance(got, Response):
         return got
     texts, lps, lasts = got
@@ -467,7 +467,7 @@ async def _chat(service: Service, request: HTTPRequest):
     return writer.chat_completion(service, cid, created, texts, lasts, lps, rows, table)
 
 
-async def _drain(request: HTTPRequest, reqs: list[Request], q: asyncio.Queue, streamed, whole=None):
+async def _answer_rows(request: HTTPRequest, reqs: list[Request], q: asyncio.Queue, streamed, whole=None):
     """A request's rows, once admitted, as the client gets them: `streamed()` (a coroutine making the body's
     server-sent events; None: a whole answer) -> the streaming response; else (texts, logprobs, lasts) of every
     row (`whole()` when given makes them), or a 499 when the client hung up. Whatever goes wrong after admission,
@@ -511,7 +511,7 @@ async def _completions(service: Service, request: HTTPRequest):
         await score()
         return await _collect(request, q, len(reqs))
 
-    got = await _drain(request, reqs, q, streamed if body.stream else None, whole)
+    got = await _answer_rows(request, reqs, q, streamed if body.stream else None, whole)
     if isinstance(got, Response):
         return got
     texts, lps, lasts = got
@@ -529,7 +529,7 @@ async def _messages(service: Service, request: HTTPRequest):
     async def streamed():
         return anthropic_writer.messages_sse(service, mid, api_answers.merged_events(reqs, q, 1), rows, prompt_tokens)
 
-    got = await _drain(request, reqs, q, streamed if body.stream else None)
+    got = await _answer_rows(request, reqs, q, streamed if body.stream else None)
     if isinstance(got, Response):
         return got
     texts, _, lasts = got
