@@ -194,3 +194,41 @@ def test_served_connections_send_small_writes_at_once():
             client.close()
     finally:
         listener.close()
+
+
+def test_a_short_chat_request_costs_no_thread_hop_and_no_vocabulary_scan(tiny_generator, monkeypatch):
+    """Before the prefill a request ran a max over every token's bytes (its length bound: ~1 ms of the event
+    loop per request on a 49k vocabulary) and rendered its prompt in a worker thread (a hop there and back:
+    more than the rendering of a short chat): both in the TTFT. The bound is computed once per tokenizer, a
+    short chat is rendered on the loop, and a long one still goes to a thread (seconds of work for 4 MB)."""
+    import asyncio
+
+    from fastapi.testclient import TestClient
+
+    import edge.serve.openai_answers as answers
+    from edge.serve.service import Service, create_app
+
+    scans, hops = [], []
+    table = answers.token_table
+    monkeypatch.setattr(answers, "token_table", lambda *a: scans.append(1) or table(*a))
+    to_thread = asyncio.to_thread
+    monkeypatch.setattr(asyncio, "to_thread", lambda fn, *a, **k: hops.append(getattr(fn, "__name__", "")) or
+                        to_thread(fn, *a, **k))
+    service = Service(tiny_generator, max_users=2)
+    service.scheduler.start()
+    try:
+        client = TestClient(create_app(service, ui=False), raise_server_exceptions=False)
+        ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for _ in range(2):  # the first may meet the table unbuilt: it is built once, then kept
+            assert client.post("/v1/chat/completions", json=ask).status_code == 200
+        scans.clear(), hops.clear()
+        for _ in range(3):
+            assert client.post("/v1/chat/completions", json=ask).status_code == 200
+        assert scans == [] and "prompt" not in hops
+        turns = answers.INLINE_PROMPT_CHARS // 300 + 1  # a long chat (the oldest turns shift out of the context)
+        long = [{"role": ("user", "assistant")[i % 2], "content": "word " * 60} for i in range(2 * turns)]
+        r = client.post("/v1/chat/completions", json={"messages": long + ask["messages"], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert "prompt" in hops
+    finally:
+        service.scheduler.stop()

@@ -24,6 +24,7 @@ from edge.decode.tokenizer import NoChatTemplateError
 from edge.errors import ContextOverflowError
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+INLINE_PROMPT_CHARS = 8192  # a chat this short is rendered and tokenized on the event loop (~0.1-1 ms), not in a thread
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Rows:
 
 _tables: dict[int, list[bytes]] = {}
 _tables_lock = threading.Lock()
+_longest: dict[tuple[int, int], int] = {}
 
 
 def token_table(tokenizer, vocab_size: int) -> list[bytes]:
@@ -55,6 +57,16 @@ def token_table(tokenizer, vocab_size: int) -> list[bytes]:
         if t is None:
             t = _tables[id(tokenizer)] = token_bytes(tokenizer.tok.to_str(), vocab_size)[0]
         return t
+
+
+def longest_token_bytes(tokenizer, vocab_size: int) -> int:
+    """The longest token's bytes (at least 1), computed once per tokenizer: every request's length bound reads
+    it, and a max over 49k entries per request cost ~1 ms of the event loop's time before each prefill."""
+    key = (id(tokenizer), vocab_size)
+    n = _longest.get(key)
+    if n is None:
+        n = _longest[key] = max(1, max(len(b) for b in token_table(tokenizer, vocab_size)))
+    return n
 
 
 def _seeds(seed: int | None, n: int) -> list[int | None]:
@@ -97,8 +109,7 @@ async def chat_rows(service, body: ChatCompletionRequest, answer_start: str = ""
         fit = (gen.max_context, max_tokens if max_tokens is not None else
                min(gen.sampling().max_new_tokens, gen.max_context // 2))
         messages = messages[:1] * (messages[0]["role"] == "system") + messages[-1:]
-    surely_too_long(service, sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
-                                 for m in messages) + len(answer_start), "messages")
+    surely_too_long(service, _chars(messages) + len(answer_start), "messages")
     rf = body.response_format
     named = rf.json_schema if rf is not None and rf.type == "json_schema" else None
 
@@ -137,11 +148,21 @@ async def chat_prompt(service, body: ChatCompletionRequest, answer_start: str = 
     takes seconds to render and tokenize; /health and the streams run there). A bundle without a chat template
     (a base model) is a 400 naming what to do instead."""
     tools = [t.model_dump() for t in body.tools] if body.tools else None
+    convo = body.conversation()
+    args = (service.gen.tokenizer, convo, tools)
+    kw = dict(fit=fit, answer_start=answer_start, template_kwargs=body.chat_template_kwargs)
     try:
-        return await asyncio.to_thread(conversation.prompt, service.gen.tokenizer, body.conversation(), tools,
-                                       fit=fit, answer_start=answer_start, template_kwargs=body.chat_template_kwargs)
+        if tools is None and _chars(convo) <= INLINE_PROMPT_CHARS:  # a thread hop costs more than the work
+            return conversation.prompt(*args, **kw)
+        return await asyncio.to_thread(conversation.prompt, *args, **kw)
     except NoChatTemplateError as e:
         raise BadRequest(str(e), param="messages") from None
+
+
+def _chars(messages: list[dict]) -> int:
+    """The characters of a conversation's text: contents and tool calls' arguments."""
+    return sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
+               for m in messages)
 
 
 def surely_too_long(service, chars: int, param: str) -> None:
@@ -149,7 +170,7 @@ def surely_too_long(service, chars: int, param: str) -> None:
     token holds at most `longest` bytes of text, a character at least one (a 4 MB body would otherwise be
     tokenized, seconds of work, only to be refused)."""
     gen = service.gen
-    longest = max(1, max(len(b) for b in token_table(gen.tokenizer, gen.decoder.dims.vocab_size)))
+    longest = longest_token_bytes(gen.tokenizer, gen.decoder.dims.vocab_size)
     if chars // longest >= gen.max_context:
         raise ContextOverflowError(f"the {param} hold {chars} characters, at least {chars // longest} tokens, but this "
                                    f"model's context is {gen.max_context} tokens: shorten them")
