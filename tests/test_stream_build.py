@@ -1,0 +1,132 @@
+"""The streaming build: weights read one tensor at a time from the checkpoint (safetensors, sharded or not, and
+GGUF) equal what transformers loads, and the quantized fused graph written straight from them is the graph the
+quantize stage makes from the fp32 fused graph (same nodes, same tensors, same logits)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from test_fused_graph import FAMILIES
+
+CASES = {"llama": dict(), "qwen2": dict(arch="Qwen2ForCausalLM"), **FAMILIES}
+
+
+def _state_dict(folder, **kw):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
+    return model, {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def test_safetensors_source_reads_what_transformers_loads(tiny_model_dir, tmp_path):
+    from export.weight_source import SafetensorsSource
+
+    model, want = _state_dict(tiny_model_dir)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")  # several shards + an index
+    assert (tmp_path / "sharded/model.safetensors.index.json").is_file()
+    for folder in (tiny_model_dir, tmp_path / "sharded"):
+        src = SafetensorsSource(folder)
+        for name, value in want.items():  # lm_head.weight included: the tied head is the embedding
+            got = src.get(name)
+            assert got.dtype == np.float32 and np.array_equal(got, value), name
+            assert src.dims_shape(name) == value.shape
+
+
+def test_bf16_checkpoint_is_widened_one_tensor_at_a_time(tiny_model_dir, tmp_path):
+    import torch
+
+    from export.weight_source import SafetensorsSource
+
+    model, _ = _state_dict(tiny_model_dir)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    src = SafetensorsSource(tmp_path / "bf16")
+    w = model.model.layers[0].mlp.up_proj.weight.detach().float().numpy()
+    assert np.array_equal(src.get("model.layers.0.mlp.up_proj.weight"), w)
+
+
+def test_gguf_source_reads_what_transformers_loads(tiny_model_dir, tmp_path):
+    """llama.cpp's interleaved q/k rows are permuted back, names mapped, as transformers does."""
+    from export.weight_source import GGUFSource
+    from tiny_gguf import write_llama_gguf
+
+    write_llama_gguf(tiny_model_dir, tmp_path / "tiny.gguf")
+    _, want = _state_dict(tmp_path, gguf_file="tiny.gguf")
+    src = GGUFSource(tmp_path / "tiny.gguf")
+    assert src.config["architectures"] == ["LlamaForCausalLM"]
+    for name, value in want.items():
+        assert np.array_equal(src.get(name), value), name
+
+
+def test_missing_tensor_is_named(tiny_model_dir):
+    from edge.errors import ModelSourceError
+    from export.weight_source import SafetensorsSource
+
+    with pytest.raises(ModelSourceError, match="no tensor 'model.layers.9.mlp.up_proj.weight'"):
+        SafetensorsSource(tiny_model_dir).get("model.layers.9.mlp.up_proj.weight")
+
+
+def _graph(path):
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(path))
+    return m, {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+
+
+@pytest.mark.parametrize("mode", ["int8-dynamic", "int4-weight"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_streamed_engine_is_the_quantize_stages_graph(case, mode, tmp_path):
+    """Same nodes in the same order, same initializers bit for bit, same logits: the streamed graph is today's."""
+    import onnxruntime as ort
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_tiny_model
+    from export import fused_graph, quantize, stream_build
+    from export.load import META
+    from export.weight_source import SafetensorsSource
+    from test_fused_graph import _step
+
+    src = make_tiny_model(tmp_path / case, **CASES[case])
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    (src / META).write_text(json.dumps({"num_parameters": sum(p.numel() for p in model.parameters())}))  # as loaded
+    fused_graph.write(src, tmp_path / "fp32", model=model)  # the export stage's way: from the torch model
+    opts = quantize.QuantizeOptions(mode=mode, int8_rounding="minmax", int4_rounding="minmax")
+    (tmp_path / "today").mkdir()
+    quantize.run(tmp_path / "fp32", src, tmp_path / "today", opts)
+    metrics = stream_build.write_quantized(SafetensorsSource(src), tmp_path / "streamed", opts)
+    assert metrics["streamed"] and metrics["size_bytes"] > 0
+    (want_m, want), (got_m, got) = _graph(tmp_path / "today/model.onnx"), _graph(tmp_path / "streamed/model.onnx")
+    assert [(n.op_type, n.name, list(n.input)) for n in got_m.graph.node] == \
+        [(n.op_type, n.name, list(n.input)) for n in want_m.graph.node]
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and np.array_equal(got[name], want[name]), name
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    ids = np.random.RandomState(0).randint(0, c.vocab_size, (1, 12))
+    logits = []
+    for d in ("today", "streamed"):
+        s = ort.InferenceSession(str(tmp_path / d / "model.onnx"), providers=["CPUExecutionProvider"])
+        bufs = [ort.OrtValue.ortvalue_from_numpy(np.zeros((1, c.num_key_value_heads, 32, head_dim), np.float32))
+                for _ in range(2 * c.num_hidden_layers)]
+        logits.append(_step(s, ids, 0, bufs, c.num_hidden_layers))
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_streaming_refuses_what_it_cannot_make(tiny_model_dir, tmp_path):
+    from edge.errors import RecipeError
+    from export import quantize, stream_build
+    from export.weight_source import SafetensorsSource
+
+    src = SafetensorsSource(tiny_model_dir)
+    for opts, why in ((quantize.QuantizeOptions(mode="int8-qdq"), "not int8-qdq"),
+                      (quantize.QuantizeOptions(mode="int4-weight", int4_rounding="minmax", int4_budget_mb=1.0),
+                       "no int4 byte budget"),
+                      (quantize.QuantizeOptions(mode="int8-dynamic"), "gptq rounding needs")):
+        with pytest.raises(RecipeError, match=why):
+            stream_build.write_quantized(src, tmp_path / "x", opts)
