@@ -2,19 +2,23 @@
 
 Today's path loads the model in torch (fp32), writes the fp32 fused graph, then the quantize stage reads it back
 tensor by tensor. Here the fused graph (export/fused_graph.py, the same writer) is built in memory with every
-weight a promise on the checkpoint (export/weight_source.py: safetensors memory-mapped, or a GGUF), the CPU
+weight a promise on the checkpoint (export/weight_source.py: safetensors read at each tensor's offset, or a GGUF), the CPU
 engines' quantization (export/nbits.py: int8-dynamic's 8-bit MatMulNBits, int4-weight's 4-bit) is set on those
 promises, and the save computes each quantized weight from its one source tensor as it writes it into the
 graph's external data. Memory: the libraries, the graph's records, and one weight (its fp32 copy and its
 quantized form; the largest is the embedding / LM head) at a time.
 
 The result is the graph the quantize stage makes from the fp32 fused graph with the same options
-(tests/test_stream_build.py compares them). What it does not do (yet): the int4 byte budget (its sensitivity
-measure runs the fp32 graph), int8-qdq (TensorRT's, from the plain graph).
+(tests/test_stream_build.py compares them). `edge-export build --streaming` runs it as the build's stages: `load`
+links the checkpoint's files, then one `quantize-<precision>` stage per engine, then the package. What it does not
+do (yet): the int4 byte budget (its sensitivity measure runs the fp32 graph), GPTQ rounding (its statistics run
+the model in torch), int8-qdq and the plain graph (TensorRT's), the evaluate stage (no fp32 reference), a GGUF
+source in the recipe (export/weight_source.py reads one; the load stage does not link it yet).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -92,3 +96,84 @@ def write_quantized(source, dst: Path, opts, num_layers: int | None = None, hess
     gw.save(dst / "model.onnx")
     metrics["size_bytes"] = graph_bytes(dst / "model.onnx")
     return metrics
+
+
+def load(ref, dst: Path, chat_template: str | None = None) -> dict:
+    """The load stage of a streaming build: a Hugging Face folder's config, tokenizer and weights made available
+    in `dst` without loading a weight (safetensors hard-linked, or copied where a link cannot be made)."""
+    import os
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from export.load import META, check_architecture, copy_side_files, eos_ids
+    from export.weight_source import SafetensorsSource
+
+    if ref.kind != "hf-folder":
+        raise RecipeError(f"the streaming build reads a local Hugging Face folder with safetensors weights, not "
+                          f"{ref.kind} {ref.name}: build without --streaming")
+    check_architecture(ref)
+    src = Path(ref.location)
+    source = SafetensorsSource(src)  # refuses a folder without safetensors
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors" or f.name in ("config.json", "model.safetensors.index.json"):
+            try:
+                os.link(f, dst / f.name)
+            except OSError:
+                shutil.copy2(f, dst / f.name)
+    copy_side_files(src, dst)
+    tok = AutoTokenizer.from_pretrained(src)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+        tok.save_pretrained(dst)
+    if not tok.chat_template:
+        raise RecipeError(f"{ref.name} has no chat template (a base model?): give it one with --chat-template FILE")
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig.from_pretrained(src) if (src / "generation_config.json").is_file() else GenerationConfig()
+    holder = SimpleNamespace(generation_config=gen, config=SimpleNamespace(eos_token_id=source.config.get("eos_token_id")))
+    n = sum(int(np.prod(source.shape(k), dtype=np.int64)) for k in source.names())
+    (dst / META).write_text(json.dumps({"name": ref.name, "source": f"{ref.kind}:{ref.location}",
+                                        "eos_token_ids": eos_ids(holder, tok), "num_parameters": n}, indent=2))
+    return {"num_parameters": n, "streamed": True}
+
+
+def check_options(opts) -> None:
+    """What a streaming build (BuildOptions.streaming) can make, refused up front with what to change."""
+    bad = [p for p in opts.precisions if p not in STREAMED]
+    if bad:
+        raise RecipeError(f"the streaming build makes {', '.join(STREAMED)}, not {', '.join(bad)}: drop --streaming or "
+                          f"choose --precision {' --precision '.join(STREAMED)}")
+    if opts.prune is not None or opts.draft is not None:
+        raise RecipeError("the streaming build has no prune, distill or draft stage yet: drop --streaming for those")
+    if not opts.skip_eval:
+        raise RecipeError("the streaming build has no fp32 reference to evaluate the engines against yet: add --skip-eval")
+    rounding = {INT8_DYNAMIC: opts.int8_rounding, INT4_WEIGHT: opts.int4_rounding}
+    gptq = [p for p in opts.precisions if rounding[p] == "gptq"]
+    if gptq:
+        raise RecipeError("the streaming build rounds to nearest (GPTQ's statistics run the model in torch): add "
+                          "--int8-rounding minmax --int4-rounding minmax")
+    if INT4_WEIGHT in opts.precisions and (opts.int4_budget_mb is not None or opts.int4_extra_ratio > 0):
+        raise RecipeError("the streaming build has no int4 byte budget yet: drop --int4-budget-mb")
+
+
+def stages(stage, opts, hf_dir: Path, loaded: str, quantize_options) -> tuple[list, list]:
+    """The engines of a streaming build, one quantize stage each, written from the loaded checkpoint."""
+    import dataclasses
+
+    from export import package
+    from export.load import model_dims
+    from export.weight_source import SafetensorsSource
+
+    engines, records = [], []
+    for precision in opts.precisions:
+        qopts = quantize_options(opts, precision)
+        qdir, rec = stage(f"quantize-{precision}", dataclasses.asdict(qopts) | {"load": loaded, "streamed": True},
+                          lambda d, q=qopts: write_quantized(SafetensorsSource(hf_dir), d, q,
+                                                             model_dims(hf_dir).num_layers))
+        records.append(rec)
+        engines.append(package.EngineArtifact(precision, qdir, precision, variant="fused"))
+    return engines, records

@@ -1,12 +1,13 @@
 """A model's weights read one tensor at a time, by Hugging Face name, straight from the files on disk.
 
 The streaming build (export/stream_build.py) writes a graph from this instead of from a model loaded in torch:
-safetensors files are memory-mapped (`safe_open`) and a GGUF is read by the `gguf` package's reader (also a
-memory map), so asking for a tensor reads that tensor's bytes alone, in its own dtype, and converts that one
+safetensors files are read at each tensor's offset and a GGUF by the `gguf` package's reader (a memory map),
+so asking for a tensor reads that tensor's bytes alone, in its own dtype, and converts that one
 tensor to fp32. Memory is then bounded by the largest tensor, whatever the model's size (llama.cpp's converter
 works the same way).
 
-- `SafetensorsSource`: a Hugging Face folder, `model.safetensors` or sharded with `model.safetensors.index.json`.
+- `SafetensorsSource`: a Hugging Face folder, `model.safetensors` or sharded with `model.safetensors.index.json`,
+  each tensor read from its offset in the file.
 - `GGUFSource`: a GGUF file; each tensor dequantized alone (`gguf.quants.dequantize`), renamed and permuted as
   transformers does when it loads the file (`get_gguf_hf_weights_map` and its `TENSOR_PROCESSORS`: llama.cpp
   stores q/k rows interleaved, Gemma stores norm weights + 1), so the names and values equal the HF-loaded
@@ -67,45 +68,53 @@ class WeightSource:
 
 
 class SafetensorsSource(WeightSource):
-    """A Hugging Face folder's safetensors file(s), memory-mapped; bf16 is widened to fp32 one tensor at a time."""
+    """A Hugging Face folder's safetensors file(s), each tensor read with one positioned read of its bytes (the
+    header gives dtype, shape and offsets); bf16 and fp16 are widened to fp32 one tensor at a time. Not a memory
+    map: mapped pages a read touched would stay in the process's resident memory until the file is closed."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
         self.config = json.loads((self.folder / "config.json").read_text())
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
-            files = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         elif (self.folder / "model.safetensors").is_file():
-            files = None
+            files = ["model.safetensors"]
         else:
             raise ModelSourceError(f"{self.folder} has no model.safetensors (or model.safetensors.index.json): the "
                                    "streaming build reads safetensors checkpoints or GGUF files")
-        self._handles: dict[str, object] = {}
-        if files is None:
-            keys = self._open("model.safetensors").keys()
-            self._where = {k: "model.safetensors" for k in keys}
-        else:
-            self._where = dict(files)
+        self._where: dict[str, tuple[Path, int, str, tuple[int, ...]]] = {}
+        for file in files:
+            path = self.folder / file
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            for name, h in header.items():
+                if name != "__metadata__":
+                    self._where[name] = (path, 8 + n + h["data_offsets"][0], h["dtype"], tuple(h["shape"]))
         self._names = sorted(self._where)
-
-    def _open(self, file: str):
-        if file not in self._handles:
-            from safetensors import safe_open
-
-            self._handles[file] = safe_open(str(self.folder / file), framework="pt")  # "pt": reads bf16 too
-        return self._handles[file]
 
     def names(self) -> list[str]:
         return self._names
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(self._where[name]).get_slice(name).get_shape())
+        return self._where[name][3]
 
     def _get(self, name: str) -> np.ndarray:
-        import torch
+        path, offset, dtype, shape = self._where[name]
+        count = int(np.prod(shape, dtype=np.int64))
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ModelSourceError(f"{path.name}: tensor {name!r} is {dtype}, which the streaming build does not read "
+                                   f"({', '.join(_SAFETENSORS_DTYPES)})")
+        raw = np.fromfile(path, dtype=_SAFETENSORS_DTYPES[dtype], count=count, offset=offset)
+        if raw.size != count:
+            raise ModelSourceError(f"{path} ends before its tensor {name!r}: a truncated download?")
+        if dtype == "BF16":  # bf16 is the top half of an fp32
+            raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        return raw.reshape(shape)
 
-        t = self._open(self._where[name]).get_tensor(name)
-        return t.to(torch.float32).numpy() if t.dtype != torch.float32 else t.numpy()
+
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
 
 class GGUFSource(WeightSource):

@@ -130,3 +130,39 @@ def test_streaming_refuses_what_it_cannot_make(tiny_model_dir, tmp_path):
                       (quantize.QuantizeOptions(mode="int8-dynamic"), "gptq rounding needs")):
         with pytest.raises(RecipeError, match=why):
             stream_build.write_quantized(src, tmp_path / "x", opts)
+
+
+def test_streaming_build_is_a_bundle_that_answers(tiny_model_dir, tmp_path):
+    """`edge-export build --streaming`: load (no weight loaded), one quantize stage per engine, package; each
+    engine is the streamed graph and answers a chat through the runtime."""
+    from edge.bundle import Bundle
+    from edge.decode.generate import Generator
+    from edge.decode.sampling import SamplingConfig
+    from export.recipe import BuildOptions, build
+
+    out = tmp_path / "s.bundle"
+    bundle = build(BuildOptions(output=out, model=str(tiny_model_dir), precisions=("int8-dynamic", "int4-weight"),
+                                streaming=True, skip_eval=True, int8_rounding="minmax", int4_rounding="minmax",
+                                max_context=256), log=lambda s: None)
+    names = [s.name for s in bundle.manifest.stages]
+    assert names == ["load", "quantize-int8-dynamic", "quantize-int4-weight"]
+    assert all(s.memory["peak_rss_bytes"] for s in bundle.manifest.stages)
+    assert not list((tmp_path / "s.bundle.work").glob("export*"))  # no fp32 graph was written
+    for engine in ("int8-dynamic", "int4-weight"):
+        gen = Generator.from_bundle(Bundle.open(out), engine=engine, threads=1)
+        assert gen.decoder.io.fused
+        ids = gen.tokenizer.encode_chat([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+        events = list(gen.stream(ids, SamplingConfig(max_new_tokens=6, temperature=0.0, ignore_eos=True)))
+        assert events[-1].finish_reason == "length"  # six tokens decoded, EOS ignored
+
+
+def test_streaming_build_options_are_checked_up_front(tiny_model_dir, tmp_path):
+    from edge.errors import RecipeError
+    from export.recipe import BuildOptions
+
+    base = dict(output=tmp_path / "x", model=str(tiny_model_dir), streaming=True, skip_eval=True,
+                int8_rounding="minmax", int4_rounding="minmax")
+    for change, why in (({"precisions": ("int8-qdq",)}, "not int8-qdq"), ({"skip_eval": False}, "--skip-eval"),
+                        ({"int8_rounding": "gptq"}, "rounds to nearest")):
+        with pytest.raises(RecipeError, match=why):
+            BuildOptions(**base | change)
