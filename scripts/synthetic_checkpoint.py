@@ -4,11 +4,12 @@
     python scripts/synthetic_checkpoint.py write /tmp/llama-3b --shape llama-3.2-3b     # bf16 safetensors shards
     python scripts/synthetic_checkpoint.py build /tmp/llama-3b /tmp/llama-3b.engines    # int8-dynamic + int4-weight
 
-`write` writes config.json and bf16 safetensors shards (about 2 GB each, an index beside them), one tensor
-generated at a time, so a model bigger than this machine's RAM can be written. The weights are random: the
-point is memory and time, not quality (no tokenizer: the engines are run on token ids).
+`write` writes config.json, bf16 safetensors shards (about 2 GB each, an index beside them), one tensor
+generated at a time, so a model bigger than this machine's RAM can be written, and SmolLM2's tokenizer and chat
+template. The weights are random: the point is memory and time, not quality. The folder builds with
+`edge-export build DIR --streaming --skip-eval --int8-rounding minmax --int4-rounding minmax`.
 
-`build` writes each engine with the streaming build (export/stream_build.py, round-to-nearest: GPTQ needs
+`build` writes each engine with the streaming build (export/stream_build.py, round to nearest: GPTQ needs
 calibration runs of the model), each in its own process so each peak is its own (VmHWM, export/memory.py), then
 loads it in ONNX Runtime and decodes a few tokens greedily. It prints a Markdown table (docs/models.md has it).
 """
@@ -100,6 +101,20 @@ def write(dst: Path, shape: str, seed: int = 0) -> None:
                 f.write(_bf16(shp, rng, 0.02).tobytes())
         print(f"{file}: {len(shard)} tensors, {off / 1e9:.2f} GB", flush=True)
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    write_tokenizer(dst)
+
+
+def write_tokenizer(dst: Path) -> None:
+    """SmolLM2's tokenizer and chat template (from the default GGUF), so `edge-export build` takes the folder. Its
+    49,152 tokens are fewer than the model's 128,256 rows: ids past them decode to nothing (the weights are random)."""
+    from transformers import AutoTokenizer
+
+    from export.gguf_tokenizer import check_and_fix
+    from export.model_source import default_gguf
+
+    gguf = default_gguf()
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dst)
+    check_and_fix(dst / "tokenizer.json", gguf)
 
 
 def _engine(src: str, out: str, mode: str, q) -> None:
