@@ -23,6 +23,10 @@ scaled by sqrt(hidden), Gemma 3's norms around attention and MLP, and per layer
 from the config: sliding window (`layer_types`), rotary base (Gemma 3's local
 layers), rotary on or off.
 
+Every weight is read by its HF name from a `WeightSource` (export/weight_source.py): the loaded torch model's
+state dict (the export stage) or the checkpoint's files one tensor at a time (`write` without a model, and the
+streaming build, export/stream_build.py, which hands the writer a sink that keeps each weight as a promise).
+
 It is only for ONNX Runtime (TensorRT wants the plain graph). Its inputs differ
 from the plain graph's (seqlens_k and total_sequence_length instead of a mask
 and positions, and logit_positions: which positions' logits to return, so a

@@ -60,11 +60,8 @@ class WeightSource:
         return name
 
     def dims_shape(self, name: str) -> tuple[int, ...]:
+        """The shape `get(name)` returns (a tied head's is the embedding's)."""
         return self.shape(self._resolve(name))
-
-    def largest_tensor_bytes(self) -> int:
-        """fp32 bytes of the largest tensor: what reading one costs."""
-        return max(4 * int(np.prod(self.shape(n), dtype=np.int64)) for n in self.names())
 
 
 class SafetensorsSource(WeightSource):
