@@ -148,6 +148,9 @@ def test_streaming_build_is_a_bundle_that_answers(tiny_model_dir, tmp_path):
     assert names == ["load", "quantize-int8-dynamic", "quantize-int4-weight"]
     assert all(s.memory["peak_rss_bytes"] for s in bundle.manifest.stages)
     assert not list((tmp_path / "s.bundle.work").glob("export*"))  # no fp32 graph was written
+    for s in bundle.manifest.stages[1:]:  # each engine against the fp32 model run block by block
+        ref = s.metrics["reference"]
+        assert ref["prompts"] == 3 and 0 <= ref["kl_to_reference"] < 0.01 and ref["top1_agreement"] > 0.9, ref
     for engine in ("int8-dynamic", "int4-weight"):
         gen = Generator.from_bundle(Bundle.open(out), engine=engine, threads=1)
         assert gen.decoder.io.fused
@@ -162,7 +165,26 @@ def test_streaming_build_options_are_checked_up_front(tiny_model_dir, tmp_path):
 
     base = dict(output=tmp_path / "x", model=str(tiny_model_dir), streaming=True, skip_eval=True,
                 int8_rounding="minmax", int4_rounding="minmax")
-    for change, why in (({"precisions": ("int8-qdq",)}, "not int8-qdq"), ({"skip_eval": False}, "--skip-eval"),
+    for change, why in (({"precisions": ("int8-qdq",)}, "not int8-qdq"), ({"skip_eval": False}, "add --skip-eval"),
                         ({"int8_rounding": "gptq"}, "rounds to nearest")):
         with pytest.raises(RecipeError, match=why):
             BuildOptions(**base | change)
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "phi3", "phi4-mini", "smollm3"])
+def test_block_by_block_reference_is_the_hf_models_logits(case, tmp_path):
+    """The bounded-memory parity reference (one decoder block's weights at a time) equals the whole model's run."""
+    import torch
+
+    from conftest import make_tiny_model
+    from export.stream_reference import reference_logits
+    from export.weight_source import SafetensorsSource
+
+    src = make_tiny_model(tmp_path / case, **CASES[case])
+    model, _ = _state_dict(src)
+    prompts = [list(range(3, 40)), [5, 9, 11]]
+    got = reference_logits(SafetensorsSource(src), prompts)
+    for ids, g in zip(prompts, got):
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0].numpy()
+        np.testing.assert_allclose(g, want, atol=1e-5, rtol=1e-4)
