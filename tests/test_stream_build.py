@@ -188,3 +188,15 @@ def test_block_by_block_reference_is_the_hf_models_logits(case, tmp_path):
         with torch.no_grad():
             want = model(torch.tensor([ids])).logits[0].numpy()
         np.testing.assert_allclose(g, want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_cli_builds_with_streaming(tiny_model_dir, tmp_path):
+    from conftest import run_cli
+
+    out = tmp_path / "c.bundle"
+    r = run_cli("export.cli", "build", str(tiny_model_dir), "-o", str(out), "--streaming", "--skip-eval",
+                "--int8-rounding", "minmax", "--int4-rounding", "minmax", "--precision", "int4-weight")
+    assert r.returncode == 0, r.stderr
+    assert (out / "manifest.json").is_file()
+    r = run_cli("export.cli", "build", str(tiny_model_dir), "-o", str(tmp_path / "d.bundle"), "--streaming")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--skip-eval" in r.stderr
