@@ -16,6 +16,12 @@ Measured peaks in GB (each stage's own, from its record; builds of 2026-12-05, d
 Weight-only quantization streams one tensor at a time. Small models are dominated by the fixed cost of
 the libraries (BASE_BYTES). The factors below cover every row above; they are upper bounds, looser for
 larger models (tests/test_build_memory.py checks each measured build is within its plan).
+
+The streaming build (export/stream_build.py: int8-dynamic and int4-weight written straight from the checkpoint,
+round to nearest) holds the libraries, the graph's records and one weight at a time: its plan is
+STREAM_BASE_BYTES + STREAM_PER_LARGEST x the largest single tensor it makes in fp32 (the embedding / LM head,
+or a layer's packed gate+up projection), whatever the number of layers. Measured with
+scripts/synthetic_checkpoint.py (docs/models.md).
 """
 
 from __future__ import annotations
@@ -26,6 +32,23 @@ from edge.precisions import INT8_QDQ
 
 PEAK_PER_FP32_BYTE = {"export": 3.0, "quantize-int8-qdq": 5.0}  # "export" covers load and evaluate too
 BASE_BYTES = 2.5e9  # the interpreter, torch, transformers and ONNX Runtime themselves
+
+
+STREAM_BASE_BYTES = 1.0e9  # the interpreter, onnx, ONNX Runtime's quantizer, torch (rotary tables), the graph
+STREAM_PER_LARGEST = 3.0  # the fp32 tensor, its transposed copy (the tied LM head), its quantized form
+
+
+def largest_tensor_bytes(dims: ModelDims) -> int:
+    """fp32 bytes of the largest tensor the fused graph holds: the embedding (or LM head), a layer's packed
+    gate+up projection or its packed q/k/v projection."""
+    h = dims.hidden_size
+    return 4 * max(dims.vocab_size * h, 2 * dims.intermediate_size * h,
+                   (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim * h)
+
+
+def streaming_peak_bytes(dims: ModelDims) -> float:
+    """Planned peak of the streaming build (int8-dynamic / int4-weight from the checkpoint, export/stream_build.py)."""
+    return STREAM_BASE_BYTES + STREAM_PER_LARGEST * largest_tensor_bytes(dims)
 
 
 def peak_stage(precisions: tuple[str, ...] = ()) -> str:
@@ -47,9 +70,19 @@ def largest_buildable(ram: float, precisions: tuple[str, ...] = ()) -> float:
     return max(0.0, (ram - BASE_BYTES) / (PEAK_PER_FP32_BYTE[peak_stage(precisions)] * 4))
 
 
-def check_fits(dims: ModelDims, name: str, precisions: tuple[str, ...] = (), ram: int | None = None) -> dict:
+def check_fits(dims: ModelDims, name: str, precisions: tuple[str, ...] = (), ram: int | None = None,
+               streaming: bool = False) -> dict:
     """Raise a RecipeError before a build that would run out of memory; else the figures it checked."""
     ram = machine_ram_bytes() if ram is None else ram
+    if streaming:
+        need = streaming_peak_bytes(dims)
+        if ram is not None and need > ram:
+            raise RecipeError(
+                f"the streaming build of {name} needs about {need / 1e9:.1f} GB of RAM at its peak (~"
+                f"{STREAM_PER_LARGEST:g}x its largest tensor, {largest_tensor_bytes(dims) / 1e9:.2f} GB in fp32, + "
+                f"{STREAM_BASE_BYTES / 1e9:.1f} GB), and this machine has {ram / 1e9:.1f} GB: build on a larger "
+                "machine, or pass --skip-ram-check to try anyway")
+        return {"planned_peak_bytes": need, "peak_stage": "quantize (streamed)", "machine_ram_bytes": ram}
     need = build_peak_bytes(dims, precisions)
     stage = peak_stage(precisions)
     if ram is not None and need > ram:

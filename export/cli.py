@@ -13,7 +13,7 @@ from edge.precisions import EXPORTED as BUILD_CHOICES, FP16, FP32, INT4_WEIGHT, 
 def _plan(args: argparse.Namespace) -> int:
     from edge.errors import EdgeChatError
     from edge.device.profiles import load_profile
-    from export.build_memory import build_peak_bytes, machine_ram_bytes
+    from export.build_memory import build_peak_bytes, machine_ram_bytes, streaming_peak_bytes
     from export.console import table
     from export.planner import GB, QUALITY_ORDER, PlanOptions, bundle_quality, default_quality, plan_all, recommend
 
@@ -62,6 +62,7 @@ def _plan(args: argparse.Namespace) -> int:
             "recommendation": rec.to_dict(quality),
             "workstation_build": {"peak_ram_bytes": build_peak_bytes(dims),
                                   "peak_ram_bytes_with_int8_qdq": build_peak_bytes(dims, (INT8_QDQ,)),
+                                  "peak_ram_bytes_streaming": streaming_peak_bytes(dims),
                                   "machine_ram_bytes": machine_ram_bytes()},
         }, indent=2))
         return 0
@@ -98,6 +99,12 @@ def _plan(args: argparse.Namespace) -> int:
           f"(~{build_peak_bytes(dims, (INT8_QDQ,)) / GB:.1f} GB with int8-qdq)"
           + (f"; this machine has {ram / GB:.1f} GB" + ("" if build_peak_bytes(dims) <= ram else
              " (too little: build elsewhere)") if ram else ""))
+    stream = streaming_peak_bytes(dims)
+    smallest = next((gb for gb in (8, 16, 32, 64, 128, 256) if stream <= 0.85 * gb * GB), None)  # room for the OS
+    print(f"the streaming build (edge-export build --streaming: int8-dynamic, int4-weight written tensor by tensor "
+          f"from the checkpoint, round to nearest) peaks at ~{stream / GB:.1f} GB"
+          + (f": it builds on a {smallest} GB workstation" if smallest else "")
+          + (f"; this machine has {ram / GB:.1f} GB" if ram else ""))
     print("decode tok/s≤ is the memory-bandwidth roofline (bandwidth ÷ bytes read per token at full context); "
           "prefill uses dense peak FLOP/s. Real numbers are lower. Expected KL: mean per-token KL to fp32 "
           + ("measured in the bundle where it has the engine, else " if args.bundle else "")
@@ -235,6 +242,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "(by default such a stage runs again)")
     b.add_argument("--no-fused", action="store_true",
                    help="quantize the ONNX Runtime engines from the plain graph (skip the fused GroupQueryAttention graph)")
+    b.add_argument("--streaming", action="store_true",
+                   help="write int8-dynamic / int4-weight straight from a safetensors checkpoint, one tensor at a time: "
+                        "memory bounded by the largest tensor, not the model (round to nearest, with --skip-eval)")
     b.add_argument("--online", action="store_true", help="allow hub downloads (default: offline, HF_HUB_OFFLINE=1)")
     b.add_argument("--prune", type=Bounded(float, 0, 1, above=True), metavar="RATIO",
                    help="prune to this fraction of the parameters (e.g. 0.6), then distill (see [prune] in a recipe)")

@@ -23,6 +23,10 @@ scaled by sqrt(hidden), Gemma 3's norms around attention and MLP, and per layer
 from the config: sliding window (`layer_types`), rotary base (Gemma 3's local
 layers), rotary on or off.
 
+Every weight is read by its HF name from a `WeightSource` (export/weight_source.py): the loaded torch model's
+state dict (the export stage) or the checkpoint's files one tensor at a time (`write` without a model, and the
+streaming build, export/stream_build.py, which hands the writer a sink that keeps each weight as a promise).
+
 It is only for ONNX Runtime (TensorRT wants the plain graph). Its inputs differ
 from the plain graph's (seqlens_k and total_sequence_length instead of a mask
 and positions, and logit_positions: which positions' logits to return, so a
@@ -37,6 +41,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -44,6 +49,9 @@ from edge.errors import ModelSourceError
 from edge.io_contract import FUSED_IO
 from export.architectures import ARCHITECTURES, arch_spec, dims_from_hf_config
 from export.onnx_weights import TensorFile
+
+if TYPE_CHECKING:
+    from export.weight_source import Lazy, WeightSource
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SiLU(gate) * up (SwiGLU) and tanh-GELU(gate) * up (Gemma's GeGLU)
 
@@ -102,22 +110,30 @@ def write(src: Path, dst: Path, model=None, opset: int = 18) -> None:
     """HF folder -> dst/model.onnx (+ model.onnx.data): the fused fp32 graph.
 
     `model`: the fp32 torch model already loaded from `src` (the export stage's parity reference),
-    so it is not loaded twice. Each weight goes to the data file as soon as it is made."""
-    import torch
+    so it is not loaded twice; without it the weights are read from `src`'s files one tensor at a time
+    (export/weight_source.py). Each weight goes to the data file as soon as it is made."""
+    import onnx
+
+    from export.weight_source import ModuleSource, SafetensorsSource, empty_model
 
     cfg = json.loads((src / "config.json").read_text())
-    why = supported(cfg)
-    if why:
-        raise ModelSourceError(f"cannot write the fused graph: {why}; build with the plain graph only")
-    if model is None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    check(cfg)
+    weights = ModuleSource(model) if model is not None else SafetensorsSource(src)
+    skeleton = model if model is not None else empty_model(cfg)
     dst.mkdir(parents=True, exist_ok=True)
     for f in dst.glob("model.onnx*"):
         f.unlink()
     with TensorFile(dst / "model.onnx.data") as data:
-        _write(model, cfg, dst, data, opset)
+        proto = graph(skeleton, weights, cfg, lambda name, value: data.tensor(name, value() if callable(value) else value),
+                      opset)
+    onnx.save_model(proto, str(dst / "model.onnx"))  # the graph alone: its weights are in model.onnx.data
+
+
+def check(cfg: dict) -> None:
+    """Raise when the fused graph cannot express this model."""
+    why = supported(cfg)
+    if why:
+        raise ModelSourceError(f"cannot write the fused graph: {why}; build with the plain graph only")
 
 
 def _is_sliding(c, i: int) -> bool:
@@ -138,21 +154,42 @@ def _layer_rotary(c, i: int) -> bool:
     return bool(flags[i]) if flags is not None else True
 
 
-def _packed(mod, packed: str | None, parts: tuple[str, ...], what: str):
-    """The [out, in] weight (or the bias) of a packed projection: the module `packed` when the family packs
-    it (Phi-3's qkv_proj, gate_up_proj: `ArchSpec.packed_proj`), else its parts concatenated on the output axis."""
-    import torch
+def _packed(weights: "WeightSource", prefix: str, packed: str | None, parts: tuple[str, ...], what: str,
+            transpose: bool = True) -> "Lazy | None":
+    """The packed projection's weight, [in, out] (`transpose`; or its bias, [out]): the tensor `packed` when the
+    family packs it (Phi-3's qkv_proj, gate_up_proj: `ArchSpec.packed_proj`), else its parts concatenated on the
+    output axis. Lazy: read from `weights` when the graph's writer asks. None when there is no such tensor."""
+    from export.weight_source import Lazy
 
-    if packed:
-        return getattr(getattr(mod, packed), what)
-    tensors = [getattr(getattr(mod, p), what) for p in parts]
-    return None if tensors[0] is None else torch.cat(tensors, 0)
+    names = [f"{prefix}.{packed}.{what}"] if packed else [f"{prefix}.{p}.{what}" for p in parts]
+    if not weights.has(names[0]):
+        return None
+    shapes = [weights.dims_shape(n) for n in names]
+    out = sum(s[0] for s in shapes)
+
+    def value() -> np.ndarray:
+        w = np.concatenate([weights.get(n) for n in names], 0) if len(names) > 1 else weights.get(names[0])
+        return w.T if transpose and w.ndim == 2 else w
+
+    return Lazy((shapes[0][1], out) if transpose and len(shapes[0]) == 2 else (out, *shapes[0][1:]), value)
 
 
-def _write(model, cfg: dict, dst: Path, data: "TensorFile", opset: int) -> None:
-    import onnx
+def _transposed(weights: "WeightSource", name: str) -> "Lazy":
+    from export.weight_source import Lazy
+
+    rows, cols = weights.dims_shape(name)
+    return Lazy((cols, rows), lambda: weights.get(name).T)
+
+
+def graph(model, weights: "WeightSource", cfg: dict, tensor, opset: int = 18):
+    """The fused graph's ModelProto. `model`: the HF model's module tree (its config, rotary modules and attention
+    scaling; its parameters may be on the meta device); `weights`: where each weight is read from, by HF name;
+    `tensor(name, value)`: makes each initializer's record (value: an array, or a `Lazy` the sink may keep
+    for later), so a sink that writes to disk holds one weight at a time."""
     import torch
     from onnx import TensorProto, helper
+
+    from export.weight_source import Lazy
 
     c = model.config
     spec = arch_spec(cfg["architectures"][0])
@@ -163,14 +200,14 @@ def _write(model, cfg: dict, dst: Path, data: "TensorFile", opset: int) -> None:
     inits, nodes = [], []
 
     def const(name: str, array) -> str:
-        """An initializer from a numpy array or a torch tensor."""
-        if isinstance(array, torch.Tensor):
-            array = array.detach().float().numpy()
-        inits.append(data.tensor(name, array))
+        """An initializer from a numpy array or a `Lazy` one."""
+        inits.append(tensor(name, array))
         return name
 
-    def norm_weight(name: str, mod) -> str:
-        return const(name, mod.weight.detach().float() + spec.norm_offset)
+    def norm_weight(name: str, src: str | None = None) -> str:
+        """An RMSNorm's weight, scaled by (offset + weight); read from the tensor `src` (default: `name`)."""
+        src = src or name
+        return const(name, Lazy(weights.dims_shape(src), lambda: weights.get(src) + spec.norm_offset))
 
     def node(op: str, ins: list[str], outs: list[str], name: str, **attrs):
         contrib = ("SkipSimplifiedLayerNormalization", "GroupQueryAttention", "RotaryEmbedding", "FastGelu")
@@ -241,12 +278,12 @@ def _write(model, cfg: dict, dst: Path, data: "TensorFile", opset: int) -> None:
         positions[t.cos] = pos
         return pos
 
-    def head_norm(x: str, heads: int, mod, name: str, p: str) -> str:
+    def head_norm(x: str, heads: int, src: str, name: str, p: str) -> str:
         """Per-head RMSNorm: [B, S, heads*D] -> [B, S*heads, D] -> norm -> back."""
         tag = f"{p}/attn/{name}"
         x = node("Reshape", [x, const(f"{tag}/shape_in", np.array([0, -1, D], np.int64))], [f"{tag}/heads"],
                  f"{tag}/Reshape_1")
-        x = rms(x, norm_weight(f"{tag[1:].replace('/', '.')}.weight", mod), tag)
+        x = rms(x, norm_weight(f"{tag[1:].replace('/', '.')}.weight", src), tag)
         return node("Reshape", [x, const(f"{tag}/shape_out", np.array([0, -1, heads * D], np.int64))],
                     [f"{tag}/flat"], f"{tag}/Reshape_2")
 
@@ -254,22 +291,22 @@ def _write(model, cfg: dict, dst: Path, data: "TensorFile", opset: int) -> None:
         return node("RotaryEmbedding", [x, positions_for(t), t.cos, t.sin], [f"{p}/attn/{name}/out"],
                     f"{p}/attn/{name}/RotaryEmbedding", interleaved=0, num_heads=heads, rotary_embedding_dim=t.dim)
 
-    embed = const("model.embed_tokens.weight", sd.embed_tokens.weight)
+    embed = const("model.embed_tokens.weight", Lazy(weights.dims_shape("model.embed_tokens.weight"),
+                                                     lambda: weights.get("model.embed_tokens.weight")))
     pending = node("Gather", [embed, io.input_ids], ["/embed/out"], "/model/embed_tokens/Gather")
     if spec.embed_scale:  # Gemma: embeddings times sqrt(hidden), rounded to the weights' dtype as HF does
-        scale = torch.tensor(dims.hidden_size ** 0.5, dtype=sd.embed_tokens.weight.dtype).float().item()
+        scale = torch.tensor(dims.hidden_size ** 0.5, dtype=torch.float32).item()
         pending = node("Mul", [pending, const("/model/embed_tokens/scale", np.array(scale, np.float32))],
                        ["/embed/scaled"], "/model/embed_tokens/Scale")
     for i, layer in enumerate(sd.layers):
-        p = f"/model/layers.{i}"
-        attn, mlp = layer.self_attn, layer.mlp
-        x = skip_norm(pending, norm_weight(f"model.layers.{i}.input_layernorm.weight", layer.input_layernorm),
-                      f"{p}/input_layernorm")
+        p, hf = f"/model/layers.{i}", f"model.layers.{i}"
+        attn = layer.self_attn
+        x = skip_norm(pending, norm_weight(f"{hf}.input_layernorm.weight"), f"{p}/input_layernorm")
         qkv_packed, gu_packed = ("qkv_proj", "gate_up_proj") if spec.packed_proj else (None, None)
-        w = _packed(attn, qkv_packed, ("q_proj", "k_proj", "v_proj"), "weight")
-        qkv = node("MatMul", [x, const(f"model.layers.{i}.attn.qkv_proj.weight", w.T)], [f"{p}/attn/qkv_proj/out"],
+        w = _packed(weights, f"{hf}.self_attn", qkv_packed, ("q_proj", "k_proj", "v_proj"), "weight")
+        qkv = node("MatMul", [x, const(f"model.layers.{i}.attn.qkv_proj.weight", w)], [f"{p}/attn/qkv_proj/out"],
                    f"{p}/attn/qkv_proj/MatMul")
-        bias = _packed(attn, qkv_packed, ("q_proj", "k_proj", "v_proj"), "bias")
+        bias = _packed(weights, f"{hf}.self_attn", qkv_packed, ("q_proj", "k_proj", "v_proj"), "bias")
         if bias is not None:
             qkv = node("Add", [qkv, const(f"model.layers.{i}.attn.qkv_proj.bias", bias)], [f"{p}/attn/qkv_bias/out"],
                        f"{p}/attn/qkv_proj/Add")
@@ -291,7 +328,8 @@ def _write(model, cfg: dict, dst: Path, data: "TensorFile", opset: int) -> None:
             node("Split", [qkv, const(f"{p}/attn/split", np.array([N * D, KV * D, KV * D], np.int64))], [q, k, v],
                  f"{p}/attn/qkv_proj/Split", axis=-1)
             if spec.qk_norm:
-                q, k = head_norm(q, N, attn.q_norm, "q_norm", p), head_norm(k, KV, attn.k_norm, "k_norm", p)
+                q = head_norm(q, N, f"{hf}.self_attn.q_norm.weight", "q_norm", p)
+                k = head_norm(k, KV, f"{hf}.self_attn.k_norm.weight", "k_norm", p)
             if rotates:
                 q, k = rotate(q, N, table, "q_rotary", p), rotate(k, KV, table, "k_rotary", p)
             qkv_in, rot_in = [q, k, v], []
@@ -299,19 +337,16 @@ def _write(model, cfg: dict, dst: Path, data: "TensorFile", opset: int) -> None:
                  [*qkv_in, io.past_key.format(i=i), io.past_value.format(i=i), io.seqlens_k, io.total_sequence_length,
                   *rot_in],
                  [f"{p}/attn/out", io.present_key.format(i=i), io.present_value.format(i=i)], f"{p}/attn/GQA", **attrs)
-        o = node("MatMul", [a, const(f"model.layers.{i}.attn.o_proj.weight", attn.o_proj.weight.T)],
+        o = node("MatMul", [a, const(f"model.layers.{i}.attn.o_proj.weight", _transposed(weights, f"{hf}.self_attn.o_proj.weight"))],
                  [f"{p}/attn/o_proj/out"], f"{p}/attn/o_proj/MatMul")
         if spec.sandwich_norm:  # Gemma 3: the block's output is normed before it joins the residual
-            o = rms(o, norm_weight(f"model.layers.{i}.post_attention_layernorm.weight", layer.post_attention_layernorm),
-                    f"{p}/post_attention_layernorm")
-            x = skip_norm(o, norm_weight(f"model.layers.{i}.pre_feedforward_layernorm.weight",
-                                         layer.pre_feedforward_layernorm), f"{p}/pre_feedforward_layernorm")
+            o = rms(o, norm_weight(f"{hf}.post_attention_layernorm.weight"), f"{p}/post_attention_layernorm")
+            x = skip_norm(o, norm_weight(f"{hf}.pre_feedforward_layernorm.weight"), f"{p}/pre_feedforward_layernorm")
         else:
-            x = skip_norm(o, norm_weight(f"model.layers.{i}.post_attention_layernorm.weight",
-                                         layer.post_attention_layernorm), f"{p}/post_attention_layernorm")
-        inter = mlp.down_proj.in_features
-        w = _packed(mlp, gu_packed, ("gate_proj", "up_proj"), "weight")
-        gu = node("MatMul", [x, const(f"model.layers.{i}.mlp.gate_up_proj.weight", w.T)], [f"{p}/mlp/gate_up_proj/out"],
+            x = skip_norm(o, norm_weight(f"{hf}.post_attention_layernorm.weight"), f"{p}/post_attention_layernorm")
+        inter = weights.dims_shape(f"{hf}.mlp.down_proj.weight")[1]
+        w = _packed(weights, f"{hf}.mlp", gu_packed, ("gate_proj", "up_proj"), "weight")
+        gu = node("MatMul", [x, const(f"model.layers.{i}.mlp.gate_up_proj.weight", w)], [f"{p}/mlp/gate_up_proj/out"],
                   f"{p}/mlp/gate_up_proj/MatMul")
         split = const(f"{p}/mlp/split", np.array([inter, inter], np.int64))
         node("Split", [gu, split], [f"{p}/mlp/gate", f"{p}/mlp/up"], f"{p}/mlp/Split", axis=-1)
@@ -321,12 +356,13 @@ def _write(model, cfg: dict, dst: Path, data: "TensorFile", opset: int) -> None:
         else:  # gelu_pytorch_tanh: ONNX Runtime's FastGelu is the tanh approximation
             node("FastGelu", [f"{p}/mlp/gate"], [f"{p}/mlp/act_gate"], f"{p}/mlp/FastGelu")
         node("Mul", [f"{p}/mlp/act_gate", f"{p}/mlp/up"], [f"{p}/mlp/act"], f"{p}/mlp/GateMul")
-        pending = node("MatMul", [f"{p}/mlp/act", const(f"model.layers.{i}.mlp.down_proj.weight", mlp.down_proj.weight.T)],
+        pending = node("MatMul", [f"{p}/mlp/act", const(f"model.layers.{i}.mlp.down_proj.weight",
+                                                         _transposed(weights, f"{hf}.mlp.down_proj.weight"))],
                        [f"{p}/mlp/down_proj/out"], f"{p}/mlp/down_proj/MatMul")
         if spec.sandwich_norm:
-            pending = rms(pending, norm_weight(f"model.layers.{i}.post_feedforward_layernorm.weight",
-                                               layer.post_feedforward_layernorm), f"{p}/post_feedforward_layernorm")
-    x = skip_norm(pending, norm_weight("model.norm.weight", sd.norm), "/model/norm")
+            pending = rms(pending, norm_weight(f"{hf}.post_feedforward_layernorm.weight"),
+                          f"{p}/post_feedforward_layernorm")
+    x = skip_norm(pending, norm_weight("model.norm.weight"), "/model/norm")
     # only the rows the caller asks for reach the LM head: hidden [B, S, H] -> [B, K, H] at logit_positions
     idx = node("Unsqueeze", [io.logit_positions, const("/logits/axis2", np.array([2], np.int64))],
                ["/logits/index"], "/logits/Unsqueeze")  # [B, K, 1]
@@ -334,7 +370,7 @@ def _write(model, cfg: dict, dst: Path, data: "TensorFile", opset: int) -> None:
     if dims.tie_word_embeddings:  # Transpose(embedding): the quantize stage unties it into one shared INT8 table
         head = node("Transpose", [embed], ["/lm_head/weight_T"], "/lm_head/Transpose", perm=[1, 0])
     else:
-        head = const("lm_head.weight", model.lm_head.weight.T)
+        head = const("lm_head.weight", _transposed(weights, "lm_head.weight"))
     cap = getattr(c, "final_logit_softcapping", None)
     node("MatMul", [x, head], ["/lm_head/out" if cap else io.logits], "/lm_head/MatMul")
     if cap:  # Gemma: logits = cap * tanh(logits / cap)
@@ -354,7 +390,6 @@ def _write(model, cfg: dict, dst: Path, data: "TensorFile", opset: int) -> None:
             inputs.append(helper.make_tensor_value_info(past.format(i=i), TensorProto.FLOAT, kv_shape))
             outputs.append(helper.make_tensor_value_info(present.format(i=i), TensorProto.FLOAT,
                                                          [io.batch_axis, KV, "present_sequence_length", D]))
-    graph = helper.make_graph(nodes, "edgechat-fused-decoder", inputs, outputs, inits)
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)],
-                              producer_name="edgechat", ir_version=8)
-    onnx.save_model(proto, str(dst / "model.onnx"))  # the graph alone: its weights are in model.onnx.data
+    g = helper.make_graph(nodes, "edgechat-fused-decoder", inputs, outputs, inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)],
+                             producer_name="edgechat", ir_version=8)

@@ -167,6 +167,18 @@ class GraphWeights:
         self.model = load_graph(self.path)
         self._edits: dict[str, Value] = {}
         self._orig: dict = {}  # records of edited tensors as they were on disk
+        self._sources: dict[str, Value] = {}  # a graph made in memory: where its tensors' values come from
+        self._dropped: dict[str, Value] = {}  # edits of removed tensors, for computed edits that read them
+
+    @classmethod
+    def in_memory(cls, model, base: Path, sources: dict[str, Value]) -> "GraphWeights":
+        """A graph built in memory (never saved yet) whose large tensors are `sources` (name -> array, or a
+        callable computed when read: e.g. read from a checkpoint one tensor at a time). Their records in `model`
+        carry dims and type only. They count as stored: edits and removals work as on a graph read from disk."""
+        gw = cls.__new__(cls)
+        gw.path, gw.base, gw.model = Path(base) / "model.onnx", Path(base), model
+        gw._edits, gw._orig, gw._sources, gw._dropped = {}, {}, dict(sources), {}
+        return gw
 
     @property
     def edited(self) -> bool:
@@ -190,8 +202,8 @@ class GraphWeights:
 
     def array(self, name: str) -> np.ndarray:
         """The tensor's current value: an edit if there is one, else read from its file (a fresh array)."""
-        if name in self._edits:
-            v = self._edits[name]
+        v = self._edits.get(name, self._dropped.get(name))
+        if v is not None:
             return v() if callable(v) else v
         return self.stored(name)
 
@@ -217,6 +229,9 @@ class GraphWeights:
     def _read(self, init) -> np.ndarray:
         from onnx import helper, numpy_helper
 
+        if init.name in self._sources:
+            v = self._sources[init.name]
+            return v() if callable(v) else v
         ext = _external(init)
         if ext is None:
             return numpy_helper.to_array(init)
@@ -256,11 +271,12 @@ class GraphWeights:
         self._edits[name] = value
 
     def remove(self, name: str) -> None:
-        """Drop a tensor from the graph; a computed edit that reads it (`stored`) still can until the save."""
+        """Drop a tensor from the graph; a computed edit that reads it (`array`, `stored`) still can until the save."""
         init = self.initializer(name)
         self._keep_stored(init)
         self.model.graph.initializer.remove(init)
-        self._edits.pop(name, None)
+        if name in self._edits:
+            self._dropped[name] = self._edits.pop(name)
 
     def _keep_stored(self, init) -> None:
         """Before a record is rewritten or removed: remember where its stored value is, for `stored`."""
@@ -309,7 +325,7 @@ class GraphWeights:
             a.CopyFrom(b)
         for a, b in zip(attribute_tensors(self.model), attribute_tensors(out)):
             a.CopyFrom(b)
-        self.path, self.base, self._edits, self._orig = dst, dst.parent, {}, {}
+        self.path, self.base, self._edits, self._orig, self._sources, self._dropped = dst, dst.parent, {}, {}, {}, {}
         return written
 
     def _write_tensor(self, f, init, data_name: str, editable: bool = True) -> int:
@@ -323,6 +339,9 @@ class GraphWeights:
             if (data.shape, data.dtype) != want:
                 raise ValueError(f"edit of {init.name!r} is {data.dtype}{list(data.shape)}, its record says "
                                  f"{want[1]}{list(want[0])}")
+            chunks, nbytes = [data.reshape(-1).view(np.uint8)], data.nbytes
+        elif init.name in self._sources:
+            data = np.ascontiguousarray(self._read(init))
             chunks, nbytes = [data.reshape(-1).view(np.uint8)], data.nbytes
         elif ext is not None:
             nbytes = tensor_nbytes(init)  # "length" is optional in external data records

@@ -31,6 +31,7 @@ from edge import precisions
 from edge.errors import RecipeError
 from edge.precisions import INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
 from export.embedding import quantize_embedding
+from export.nbits import nbits_bytes, quantize_matmuls as _nbits  # noqa: F401 - nbits_bytes: the quantizer's API
 from export.onnx_weights import GraphWeights, graph_bytes, lm_head_matmul, untie_lm_head, weight_matmuls
 
 log = logging.getLogger("edgechat")
@@ -155,68 +156,6 @@ def _int8_dynamic(gw: GraphWeights, src: Path, dst: Path, opts: QuantizeOptions,
                      op_types_to_quantize=["MatMul"], use_external_data_format=True,
                      extra_options={"MatMulConstBOnly": True})
     return []
-
-
-def nbits_bytes(k: int, n: int, bits: int, block: int, symmetric: bool) -> int:
-    """Bytes of one MatMulNBits weight: packed levels, fp32 scales, packed zero points (asymmetric)."""
-    kb = -(-k // block)
-    return n * kb * block * bits // 8 + n * kb * 4 + (0 if symmetric else n * -(-kb * bits // 8))
-
-
-def _nbits(gw: GraphWeights, bits: int, accuracy_level: int = 4, symmetric: bool = True,
-           special: dict[str, tuple[int, int]] | None = None, rounding: str = "minmax", block_size: int = 32,
-           hessian: Callable[[str], np.ndarray] | None = None) -> None:
-    """MatMulNBits over every weight MatMul, blocks of `block_size`; the `special` ones (name -> (bits, block size))
-    quantized symmetric (so a tied embedding can gather its rows from the LM head's table). `hessian`
-    (this graph's MatMul name -> its input's X^T X) is what "gptq" rounding needs.
-
-    One weight at a time, read from disk, rounded by GPTQ (export/gptq.py, any bits, symmetric or not), by
-    k-quant search (4-bit asymmetric) or by ONNX Runtime's own block quantizer (min-max, the one
-    `MatMulNBitsQuantizer` calls), its MatMul replaced in place: memory holds one fp32 tensor at a time."""
-    from onnx import helper
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
-
-    special = special or {}
-    model = gw.model
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    quantizers: dict[tuple[int, int, bool], DefaultWeightOnlyQuantizer] = {}
-    for node in weight_matmuls(model):
-        b, block = special.get(node.name, (bits, block_size))
-        sym = True if node.name in special else symmetric
-        key = (b, block, sym)
-        if key not in quantizers:
-            quantizers[key] = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
-                block_size=block, is_symmetric=sym, accuracy_level=accuracy_level, bits=b))
-        w = gw.array(node.input[1]).astype(np.float32, copy=False)
-        k, n = w.shape
-        if rounding == "gptq" or rounding == "kquant" and not sym and b == 4:
-            from export.int4 import block_quant, pack
-
-            if rounding == "gptq":
-                from export.gptq import gptq_block_quant
-
-                if hessian is None:
-                    raise ValueError("gptq rounding needs the inputs' statistics (hessian=)")
-                q, scales, zp = gptq_block_quant(w, hessian(node.name), b, block, symmetric=sym)
-            else:
-                q, scales, zp = block_quant(w, b, block, "kquant")
-            packed, zero_points = pack(q, zp, b)
-        else:
-            packed, scales, zero_points = quantizers[key].qbits_block_quant(w)
-        del w
-        wname = node.input[1]
-        gw.set(wname + f"_Q{b}", packed)
-        gw.set(wname + "_scales", scales)
-        inputs = [node.input[0], wname + f"_Q{b}", wname + "_scales"]
-        if not sym:
-            gw.set(wname + "_zero_points", zero_points)
-            inputs.append(wname + "_zero_points")
-        attrs = dict(K=k, N=n, bits=b, block_size=block) | ({"accuracy_level": accuracy_level} if accuracy_level else {})
-        q = helper.make_node("MatMulNBits", inputs, list(node.output), name=node.name + f"_Q{b}",
-                             domain="com.microsoft", **attrs)
-        node.CopyFrom(q)  # in place: the graph keeps its order
-    gw.drop_unused()
 
 
 def calibration_feeds(hf_dir: Path, opts: QuantizeOptions, num_layers: int, kv_heads: int, head_dim: int) -> list[dict]:

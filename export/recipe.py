@@ -75,6 +75,9 @@ class BuildOptions:
     ram_check: bool = True  # refuse a build whose planned peak memory exceeds this machine's RAM
     threads: int | None = None
     fused: bool = True  # write the fused ONNX Runtime graph and quantize the CPU/CUDA engines from it
+    # write int8-dynamic / int4-weight straight from the checkpoint, one tensor at a time (export/stream_build.py):
+    # memory bounded by the largest tensor, not the model; no fp32 graph, so no parity, evaluate or GPTQ yet
+    streaming: bool = False
     prune: PruneOptions | None = None  # [prune] section: None = keep the model's size
     distill: DistillOptions | None = None  # [distill] section: only after a prune
     draft: DraftOptions | None = None  # [draft] section / --draft: a draft model shipped in the bundle
@@ -108,6 +111,10 @@ class BuildOptions:
             raise RecipeError("a draft model is checked by a fused CPU engine (int8-dynamic or int4-weight), which this "
                               f"build does not make (it builds {', '.join(self.precisions)}"
                               f"{', --no-fused' if not self.fused else ''}): add --precision int8-dynamic")
+        if self.streaming:
+            from export.stream_build import check_options
+
+            check_options(self)
         if self.distill is not None and self.prune is None:
             raise RecipeError("distill needs a prune stage before it (a [prune] section or --prune RATIO): "
                               "distilling a model into itself teaches it nothing")
@@ -162,6 +169,7 @@ class BuildOptions:
                     fresh=a.fresh or None, reuse_stale=getattr(a, "reuse_stale", False) or None, online=a.online or None,
                     chat_template=getattr(a, "chat_template", None),
                     fused=False if getattr(a, "no_fused", False) else None,
+                    streaming=getattr(a, "streaming", False) or None,
                     int4_budget_mb=getattr(a, "int4_budget_mb", None),
                     int4_block_size=getattr(a, "int4_block", None), int4_lm_head_bits=getattr(a, "int4_head_bits", None),
                     int4_rounding=getattr(a, "int4_rounding", None), int8_rounding=getattr(a, "int8_rounding", None),
@@ -211,13 +219,15 @@ def build(opts: BuildOptions, log=print, verbose: bool = False, quiet: bool = Fa
         from export.build_memory import check_fits
         from export.model_source import describe
 
-        check_fits(describe(opts.model)[1], ref.name, opts.precisions)
+        check_fits(describe(opts.model)[1], ref.name, opts.precisions, streaming=opts.streaming)
     work = opts.work
     work.mkdir(parents=True, exist_ok=True)
 
     def stage(name: str, params: dict, fn):
         base = name.removeprefix("draft-")  # the draft's stages run the same modules
         code = STAGE_CODE["quantize" if base.startswith("quantize-") else base]
+        code = "export.stream_build" if opts.streaming and base in ("load", *(f"quantize-{p}" for p in opts.precisions)) \
+            else code
         return run_stage(work, name, params, fn, opts.fresh, log, code=code, reuse_stale=opts.reuse_stale,
                          verbose=verbose, quiet=quiet)
 
@@ -227,6 +237,13 @@ def build(opts: BuildOptions, log=print, verbose: bool = False, quiet: bool = Fa
     load_params = {"model": f"{ref.kind}:{ref.location}:{ref.gguf_file}"}
     if template is not None:  # another template is another load (its digest: the same file reuses the stage)
         load_params["chat_template_sha256"] = hashlib.sha256(template.encode()).hexdigest()
+    if opts.streaming:
+        from export import stream_build
+
+        hf_dir, rec = stage("load", load_params | {"streamed": True},
+                            lambda d: stream_build.load(ref, d, chat_template=template))
+        engines, recs = stream_build.stages(stage, opts, hf_dir, rec.finished, _quantize_options)
+        return _package(opts, hf_dir, engines, [rec, *recs], [], {}, None, work, verbose, log)
     hf_dir, rec = stage("load", load_params, lambda d: load.run(ref, d, online=opts.online, chat_template=template))
     records.append(rec)
     if opts.draft is not None:  # what would fail after hours of building fails now
@@ -331,6 +348,12 @@ def build(opts: BuildOptions, log=print, verbose: bool = False, quiet: bool = Fa
         golden = results.get("golden", [])
         extra = {p.name: p for p in sorted(edir.iterdir()) if p.suffix in (".png", ".html", ".md")}
         extra = {f"report/{k}": v for k, v in extra.items()}
+    return _package(opts, hf_dir, engines, records, golden, extra, draft, work, verbose, log)
+
+
+def _package(opts: BuildOptions, hf_dir: Path, engines: list, records: list, golden: list, extra: dict, draft,
+             work: Path, verbose: bool, log) -> Bundle:
+    from export import package
     from export.stages import guarded
 
     with guarded("package", work / "package.log.txt", verbose, progress=False) as mem:
