@@ -6,7 +6,7 @@ builder derives its optimization profiles from its dynamic axes.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from edge.errors import ManifestError
 
@@ -109,8 +109,13 @@ FUSED_IO = DecoderIO(attention_mask="", position_ids="", past_axis="max_sequence
                      total_sequence_length="total_sequence_length", logit_positions="logit_positions")
 
 
-def io_for_variant(variant: str) -> DecoderIO:
-    """The contract a graph variant follows: "plain" (optimum's trace, standard ops) or "fused"."""
+def io_for_variant(variant: str, kv_cache: str = "") -> DecoderIO:
+    """The contract a graph variant follows: "plain" (optimum's trace, standard ops) or "fused"; `kv_cache`
+    "int8": the fused graph with an int8 cache (export/kv_int8.py writes the scale tensors these names say)."""
     if variant not in ("plain", "fused"):
         raise ValueError(f"unknown graph variant {variant!r}: plain or fused")
+    if kv_cache == KV_INT8:
+        if variant != "fused":
+            raise ValueError("an int8 KV cache is written into the fused graph only")
+        return replace(FUSED_IO, kv_cache=KV_INT8, kv_scale_key="kv_scale.{i}.key", kv_scale_value="kv_scale.{i}.value")
     return FUSED_IO if variant == "fused" else DecoderIO()

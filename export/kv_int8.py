@@ -27,7 +27,7 @@ import numpy as np
 
 from edge.bundle import ModelDims
 from edge.errors import RecipeError
-from edge.io_contract import FUSED_IO, KV_CACHES, DecoderIO, KV_INT8
+from edge.io_contract import FUSED_IO, KV_CACHES, KV_INT8, DecoderIO, io_for_variant
 
 V_MARGIN = 1.25  # V's scale covers 1.25x the largest calibration value (measured: docs/speed.md)
 QMAX = 127
@@ -43,11 +43,9 @@ def check_kv_cache(value: str) -> str:
     return value
 
 
-def int8_io(io: DecoderIO = FUSED_IO) -> DecoderIO:
+def int8_io() -> DecoderIO:
     """The fused contract with an int8 cache: the scale initializers' names are part of it."""
-    import dataclasses
-
-    return dataclasses.replace(io, kv_cache=KV_INT8, kv_scale_key="kv_scale.{i}.key", kv_scale_value="kv_scale.{i}.value")
+    return io_for_variant("fused", KV_INT8)
 
 
 def calibration_ids(hf_dir: Path, texts: int = CALIBRATION_TEXTS, tokens: int = CALIBRATION_TOKENS,

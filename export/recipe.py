@@ -315,7 +315,7 @@ def build(opts: BuildOptions, log=print, verbose: bool = False, quiet: bool = Fa
                               dataclasses.asdict(qopts) | {"export": exported, "variant": variant},
                               lambda d, q=qopts, s=src_dir: quantize.run(s, hf_dir, d, q))
         records.append(rec)
-        kv_cache = "float"
+        kv_cache = ""
         if opts.kv_cache == "int8" and variant == "fused":  # the shipped graph's own K/V ranges set its scales
             from export import kv_int8
 
@@ -468,7 +468,8 @@ def _draft_stages(stage, opts: BuildOptions, target_dir: Path, target_from: str,
                                        "data": opts.calibration}
     arec_dir, arec = stage("draft-acceptance", aparams,
                            lambda dst: dm.measure(target.folder / "model.onnx", target.variant, target_dir, draft_root, dst, d,
-                                                  opts.max_context, opts.threads, opts.calibration))
+                                                  opts.max_context, opts.threads, opts.calibration,
+                                                  target_kv_cache=target.kv_cache))
     log(f"[draft] {dm.describe(arec.metrics)}")
     if (arec.metrics.get("speedup_here") or 0) < 1:
         log(f"[draft] WARNING: drafting was slower than plain decoding here ({arec.metrics['speedup_here']:.2f}x at "
