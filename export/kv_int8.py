@@ -5,8 +5,9 @@ each new key/value into the in-place buffer with a scale given as an input and d
 (attributes k_quant_type / v_quant_type, kv_cache_bit_width=8; inputs k_scale, v_scale). The scales are
 static, PER_TENSOR or PER_CHANNEL ([1, kv_heads, 1, head_dim]); a per-token scale would have to be written
 by the op for each new token, which it does not do. So this stage calibrates one scale per layer, KV head
-and channel on calibration text and writes them into the graph (docs/speed.md, "The 8-bit KV cache", has
-what that costs in KL and speed against a per-token cache kept outside the op).
+and channel on calibration text and writes them into the graph. A per-token cache kept outside the op would
+be dequantized to float before every step, which costs more than the step saves (docs/speed.md, "The 8-bit
+KV cache", measured both).
 
 - K: a rotary layer turns channel j with channel j + d/2 by an angle that depends on the position, so what
   channel j holds at a position never seen in calibration is bounded by the pair's norm, not by the
@@ -29,7 +30,7 @@ from edge.bundle import ModelDims
 from edge.errors import RecipeError
 from edge.io_contract import FUSED_IO, KV_CACHES, KV_INT8, DecoderIO, io_for_variant
 
-V_MARGIN = 1.25  # V's scale covers 1.25x the largest calibration value (measured: docs/speed.md)
+V_MARGIN = 1.25  # V's scale covers 1.25x the largest calibration value: headroom chosen, not tuned (docs/speed.md)
 QMAX = 127
 CALIBRATION_TOKENS = 1024  # per calibration text: long enough that late positions are seen
 CALIBRATION_TEXTS = 8  # half training prose, half calibration chats

@@ -69,6 +69,8 @@ def test_the_manifest_records_the_int8_cache_and_the_runtime_binds_int8(kv8_bund
     assert cache.arrays[0].dtype == np.int8 and ref.arrays[0].dtype == np.float32
     per_token = sum(a.nbytes for a in cache.arrays) / 64
     assert per_token * 4 == sum(a.nbytes for a in ref.arrays) / 64  # a quarter of fp32's, half of fp16's
+    r = run_cli("edge.cli", "info", str(kv8_bundle.root))
+    assert r.returncode == 0 and "onnx/int8-dynamic/fused int8-KV" in r.stdout, r.stdout + r.stderr
 
 
 def test_int8_logits_stay_close_to_the_float_cache(kv8_gen, float_twin):
