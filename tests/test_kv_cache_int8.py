@@ -25,18 +25,18 @@ def _build(root, model_dir, **kw):
     from export.recipe import BuildOptions, build
 
     return build(BuildOptions(output=root / "b.bundle", model=str(model_dir), precisions=("int8-dynamic",),
-                              max_context=256, calibration_samples=8, skip_eval=True, **kw), log=lambda s: None)
+                              max_context=256, calibration_samples=8, **kw), log=lambda s: None)
 
 
 @pytest.fixture(scope="module")
 def kv8_bundle(tmp_path_factory, tiny_model_dir):
-    return _build(tmp_path_factory.mktemp("kv8"), tiny_model_dir, kv_cache="int8")
+    return _build(tmp_path_factory.mktemp("kv8"), tiny_model_dir, kv_cache="int8", eval_samples=2)
 
 
 @pytest.fixture(scope="module")
 def float_bundle(tmp_path_factory, tiny_model_dir):
     """The same build without the flag (what every bundle was before it)."""
-    return _build(tmp_path_factory.mktemp("kvfloat"), tiny_model_dir)
+    return _build(tmp_path_factory.mktemp("kvfloat"), tiny_model_dir, skip_eval=True)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,7 @@ def test_the_manifest_records_the_int8_cache_and_the_runtime_binds_int8(kv8_bund
     assert io["kv_cache"] == "int8" and io["kv_scale_key"] == "kv_scale.{i}.key" and m["schema_version"] == 7
     stage = next(s for s in m["stages"] if s["name"] == "kv-int8-int8-dynamic")
     assert stage["metrics"]["layers"] == 2 and stage["metrics"]["calibration_texts"] == 8
+    assert m["engines"][0]["quality"]["kl_to_fp32"] >= 0  # the evaluate stage ran the int8-KV engine
     dec = kv8_gen.decoder
     assert dec.io.kv_int8
     cache, ref = dec.new_cache(capacity=64), float_twin.new_cache(capacity=64)
@@ -137,6 +138,12 @@ def test_a_bad_kv_cache_value_is_one_clear_error(tiny_model_dir, tmp_path):
         BuildOptions(output=tmp_path / "b", kv_cache="int4")
     with pytest.raises(RecipeError, match="fused CPU graph"):
         BuildOptions(output=tmp_path / "b", precisions=("fp32",), kv_cache="int8")
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[build]\nprecisions = ["int8-dynamic"]\nkv_cache = "int8"\n')
+    assert BuildOptions.from_toml(recipe, output=tmp_path / "b").kv_cache == "int8"  # the recipe key
+    recipe.write_text('[build]\nkv_cache = "q8_0"\n')
+    with pytest.raises(RecipeError, match="got 'q8_0'"):
+        BuildOptions.from_toml(recipe, output=tmp_path / "b")
     r = run_cli("export.cli", "build", str(tiny_model_dir), "-o", str(tmp_path / "b"), "--kv-cache", "fp8")
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
