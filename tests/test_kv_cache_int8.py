@@ -144,10 +144,11 @@ def test_a_bad_kv_cache_value_is_one_clear_error(tiny_model_dir, tmp_path):
     recipe.write_text('[build]\nkv_cache = "q8_0"\n')
     with pytest.raises(RecipeError, match="got 'q8_0'"):
         BuildOptions.from_toml(recipe, output=tmp_path / "b")
-    r = run_cli("export.cli", "build", str(tiny_model_dir), "-o", str(tmp_path / "b"), "--kv-cache", "fp8")
-    assert r.returncode != 0
-    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and "--kv-cache must be one of float, int8, got 'fp8'" in lines[0], r.stderr
+    for argv in (("build", str(tiny_model_dir), "-o", str(tmp_path / "b"), "--kv-cache", "fp8"),
+                 ("plan", "--target", "t4", "--kv-cache", "fp8")):
+        r = run_cli("export.cli", *argv)
+        assert r.returncode == 2 and r.stderr.strip() == "error: --kv-cache must be one of float, int8, got 'fp8'", \
+            r.stderr
 
 
 def test_the_planner_counts_one_byte_per_element_for_the_fused_engines():
