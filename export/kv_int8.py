@@ -21,7 +21,6 @@ int8 and its contract (`edge.io_contract.DecoderIO.kv_cache` and the scale names
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
