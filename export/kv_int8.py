@@ -107,7 +107,7 @@ def scales_from_ranges(ranges: dict, v_margin: float = V_MARGIN) -> tuple[np.nda
 def convert(src: Path, dst: Path, k_scale: np.ndarray, v_scale: np.ndarray, io: DecoderIO | None = None) -> int:
     """Write dst/model.onnx: the fused graph at src with int8 K/V buffers and these per-channel scales.
     Returns the number of attention nodes converted."""
-    from onnx import TensorProto
+    from onnx import TensorProto, helper
 
     from export.onnx_weights import GraphWeights
 
@@ -132,8 +132,6 @@ def convert(src: Path, dst: Path, k_scale: np.ndarray, v_scale: np.ndarray, io: 
             node.input.append("")
         node.input[GQA_K_SCALE:] = []
         node.input.extend(names)
-        from onnx import helper
-
         node.attribute.extend([helper.make_attribute("k_quant_type", "PER_CHANNEL"),
                                helper.make_attribute("v_quant_type", "PER_CHANNEL"),
                                helper.make_attribute("kv_cache_bit_width", 8)])
