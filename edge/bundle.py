@@ -34,7 +34,7 @@ from edge.errors import (
 )
 
 log = logging.getLogger("edgechat")
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # 2: an engine may carry its own `io` contract (the fused graph's differs from the plain one's);
 # a version-1 manifest still reads, every engine using the manifest's `io`.
 # 3: a fused engine's `io` may name `logit_positions` (the graph returns logits at those positions only);
@@ -44,7 +44,9 @@ SCHEMA_VERSION = 6
 # DecoderIO from every key and would fail on it.
 # 6: an engine's `io` may name `logit_ids` (its LM head was cut to those vocabulary ids: a draft model's), and a
 # manifest may carry `draft` (a draft model's bundle inside this one).
-READS_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
+# 7: an engine's `io` may say `kv_cache: "int8"` with its scale names (an 8-bit KV cache, export/kv_int8.py);
+# a reader of 1-6 refuses such a bundle by its version instead of binding int8 buffers as float.
+READS_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 MANIFEST = "manifest.json"
 PARTIAL_TAG = ".partial-"
 
@@ -57,7 +59,9 @@ STATE_DIR_ENV = "EDGECHAT_STATE_DIR"
 
 def schema_needed(draft: dict, engines: list) -> int:
     """The oldest schema that says what a manifest holds, so an older runtime still serves a bundle that uses
-    nothing newer (a draft or a cut LM head needs 6)."""
+    nothing newer (a draft or a cut LM head needs 6, an 8-bit KV cache 7)."""
+    if any(e.io.get("kv_cache") for e in engines):
+        return 7
     return 6 if draft or any(e.io.get("logit_ids") for e in engines) else 5
 
 

@@ -276,7 +276,8 @@ def _info(args: argparse.Namespace) -> int:
     for e in m.engines:
         fp = e.fingerprint
         q = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in e.quality.items() if not isinstance(v, (dict, list)))
-        print(f"  {e.name:14s} {fp.format}/{fp.precision}/{fp.variant} opset {fp.opset}  {q}")
+        kv = " int8-KV" if m.engine_io(e).get("kv_cache") == "int8" else ""
+        print(f"  {e.name:14s} {fp.format}/{fp.precision}/{fp.variant}{kv} opset {fp.opset}  {q}")
     print("stages   " + " -> ".join(f"{s.name} ({s.seconds:.0f}s)" for s in m.stages))
     if m.draft:
         dr, acc = m.draft, m.draft.get("acceptance", {})

@@ -6,9 +6,13 @@ builder derives its optimization profiles from its dynamic axes.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from edge.errors import ManifestError
+
+KV_FLOAT, KV_INT8 = "float", "int8"
+KV_CACHES = (KV_FLOAT, KV_INT8)  # what a graph's K/V buffers may hold (`DecoderIO.kv_cache`; "" reads as float)
+KV_BYTES = {KV_INT8: 1}  # bytes per cached K/V element where the cache type fixes it (float: the graph's dtype)
 
 
 @dataclass(frozen=True)
@@ -41,11 +45,23 @@ class DecoderIO:
     # those rows (a draft model's, export/draft.py); the runtime spreads them back over the whole vocabulary
     # (-inf elsewhere), so every caller sees [.., vocab] logits. Empty: one column per id.
     logit_ids: str = ""
+    # what the K/V buffers hold: "" or "float" (the graph's float type), "int8" (export/kv_int8.py): past and
+    # present are int8 and a value is int8 * scale, the scale a per-layer [1, kv_heads, 1, head_dim] float32
+    # initializer of the graph named by kv_scale_key / kv_scale_value ({i}: the layer). Static scales
+    # calibrated at export, so a backend (TensorRT later) can dequantize with them without measuring anything.
+    kv_cache: str = ""
+    kv_scale_key: str = ""
+    kv_scale_value: str = ""
 
     @property
     def fused(self) -> bool:
         """Shared in-place KV buffer and lengths, not a growing past and a mask."""
         return bool(self.seqlens_k)
+
+    @property
+    def kv_int8(self) -> bool:
+        """The K/V buffers hold int8 with per-channel scales (see `kv_cache`)."""
+        return self.kv_cache == KV_INT8
 
     def past_names(self, num_layers: int) -> list[str]:
         return [n.format(i=i) for i in range(num_layers) for n in (self.past_key, self.past_value)]
@@ -64,8 +80,9 @@ class DecoderIO:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if not d["logit_ids"]:  # absent unless used: a schema-5 reader refuses keys it does not know
-            del d["logit_ids"]
+        for key in ("logit_ids", "kv_cache", "kv_scale_key", "kv_scale_value"):
+            if not d[key]:  # absent unless used: an older reader refuses keys it does not know
+                del d[key]
         return d
 
     @classmethod
@@ -77,7 +94,14 @@ class DecoderIO:
         if unknown:
             raise ManifestError(f"the engine's I/O contract (manifest 'io') has keys this edgechat does not know: "
                                 f"{unknown}; upgrade edgechat or re-export the bundle")
-        return cls(**d)
+        io = cls(**d)
+        if io.kv_cache not in ("", *KV_CACHES):
+            raise ManifestError(f"the engine's I/O contract names a KV cache {io.kv_cache!r} this edgechat does not "
+                                f"know ({', '.join(KV_CACHES)}); upgrade edgechat or re-export the bundle")
+        if io.kv_int8 and not (io.fused and io.kv_scale_key and io.kv_scale_value):
+            raise ManifestError("the engine's I/O contract has an int8 KV cache without a fused graph and its scale "
+                                "names (kv_scale_key, kv_scale_value): the manifest is damaged, rebuild the bundle")
+        return io
 
 
 FUSED_IO = DecoderIO(attention_mask="", position_ids="", past_axis="max_sequence_length",
@@ -85,8 +109,13 @@ FUSED_IO = DecoderIO(attention_mask="", position_ids="", past_axis="max_sequence
                      total_sequence_length="total_sequence_length", logit_positions="logit_positions")
 
 
-def io_for_variant(variant: str) -> DecoderIO:
-    """The contract a graph variant follows: "plain" (optimum's trace, standard ops) or "fused"."""
+def io_for_variant(variant: str, kv_cache: str = "") -> DecoderIO:
+    """The contract a graph variant follows: "plain" (optimum's trace, standard ops) or "fused"; `kv_cache`
+    "int8": the fused graph with an int8 cache (export/kv_int8.py writes the scale tensors these names say)."""
     if variant not in ("plain", "fused"):
         raise ValueError(f"unknown graph variant {variant!r}: plain or fused")
+    if kv_cache == KV_INT8:
+        if variant != "fused":
+            raise ValueError("an int8 KV cache is written into the fused graph only")
+        return replace(FUSED_IO, kv_cache=KV_INT8, kv_scale_key="kv_scale.{i}.key", kv_scale_value="kv_scale.{i}.value")
     return FUSED_IO if variant == "fused" else DecoderIO()

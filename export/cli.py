@@ -25,6 +25,8 @@ def _plan(args: argparse.Namespace) -> int:
             raise EdgeChatError("give --model or --bundle, not both (a bundle says which model it holds)")
         manifest = Bundle.open(args.bundle).manifest
         name, dims = manifest.model_name, manifest.model
+        kv_cache = args.kv_cache or ("int8" if any(manifest.engine_io(e).get("kv_cache") == "int8"
+                                                   for e in manifest.engines) else "float")
         quality, runs = bundle_quality(manifest)
         precisions = args.precision or [p for p in QUALITY_ORDER if p in runs and profile.supports(p)]
         if (lacking := [p for p in precisions if p not in runs]) or not precisions:
@@ -35,6 +37,7 @@ def _plan(args: argparse.Namespace) -> int:
 
         ref, dims = describe(args.model)
         name, quality, precisions = ref.name, default_quality(), args.precision
+        kv_cache = args.kv_cache or "float"
     context = args.context or (min(2048, dims.max_context) if args.bundle else 2048)
     if args.bundle and context > dims.max_context:
         raise EdgeChatError(f"--context {context} is more than {args.bundle} holds ({dims.max_context} tokens): "
@@ -45,7 +48,7 @@ def _plan(args: argparse.Namespace) -> int:
 
         layout = Int4Layout(args.int4_block or 32, args.int4_head_bits or 8)
     opts = PlanOptions(context=context, batch=args.batch, prompt_tokens=args.prompt_tokens or min(256, context),
-                       int4_layout=layout)
+                       int4_layout=layout, kv_cache=kv_cache)
     plans = plan_all(dims, profile, opts, precisions)
     if layout and INT4_WEIGHT not in [p.precision for p in plans]:  # plan_all chose the precisions: ask it
         raise EdgeChatError(f"--int4-block/--int4-head-bits shape int4-weight, which this plan leaves out "
@@ -70,7 +73,8 @@ def _plan(args: argparse.Namespace) -> int:
           f"{dims.num_heads} heads / {dims.num_kv_heads} KV heads, head dim {dims.head_dim}")
     print(f"target  {profile.display_name} [{profile.id}]: {profile.usable_memory_gb} of {profile.memory_gb} GB usable, "
           f"{profile.memory_bandwidth_gbs} GB/s, SM {profile.compute_capability}")
-    print(f"request context {opts.context} x batch {opts.batch}, prompt {opts.prompt_tokens} tokens, answer {opts.answer_tokens}\n")
+    print(f"request context {opts.context} x batch {opts.batch}, prompt {opts.prompt_tokens} tokens, answer {opts.answer_tokens}"
+          + (", int8 KV cache on the fused engines (int8-dynamic, int4-weight)" if opts.kv_cache == "int8" else "") + "\n")
     cols = ["precision", "weights", "KV cache", "activ.", "runtime", "total", "usable", "build RAM", "fits",
             "decode tok/s≤", "prefill", "100-tok answer", "expected KL"]
     rows = []
@@ -203,6 +207,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--int4-block", type=int, choices=INT4_BLOCKS, metavar="N",
                    help="int4-weight: plan this block size only (default: the best of 32, 64, 128 that fits)")
     p.add_argument("--int4-head-bits", type=int, choices=(4, 8), help="int4-weight: plan the LM head at these bits only")
+    p.add_argument("--kv-cache", metavar="TYPE",
+                   help="float or int8: the K/V cache the fused engines (int8-dynamic, int4-weight) keep, as "
+                        "edge-export build --kv-cache makes it (default: float, or what --bundle's engines hold)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_plan)
 
@@ -245,6 +252,10 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--streaming", action="store_true",
                    help="write int8-dynamic / int4-weight straight from a safetensors checkpoint, one tensor at a time: "
                         "memory bounded by the largest tensor, not the model (round to nearest, with --skip-eval)")
+    b.add_argument("--kv-cache", metavar="TYPE",
+                   help="what the fused CPU engines' K/V cache holds: float (default) or int8 (half of fp16's, a "
+                        "quarter of fp32's bytes per token; per-channel scales calibrated here; the manifest records "
+                        "it; recipe key kv_cache; docs/speed.md)")
     b.add_argument("--online", action="store_true", help="allow hub downloads (default: offline, HF_HUB_OFFLINE=1)")
     b.add_argument("--prune", type=Bounded(float, 0, 1, above=True), metavar="RATIO",
                    help="prune to this fraction of the parameters (e.g. 0.6), then distill (see [prune] in a recipe)")

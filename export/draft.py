@@ -178,7 +178,7 @@ def vocab_size(hf_dir: Path) -> int:
 
 
 def measure(target_onnx: Path, target_variant: str, hf_dir: Path, draft_root: Path, dst: Path, opts: DraftOptions,
-            max_context: int, threads: int | None = None, data: str | None = None) -> dict:
+            max_context: int, threads: int | None = None, data: str | None = None, target_kv_cache: str = "") -> dict:
     """Greedy answers to held-out chats, each twice on the target's engine through the scheduler's loop (what
     edge-chat runs): plainly and with the draft proposing k tokens at every step (`RowSpeculator.fixed`),
     interleaved. Acceptance (accepted / drafted), tokens per target call, both speeds here, and whether the
@@ -197,8 +197,8 @@ def measure(target_onnx: Path, target_variant: str, hf_dir: Path, draft_root: Pa
     from export.data import load_chats
     from export.load import chat_tokenizer, model_dims
 
-    target = OrtDecoder(target_onnx, model_dims(hf_dir, max_context), io_for_variant(target_variant), threads=threads,
-                        name="target")
+    target = OrtDecoder(target_onnx, model_dims(hf_dir, max_context), io_for_variant(target_variant, target_kv_cache),
+                        threads=threads, name="target")
     if not can_verify(target):
         raise RecipeError(f"the draft's acceptance is measured on a target engine that checks drafts; a "
                           f"{target_variant} graph on CPU does not (int8-dynamic or int4-weight do)")

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from edge.io_contract import io_for_variant
 from edge.decode.generate import Generator
 from edge.backends.onnxruntime import OrtDecoder
 from edge.decode.sampling import SamplingConfig
@@ -236,7 +235,7 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
     for e in engines:
         t0 = time.perf_counter()
         decs[e.name] = OrtDecoder(e.folder / "model.onnx", model_dims(getattr(e, "dims_dir", None) or hf_dir, opts.max_context),
-                                  io_for_variant(e.variant), threads=opts.threads, name=e.name, precision=e.precision)
+                                  e.io, threads=opts.threads, name=e.name, precision=e.precision)
         timing[e.name] = {"load_s": time.perf_counter() - t0, "score_s": 0.0, "scored_tokens": 0}
     ref = "teacher" if "teacher" in decs else FP32
     chats = load_chats(opts.data, "evaluation", opts.samples)

@@ -30,6 +30,12 @@ class EngineArtifact:
     lineage: bool = False  # teacher / pruned-only: quality and speed measured, no golden answers
     reference: bool = False  # the fp32 graph every engine is compared with: measured in full even when not shipped
     logit_ids: Path | None = None  # a cut LM head's vocabulary ids (.npy; export/draft.py), shipped beside the graph
+    kv_cache: str = ""  # "int8": the fused graph's K/V buffers are int8 (export/kv_int8.py); its io says so
+
+    @property
+    def io(self) -> DecoderIO:
+        """The contract the graph follows (what the manifest records, and what evaluation binds)."""
+        return io_for_variant(self.variant, self.kv_cache)
 
 
 @dataclass
@@ -92,7 +98,7 @@ def run(hf_dir: Path, engines: list[EngineArtifact], stages: list[StageRecord], 
                 quality["tensorrt_check"] = {"compatible": rep.compatible, "problems": rep.problems,
                                              "opset": rep.opset, "qdq_nodes": rep.quantize_nodes + rep.dequantize_nodes,
                                              "tensorrt_version": trt_compat.DEFAULT_TENSORRT}  # the op table's
-            io = io_for_variant(e.variant)
+            io = e.io
             if e.logit_ids is not None:
                 shutil.copy2(e.logit_ids, edir / e.logit_ids.name)
                 io = dataclasses.replace(io, logit_ids=f"engines/{e.name}/{e.logit_ids.name}")

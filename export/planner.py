@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from edge import precisions
 from edge.bundle import ModelDims
 from edge.errors import RecipeError
-from edge.io_contract import DecoderIO
+from edge.io_contract import KV_BYTES, KV_INT8, DecoderIO
 from edge.precisions import BF16, FP8, FP16, FP32, INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
 from edge.device.profiles import DeviceProfile
 from edge.backends.tensorrt.settings import TENSORRT_BUILD_RAM_FACTOR
@@ -82,8 +82,14 @@ class PlanOptions:
     prompt_tokens: int = 256
     answer_tokens: int = 100
     int4_layout: Int4Layout | None = None  # None: the best of INT4_LAYOUTS that fits
+    # the fused engines' K/V cache (`edge-export build --kv-cache`): "int8" counts one byte per K/V element for
+    # the precisions that run the fused graph (int8-dynamic, int4-weight); the others keep a float cache
+    kv_cache: str = "float"
 
     def __post_init__(self) -> None:
+        from export.kv_int8 import check_kv_cache
+
+        check_kv_cache(self.kv_cache)
         for k in ("context", "batch", "prompt_tokens", "answer_tokens"):
             if getattr(self, k) <= 0:
                 raise RecipeError(f"--{k.replace('_', '-')} must be positive, got {getattr(self, k)}")
@@ -172,6 +178,8 @@ def _plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOpt
     gpu = profile.is_gpu
     act_bytes = 2 if gpu and precision != FP32 else 4
     kv_dtype = act_bytes  # fp16 KV on GPUs, fp32 on CPU
+    if opts.kv_cache == KV_INT8 and precisions.get(precision).variant == "fused":
+        kv_dtype = KV_BYTES[KV_INT8]  # the static per-channel scales are a few KB per layer: not counted
     params = dims.num_parameters
     weights = weight_bytes(dims, precision, layout)
     kv = kv_bytes_per_token(dims, kv_dtype) * opts.context * opts.batch

@@ -40,7 +40,8 @@ FROM_FUSED = tuple(p for p in precisions.QUANTIZED if precisions.get(p).variant 
 STAGE_CODE = {"load": "export.load", "prune": "export.prune", "export-teacher": "export.onnx_export",
               "export-pruned": "export.onnx_export", "teacher-answers": "export.teacher_answers",
               "distill": "export.distill", "export": "export.onnx_export", "quantize": "export.quantize",
-              "evaluate": "export.evaluate", "acceptance": "export.draft", "head": "export.draft", FP16: "export.fp16"}
+              "evaluate": "export.evaluate", "acceptance": "export.draft", "head": "export.draft", FP16: "export.fp16",
+              "kv-int8": "export.kv_int8"}
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class BuildOptions:
     # write int8-dynamic / int4-weight straight from the checkpoint, one tensor at a time (export/stream_build.py):
     # memory bounded by the largest tensor, not the model; no fp32 graph, so no parity, evaluate or GPTQ yet
     streaming: bool = False
+    # what the fused engines' K/V buffers hold: "float" (the graph's float type) or "int8" (per-channel scales
+    # calibrated at export, export/kv_int8.py); recorded in each engine's `io`, so the runtime reads it
+    kv_cache: str = "float"
     prune: PruneOptions | None = None  # [prune] section: None = keep the model's size
     distill: DistillOptions | None = None  # [distill] section: only after a prune
     draft: DraftOptions | None = None  # [draft] section / --draft: a draft model shipped in the bundle
@@ -110,6 +114,13 @@ class BuildOptions:
         if self.draft is not None and not any(cache_kind(self.fused and p in FROM_FUSED).can_verify for p in self.precisions):
             raise RecipeError("a draft model is checked by a fused CPU engine (int8-dynamic or int4-weight), which this "
                               f"build does not make (it builds {', '.join(self.precisions)}"
+                              f"{', --no-fused' if not self.fused else ''}): add --precision int8-dynamic")
+        from export.kv_int8 import check_kv_cache
+
+        check_kv_cache(self.kv_cache)
+        if self.kv_cache == "int8" and not (self.fused and any(p in FROM_FUSED for p in self.precisions)):
+            raise RecipeError("--kv-cache int8 is written into the fused CPU graph (int8-dynamic or int4-weight), which "
+                              f"this build does not make (it builds {', '.join(self.precisions)}"
                               f"{', --no-fused' if not self.fused else ''}): add --precision int8-dynamic")
         if self.streaming:
             from export.stream_build import check_options
@@ -168,7 +179,7 @@ class BuildOptions:
                     calibration=a.calibration, eval_samples=a.eval_samples, skip_eval=a.skip_eval or None,
                     fresh=a.fresh or None, reuse_stale=getattr(a, "reuse_stale", False) or None, online=a.online or None,
                     chat_template=getattr(a, "chat_template", None),
-                    fused=False if getattr(a, "no_fused", False) else None,
+                    fused=False if getattr(a, "no_fused", False) else None, kv_cache=getattr(a, "kv_cache", None),
                     streaming=getattr(a, "streaming", False) or None,
                     int4_budget_mb=getattr(a, "int4_budget_mb", None),
                     int4_block_size=getattr(a, "int4_block", None), int4_lm_head_bits=getattr(a, "int4_head_bits", None),
@@ -225,7 +236,7 @@ def build(opts: BuildOptions, log=print, verbose: bool = False, quiet: bool = Fa
 
     def stage(name: str, params: dict, fn):
         base = name.removeprefix("draft-")  # the draft's stages run the same modules
-        code = STAGE_CODE["quantize" if base.startswith("quantize-") else base]
+        code = STAGE_CODE["quantize" if base.startswith("quantize-") else "kv-int8" if base.startswith("kv-int8-") else base]
         code = "export.stream_build" if opts.streaming and base in ("load", *(f"quantize-{p}" for p in opts.precisions)) \
             else code
         return run_stage(work, name, params, fn, opts.fresh, log, code=code, reuse_stale=opts.reuse_stale,
@@ -295,6 +306,9 @@ def build(opts: BuildOptions, log=print, verbose: bool = False, quiet: bool = Fa
             raise RecipeError(f"a draft needs a fused graph of the model to check it, and none was written ({why}): "
                               "build without --draft")
         log(f"[export] no fused graph: {why}; the ONNX Runtime engines use the plain graph")
+        if opts.kv_cache == "int8":
+            raise RecipeError(f"--kv-cache int8 is written into the fused graph, and none was written ({why}): "
+                              "build without --kv-cache int8")
 
     stamps: dict[str, str] = {}  # each quantized engine's stage stamp (what a later stage was measured on)
     for precision in opts.precisions:
@@ -318,8 +332,17 @@ def build(opts: BuildOptions, log=print, verbose: bool = False, quiet: bool = Fa
                               dataclasses.asdict(qopts) | {"export": exported, "variant": variant},
                               lambda d, q=qopts, s=src_dir: quantize.run(s, hf_dir, d, q))
         records.append(rec)
+        kv_cache = ""
+        if opts.kv_cache == "int8" and variant == "fused":  # the shipped graph's own K/V ranges set its scales
+            from export import kv_int8
+
+            qdir, rec = stage(f"kv-int8-{precision}", {"quantize": rec.finished, "calibration": opts.calibration,
+                                                       "texts": kv_int8.CALIBRATION_TEXTS},
+                              lambda d, s=qdir: kv_int8.run(s, hf_dir, d, opts.calibration, opts.threads))
+            records.append(rec)
+            kv_cache = "int8"
         stamps[precision] = rec.finished
-        engines.append(package.EngineArtifact(precision, qdir, precision, variant=variant))
+        engines.append(package.EngineArtifact(precision, qdir, precision, variant=variant, kv_cache=kv_cache))
         if (qdir / quantize.ABLATION).is_dir():
             report_only.append(package.EngineArtifact(f"{precision}-{quantize.ABLATION}", qdir / quantize.ABLATION, precision,
                                                        report_only=True))
@@ -468,7 +491,8 @@ def _draft_stages(stage, opts: BuildOptions, target_dir: Path, target_from: str,
                                        "data": opts.calibration}
     arec_dir, arec = stage("draft-acceptance", aparams,
                            lambda dst: dm.measure(target.folder / "model.onnx", target.variant, target_dir, draft_root, dst, d,
-                                                  opts.max_context, opts.threads, opts.calibration))
+                                                  opts.max_context, opts.threads, opts.calibration,
+                                                  target_kv_cache=target.kv_cache))
     log(f"[draft] {dm.describe(arec.metrics)}")
     if (arec.metrics.get("speedup_here") or 0) < 1:
         log(f"[draft] WARNING: drafting was slower than plain decoding here ({arec.metrics['speedup_here']:.2f}x at "

@@ -159,6 +159,9 @@ def check_options(opts) -> None:
                           "--int8-rounding minmax --int4-rounding minmax")
     if INT4_WEIGHT in opts.precisions and (opts.int4_budget_mb is not None or opts.int4_extra_ratio > 0):
         raise RecipeError("the streaming build has no int4 byte budget yet: drop --int4-budget-mb")
+    if getattr(opts, "kv_cache", "float") != "float":
+        raise RecipeError("the streaming build writes a float K/V cache (the int8 cache's scales are calibrated on the "
+                          "built engine's K/V, after the build): drop --kv-cache or --streaming")
 
 
 def _engine(hf_dir: Path, dst: Path, opts) -> dict:

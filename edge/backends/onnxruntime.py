@@ -99,7 +99,7 @@ class OrtDecoder(Decoder):
         self.device = "cuda" if self.providers[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else "cpu"
         self._check_dims()
         past0 = next(i for i in self.session.get_inputs() if i.name == self.past_names[0])
-        self._kv_dtype = kv_dtype(past0.type, self.name)
+        self._kv_dtype = kv_dtype(past0.type, self.name, io)
         self._binding: tuple[list, object] | None = None  # (the K/V buffers bound, the binding): _fused_binding
         out0 = next((o for o in self.session.get_outputs() if o.name == self.io.logits), None)
         width = out0.shape[-1] if out0 is not None and out0.shape else None
@@ -271,10 +271,21 @@ class OrtDecoder(Decoder):
 
 
 KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # ONNX Runtime's names of the K/V types
+INT8 = "tensor(int8)"
 
 
-def kv_dtype(declared: str, name: str) -> type:
-    """The numpy dtype of the K/V cache, as the graph declares its past inputs (fp16 graphs keep an fp16 cache)."""
+def kv_dtype(declared: str, name: str, io: DecoderIO | None = None) -> type:
+    """The numpy dtype of the K/V cache, as the graph declares its past inputs (fp16 graphs keep an fp16 cache),
+    checked against what the manifest's contract says it holds: an int8 cache (`io.kv_cache`) is never guessed
+    from the graph, and a graph that disagrees with its manifest is refused."""
+    if io is not None and io.kv_int8:
+        if declared != INT8:
+            raise BundleError(f"{name}: the manifest says its KV cache is int8 but the graph declares {declared}: "
+                              "the bundle is damaged, rebuild it")
+        return np.int8
+    if declared == INT8:
+        raise BundleError(f"{name} declares an int8 KV cache that its manifest does not name (io.kv_cache): "
+                          "the bundle is damaged, rebuild it")
     try:
         return KV_DTYPES[declared]
     except KeyError:
