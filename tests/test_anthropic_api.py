@@ -176,6 +176,9 @@ def test_errors_are_anthropic_error_objects(server):
             tool_choice={"type": "tool", "name": "nope"})
     refused(400, "invalid_request_error", "'thinking' is not available",
             thinking={"type": "enabled", "budget_tokens": 1024})
+    # adaptive: the model decides whether to think; this one does not (no thinking block, no error)
+    assert [b.type for b in client.messages.create(model="x", max_tokens=2, messages=ASK,
+                                                   thinking={"type": "adaptive"}).content] in (["text"], [])
     refused(400, "invalid_request_error", "'container' is not supported", extra_body={"container": "c1"})
     # any model name is served (one model per server), as on the OpenAI route
     assert client.messages.create(model="claude-opus-4-1", max_tokens=2, messages=ASK).model == "tiny-llama"
