@@ -281,7 +281,8 @@ def test_a_forced_tool_call_and_its_tool_result(long_server):
                                    tool_choice={"type": "none"})
     assert final.stop_reason in ("end_turn", "max_tokens") and _text(final)
     assert all(b.type == "text" for b in final.content)
-    # streamed, tool_choice any: the call comes as a tool_use block with one input_json_delta
+    # streamed, tool_choice any: the call comes as a tool_use block, its input as input_json_delta pieces as the
+    # arguments are written (the block opens once the name is written)
     body = {"model": "x", "max_tokens": 100, "temperature": 0.8, "messages": ask, "tools": [WEATHER, ADD],
             "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
     events = _raw_events(long_server, body)
@@ -292,10 +293,14 @@ def test_a_forced_tool_call_and_its_tool_result(long_server):
              and d["index"] == start["index"]]
     tool = {"get_weather": WEATHER, "add": ADD}[start["content_block"]["name"]]
     jsonschema.validate(json.loads("".join(parts)), tool["input_schema"])
+    assert len(parts) > 2 and all(parts), parts
     assert next(d for n, d in events if n == "message_delta")["delta"]["stop_reason"] == "tool_use"
-    with client.messages.stream(**{k: v for k, v in body.items() if k != "temperature"}) as stream:
+    with client.messages.stream(**{k: v for k, v in body.items() if k != "temperature"}, extra_body=GREEDY) as stream:
         final_streamed = stream.get_final_message()
-    assert any(b.type == "tool_use" for b in final_streamed.content)
+    whole = client.messages.create(**{k: v for k, v in body.items() if k != "temperature"}, extra_body=GREEDY)
+    assert [(b.type, b.name, b.input) for b in final_streamed.content] == [(b.type, b.name, b.input)
+                                                                            for b in whole.content]
+    assert final_streamed.stop_reason == whole.stop_reason == "tool_use"
 
 
 def test_every_anthropic_case_under_concurrent_load_with_the_openai_routes(long_server):

@@ -125,15 +125,17 @@ async def messages_sse(service: Service, mid: str, events: AsyncIterator[tuple[i
                        prompt_tokens: int, display: str | None = None) -> AsyncIterator[str]:
     """The events of one streamed answer, in Anthropic's order. With thinking on (`display`), the think block is
     a thinking block first (thinking_delta as it comes, then its signature_delta). With tools the text is held
-    while it may still be a call; calls go out when the answer ends, each a tool_use block whose input comes as
-    one input_json_delta."""
+    while it may still be a call; a call is a tool_use block opened once its name is written, its input sent as
+    input_json_delta pieces as the arguments are written (edge.decode.tools.calls_so_far); a call in another
+    shape goes out whole when the answer ends."""
     calls = bool(rows.tools) and rows.tool_choice != "none"
     split = thinking.Splitter(rows.think if display is not None else None, rows.opened)
     held = ""  # text that may still become a tool call
     plain = not calls
     index = 0  # the next block's index
-    open_kind: str | None = None  # the block now open: "thinking", "text" or None
+    open_kind: str | None = None  # the block now open: "thinking", "text", "tool_use" or None
     thought = ""  # the thinking so far (its signature is over all of it)
+    sent: list[int] = []  # per tool_use block streamed so far: how much of its arguments' text was sent
 
     def close() -> list[str]:
         nonlocal open_kind, index
@@ -162,6 +164,26 @@ async def messages_sse(service: Service, mid: str, events: AsyncIterator[tuple[i
             out.append(_event("content_block_delta", index=index, delta={"type": "thinking_delta", "thinking": piece}))
         return out
 
+    def tool_deltas(so_far: list[toolfmt.CallSoFar]) -> list[str]:
+        """The calls written so far, as tool_use blocks: opened, their new arguments text, closed when whole."""
+        nonlocal open_kind
+        out = []
+        for k, c in enumerate(so_far):
+            if k == len(sent):
+                out += close()
+                block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": c.name, "input": {}}
+                out.append(_event("content_block_start", index=index, content_block=block))
+                open_kind = "tool_use"
+                sent.append(0)
+            if k == len(sent) - 1 and open_kind == "tool_use":
+                if len(c.arguments) > sent[k]:
+                    out.append(_event("content_block_delta", index=index, delta={
+                        "type": "input_json_delta", "partial_json": c.arguments[sent[k]:]}))
+                    sent[k] = len(c.arguments)
+                if c.whole:
+                    out += close()
+        return out
+
     try:
         yield _event("message_start", message=_envelope(service, mid) | {
             "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(None, prompt_tokens)}
@@ -186,12 +208,19 @@ async def messages_sse(service: Service, mid: str, events: AsyncIterator[tuple[i
                         plain = True
                         for s in delta("text", held):
                             yield s
+                    else:
+                        for s in tool_deltas(toolfmt.calls_so_far(held)):
+                            yield s
             if not ev.finish_reason:
                 continue
             if ev.finish_reason in ("error", "timeout"):
                 yield error_event(service, ev)
                 return
             blocks = [] if plain else content(held, rows)
+            if sent:  # calls streamed as they were written; one cut short by max_tokens ends as it is
+                for s in tool_deltas(toolfmt.calls_so_far(held)) + close():
+                    yield s
+                blocks = [b for b in blocks if b["type"] == "tool_use"][len(sent):]
             if blocks and blocks[0]["type"] == "text":
                 for s in delta("text", blocks.pop(0)["text"]):
                     yield s
@@ -203,7 +232,7 @@ async def messages_sse(service: Service, mid: str, events: AsyncIterator[tuple[i
                     "type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)})
                 yield _event("content_block_stop", index=index)
                 index += 1
-            reason, seq = stop_reason(ev, bool(blocks))
+            reason, seq = stop_reason(ev, bool(blocks) or bool(sent))
             yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": seq},
                          usage=usage(ev, prompt_tokens))
             yield _event("message_stop")
