@@ -101,7 +101,7 @@ def message(service: Service, mid: str, text: str, last: StreamEvent, rows, prom
     head = []
     if display is not None:
         thought, text = thinking.split(text, rows.think, rows.opened)
-        head = [thinking_block(thought, display)] if thought is not None else []
+        head = [thinking_block(thought, display)] if thought else []  # as streamed: no block for no thinking
     blocks = head + content(text, rows)
     reason, seq = stop_reason(last, any(b["type"] == "tool_use" for b in blocks))
     return _envelope(service, mid) | {"content": blocks, "stop_reason": reason, "stop_sequence": seq,
