@@ -5,7 +5,9 @@ stream: another user's stall), this sends, one after another, what a hostile or 
 nesting in tool-call arguments, non-ASCII credentials, an unsatisfiable schema, hang-ups mid-body and mid-answer,
 a 4 MB body, long echo+logprobs scoring, underflowing temperatures, stop strings inside JSON, `$defs` tools,
 streamed echo, odd methods and paths, slow-loris headers, a huge Content-Length, n=16 floods, a gzip body,
-a heavy schema with n=16. Prints a table (what, status, seconds, canary stall) and writes JSON.
+a heavy schema with n=16; and on Anthropic's /v1/messages: malformed content blocks, a tool_use input nested
+100k deep, huge and missing max_tokens, thinking on a model that may not think, hang-ups mid-stream and
+mid-answer. Prints a table (what, status, seconds, canary stall) and writes JSON.
 
 Exit 1 if any answer is a 5xx (our own hang-ups are not answers), the canary stalled over --max-stall seconds,
 a request was not answered within its timeout, or afterwards /health is not ok, a slot is still busy, or the
@@ -203,6 +205,7 @@ def main() -> int:
             "type": "json_schema", "json_schema": {"name": "heavy", "schema": heavy}}}))
     record("18 non-streamed client gone after 0.5 s", lambda: _hang_up(client, url, {
         "messages": HI, "max_tokens": 200, "ignore_eos": True}, path="/v1/chat/completions", after=0.5))
+    _anthropic_cases(record, post, client, url, context)
     canary.stop.set()
     canary.join(TIMEOUT_S)
 
@@ -228,6 +231,61 @@ def main() -> int:
                    "max_stall_s": args.max_stall, "ok": not failed, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                                            time.gmtime())}, f, indent=1)
     return 1 if failed else 0
+
+
+def _anthropic_cases(record, post, client: httpx.Client, url: str, context: int) -> None:
+    """Anthropic's Messages API (POST /v1/messages): every bad body is a 400 (Anthropic's error object), a
+    client that hangs up mid-stream or mid-answer frees its slot (checked after: no active slots)."""
+    def refused(s) -> bool:
+        return s == 400
+
+    ask = {"model": "x", "max_tokens": 16, "messages": HI}
+    malformed = (("text block without text", [{"type": "text"}]),
+                 ("text block with a number", [{"type": "text", "text": 7}]),
+                 ("block that is a number", [123]),
+                 ("tool_use block from the user", [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]),
+                 ("tool_result with no tool_use before", [{"type": "tool_result", "tool_use_id": "t", "content": "1"}]),
+                 ("image block", [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                               "data": "AA=="}}]),
+                 ("5000 empty text blocks", [{"type": "text", "text": ""}] * 5000))
+    for name, blocks in malformed:
+        record(f"19 messages: {name}", lambda b=blocks: post("/v1/messages", {
+            **ask, "messages": [{"role": "user", "content": b}]}), want=refused)
+    record("19b messages: tool_use input nested 100k deep", lambda: client.post(url + "/v1/messages", content=(
+        '{"model": "x", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+        '"content": [{"type": "tool_use", "id": "t", "name": "f", "input": ' + '{"a": ' * 100_000 + '{}' +
+        '}' * 100_000 + '}]}, {"role": "user", "content": "ok"}]}').encode(),
+        headers={"content-type": "application/json"}).status_code, want=refused)
+    record("19c messages: role system, tool_use input a string", lambda: post("/v1/messages", {
+        **ask, "messages": [{"role": "system", "content": "x"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t", "name": "f", "input": "{}"}]}]}), want=refused)
+    for name, value in (("10^12", 10**12), ("2^63", 2**63), ("the context", context), ("-1", -1), ("0", 0),
+                        ("'lots'", "lots"), ("1.5", 1.5)):
+        record(f"20 messages: max_tokens {name}", lambda v=value: post("/v1/messages", {**ask, "max_tokens": v}),
+               want=refused)
+    record("20b messages: max_tokens missing", lambda: post("/v1/messages", {"model": "x", "messages": HI}),
+           want=refused)
+    record("20c messages: thinking budget 10^9", lambda: post("/v1/messages", {
+        **ask, "thinking": {"type": "enabled", "budget_tokens": 10**9}}), want=refused)
+    record("20d messages: 4 MB of stop_sequences", lambda: post("/v1/messages", {
+        **ask, "stop_sequences": ["x" * 262_000] * 16}), want=lambda s: s in (200, 400, 413))  # never matched: harmless
+    record("21 messages streamed: hang up after the first delta", lambda: _messages_hang_up(client, url),
+           want=lambda s: s == "hung up")
+    record("21b messages: client gone after 0.5 s", lambda: _hang_up(client, url, {
+        "model": "x", "max_tokens": 200, "messages": HI}, path="/v1/messages", after=0.5),
+        want=lambda s: s in ("hung up", 200))  # 200: the answer ended (EOS) within 0.5 s
+
+
+def _messages_hang_up(client: httpx.Client, url: str) -> str | int:
+    """A streamed /v1/messages answer dropped after its first content_block_delta (its slot must be freed)."""
+    body = {"model": "x", "max_tokens": 200, "messages": HI, "stream": True, "temperature": 1.0}
+    with client.stream("POST", url + "/v1/messages", json=body) as r:
+        if r.status_code != 200:
+            return r.status_code
+        for line in r.iter_lines():
+            if line.startswith("event: content_block_delta"):
+                return "hung up"
+    return 299  # not an HTTP status: the answer ended before its first delta (fails the want check)
 
 
 def _same(client: httpx.Client, url: str, body: dict, want: str) -> int:

@@ -176,6 +176,9 @@ def test_errors_are_anthropic_error_objects(server):
             tool_choice={"type": "tool", "name": "nope"})
     refused(400, "invalid_request_error", "'thinking' is not available",
             thinking={"type": "enabled", "budget_tokens": 1024})
+    # adaptive: the model decides whether to think; this one does not (no thinking block, no error)
+    assert [b.type for b in client.messages.create(model="x", max_tokens=2, messages=ASK,
+                                                   thinking={"type": "adaptive"}).content] in (["text"], [])
     refused(400, "invalid_request_error", "'container' is not supported", extra_body={"container": "c1"})
     # any model name is served (one model per server), as on the OpenAI route
     assert client.messages.create(model="claude-opus-4-1", max_tokens=2, messages=ASK).model == "tiny-llama"
@@ -278,7 +281,8 @@ def test_a_forced_tool_call_and_its_tool_result(long_server):
                                    tool_choice={"type": "none"})
     assert final.stop_reason in ("end_turn", "max_tokens") and _text(final)
     assert all(b.type == "text" for b in final.content)
-    # streamed, tool_choice any: the call comes as a tool_use block with one input_json_delta
+    # streamed, tool_choice any: the call comes as a tool_use block, its input as input_json_delta pieces as the
+    # arguments are written (the block opens once the name is written)
     body = {"model": "x", "max_tokens": 100, "temperature": 0.8, "messages": ask, "tools": [WEATHER, ADD],
             "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
     events = _raw_events(long_server, body)
@@ -289,7 +293,87 @@ def test_a_forced_tool_call_and_its_tool_result(long_server):
              and d["index"] == start["index"]]
     tool = {"get_weather": WEATHER, "add": ADD}[start["content_block"]["name"]]
     jsonschema.validate(json.loads("".join(parts)), tool["input_schema"])
+    assert len(parts) > 2 and all(parts), parts
     assert next(d for n, d in events if n == "message_delta")["delta"]["stop_reason"] == "tool_use"
-    with client.messages.stream(**{k: v for k, v in body.items() if k != "temperature"}) as stream:
+    with client.messages.stream(**{k: v for k, v in body.items() if k != "temperature"}, extra_body=GREEDY) as stream:
         final_streamed = stream.get_final_message()
-    assert any(b.type == "tool_use" for b in final_streamed.content)
+    whole = client.messages.create(**{k: v for k, v in body.items() if k != "temperature"}, extra_body=GREEDY)
+    assert [(b.type, b.name, b.input) for b in final_streamed.content] == [(b.type, b.name, b.input)
+                                                                            for b in whole.content]
+    assert final_streamed.stop_reason == whole.stop_reason == "tool_use"
+
+
+def test_every_anthropic_case_under_concurrent_load_with_the_openai_routes(long_server):
+    """The issue's list at once, from threads, through both official clients: Anthropic's plain and streamed
+    answers (the raw event sequence), a forced tool call and its tool_result turn, errors as Anthropic error
+    objects; OpenAI's plain, streamed and tool-call answers beside them. Each gives what it gives alone."""
+    client = _client(long_server)
+    oa = openai.OpenAI(base_url=long_server.url + "/v1", api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    seeded = {"temperature": 0.9, "seed": 5}
+
+    def tool_turn() -> tuple:
+        msg = client.messages.create(model="x", max_tokens=100, messages=ask, tools=[WEATHER, ADD], extra_body=GREEDY,
+                                     tool_choice={"type": "tool", "name": "get_weather"})
+        use = next(b for b in msg.content if b.type == "tool_use")
+        turn = ask + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}]}]
+        final = client.messages.create(model="x", max_tokens=12, messages=turn, tools=[WEATHER, ADD],
+                                       extra_body=GREEDY)
+        return msg.stop_reason, use.name, use.input, final.stop_reason, _text(final)
+
+    def streamed() -> tuple:
+        events = list(client.messages.create(model="x", max_tokens=16, messages=ASK, stream=True, extra_body=seeded))
+        names = "".join(e.type + " " for e in events)
+        assert SEQUENCE.fullmatch(names), names
+        return names, "".join(e.delta.text for e in events if e.type == "content_block_delta")
+
+    def error() -> tuple:
+        out = []
+        for kw in ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]}, {"max_tokens": 5000},  # past the 4k context
+                   {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}):
+            with pytest.raises(anthropic.BadRequestError) as e:
+                client.messages.create(**{"model": "x", "max_tokens": 8, "messages": ASK, **kw})
+            assert set(e.value.body) == {"type", "error"} and e.value.body["type"] == "error"
+            out.append((e.value.status_code, e.value.body["error"]["type"], e.value.body["error"]["message"]))
+        return tuple(out)
+
+    def openai_tool() -> tuple:
+        r = oa.chat.completions.create(model="x", max_tokens=100, messages=ask, temperature=0,
+                                       tools=[{"type": "function", "function": {"name": t["name"],
+                                                                                "parameters": t["input_schema"]}}
+                                              for t in (WEATHER, ADD)], tool_choice="required",
+                                       parallel_tool_calls=False)
+        call = r.choices[0].message.tool_calls[0].function
+        return r.choices[0].finish_reason, call.name, json.loads(call.arguments)
+
+    cases = {
+        "anthropic plain": lambda: _text(client.messages.create(model="x", max_tokens=16, messages=ASK,
+                                                                extra_body=seeded)),
+        "anthropic streamed": streamed,
+        "anthropic tool turn": tool_turn,
+        "anthropic errors": error,
+        "openai plain": lambda: oa.chat.completions.create(model="x", max_tokens=16, messages=ASK,
+                                                           **seeded).choices[0].message.content,
+        "openai streamed": lambda: "".join(c.choices[0].delta.content or "" for c in oa.chat.completions.create(
+            model="x", max_tokens=16, messages=ASK, stream=True, **seeded) if c.choices),
+        "openai tool call": openai_tool,
+    }
+    alone = {name: fn() for name, fn in cases.items()}
+    assert alone["anthropic tool turn"][:2] == ("tool_use", "get_weather"), alone
+    assert alone["anthropic tool turn"][3] in ("end_turn", "max_tokens") and alone["anthropic tool turn"][4]
+    assert [e[:2] for e in alone["anthropic errors"]] == [(400, "invalid_request_error")] * 3
+    assert alone["anthropic plain"] == alone["openai plain"] == alone["anthropic streamed"][1] \
+        == alone["openai streamed"]  # one pipeline: the same seeded answer on both routes
+    assert alone["openai tool call"][0] == "tool_calls"
+    jobs = list(cases.items()) * 2  # each case twice, all at once
+    go = threading.Barrier(len(jobs))
+
+    def together(job) -> tuple:
+        go.wait()
+        return job[0], job[1]()
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        mixed = list(pool.map(together, jobs))
+    for name, got in mixed:
+        assert got == alone[name], (name, got, alone[name])

@@ -5,11 +5,13 @@ prompt cache still serves it; the API answers say so; `--context-overflow error`
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import httpx
 import pytest
 
-from conftest import served
+from conftest import ServerProcess, served
 from edge.backends.decoder import boundary_at_or_below
 from edge.decode import conversation
 from edge.errors import ContextOverflowError
@@ -165,3 +167,61 @@ def test_context_overflow_error_still_refuses_and_raw_prompts_always_do(server, 
     huge = {"model": "x", "messages": [SYSTEM, {"role": "user", "content": "Tokyo " * 300}], "max_tokens": 8}
     r = httpx.post(server.url + "/v1/chat/completions", json=huge, timeout=60)
     assert r.status_code == 400 and "shorten it" in r.json()["error"]["message"], r.text
+
+
+# -- the page, in a real headless Chromium -------------------------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+STORE = "edgechat-chats-v1"  # the page's localStorage key (edge.serve.webui.STORE_KEY)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (apt-get install chromium)")
+def test_a_40_turn_chat_on_the_page_never_errors_keeps_the_system_prompt_and_notes_each_shift(tiny_bundle):
+    """40 turns typed into the page (256-token context: about 7 of these turns fit): every answer comes with its
+    stats line, the shifted ones say how many old messages were dropped, the chat the browser keeps is whole (the
+    page drops turns only from what the model gets), and the last answer's prompt is the one the API makes of the
+    same chat (the system prompt and the newest turns: test_a_40_turn_chat_never_errors... above)."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (python) is not installed")
+    s = ServerProcess(tiny_bundle.root, "--engine", "int8-dynamic", "--max-users", "2")
+    bots = "#chatbot [data-testid='bot']"
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(s.url + "/", wait_until="load")
+            page.wait_for_selector("#message textarea:not([disabled])", timeout=30_000)
+            page.get_by_text("Settings").click()
+            for label, value in (("Max new tokens", "8"), ("Temperature (0 = greedy)", "0")):
+                page.get_by_label(f"number input for {label}").fill(value)
+                page.get_by_label(f"number input for {label}").press("Enter")
+            page.locator("#system textarea").fill(SYSTEM["content"])
+            for i in range(40):
+                page.locator("#message textarea").fill(f"Question {i}: tell me a fun fact about the ocean.")
+                page.locator("#message textarea").press("Enter")
+                page.wait_for_function(  # the new answer is whole: its stats line drawn, the status line final
+                    "n => { const b = document.querySelectorAll(\"#chatbot [data-testid='bot']\");"
+                    " return b.length == n && b[n - 1].querySelector('.answer-stats') !== null"
+                    " && document.querySelector('#stats').innerText.includes('tok/s'); }", arg=i + 1, timeout=60_000)
+                status = page.locator("#stats").inner_text()
+                assert "rror" not in status and "too long" not in status, (i, status)
+            last_note = page.locator(bots).last.locator(".answer-stats").inner_text()
+            page.wait_for_timeout(500)  # the chat's save to localStorage runs after the answer's event
+            store = page.evaluate(f"JSON.parse(localStorage.getItem({json.dumps(STORE)}))")
+            browser.close()
+        chat = next(c for c in store["chats"] if c["id"] == store["current"])
+        assert chat["system"] == SYSTEM["content"] and len(chat["messages"]) == 80  # the whole chat is kept
+        answers = [m for m in chat["messages"] if m["role"] == "assistant"]
+        noted = [next((int(re.search(r"dropped (\d+)", n).group(1)) for n in m.get("notes", []) if "dropped" in n), 0)
+                 for m in answers]
+        assert noted[0] == 0 and sum(1 for d in noted if d) > 25, noted
+        assert f"dropped {noted[-1]} old message(s) to fit the context" in last_note, last_note
+        # the last answer: the API's shift of the same chat drops as many messages and gives the same answer
+        convo = [SYSTEM] + [{"role": m["role"], "content": m["content"]} for m in chat["messages"][:-1]]
+        r = httpx.post(s.url + "/v1/chat/completions", json={"model": "x", "messages": convo, "max_tokens": 8,
+                                                             "temperature": 0}, timeout=60).json()
+        assert r["context_shift"]["dropped_messages"] == noted[-1]
+        assert r["choices"][0]["message"]["content"] == answers[-1]["content"]
+    finally:
+        code, out = s.stop()
+    assert code == 0 and "Traceback" not in out, out

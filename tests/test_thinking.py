@@ -194,6 +194,117 @@ def test_anthropic_route_asks_a_thinking_model_not_to_think(server):
     assert all("think>" not in b.text for b in msg.content if b.type == "text")
 
 
+def _anthropic(server):
+    anthropic = pytest.importorskip("anthropic", reason="pip install -e '.[dev]' (anthropic)")
+    return anthropic, anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def _anthropic_events(server, body: dict) -> list[tuple[str, dict]]:
+    with httpx.stream("POST", server.url + "/v1/messages", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        text = r.read().decode()
+    return [(dict(x.split(": ", 1) for x in b.split("\n"))["event"],
+             json.loads(dict(x.split(": ", 1) for x in b.split("\n"))["data"])) for b in text.strip().split("\n\n")]
+
+
+def test_anthropic_thinking_enabled_is_a_thinking_block_whole_and_streamed(server):
+    """Anthropic's `thinking: {"type": "enabled", "budget_tokens": N}`: the think block comes as a thinking block
+    (with a signature: the SHA-256 of its text) before the text, the budget closes it after N tokens, the same
+    thinking and text as the OpenAI route's reasoning_content and content for the same prompt and seed; streamed
+    as thinking_delta events then one signature_delta, as Anthropic streams it."""
+    import hashlib
+
+    _, a = _anthropic(server)
+    ask = dict(model="x", max_tokens=16, messages=HELLO, thinking={"type": "enabled", "budget_tokens": 4},
+               extra_body={"temperature": 1.0, "seed": 3})
+    msg = a.messages.create(**ask)
+    assert [b.type for b in msg.content] == ["thinking", "text"], msg
+    thought, text = msg.content[0], msg.content[1].text
+    assert thought.signature == "edgechat-sha256:" + hashlib.sha256(thought.thinking.encode()).hexdigest()
+    oa = _client(server).chat.completions.create(model="x", messages=HELLO, max_tokens=16, logprobs=True,
+                                                 extra_body={"reasoning_budget": 4}, **SAMPLED)
+    assert _raw(oa.choices[0]).index("</think>") == 4  # budget_tokens is the reasoning budget
+    assert thought.thinking == oa.choices[0].message.reasoning_content and thought.thinking
+    assert text == oa.choices[0].message.content and "think>" not in text
+    assert msg.usage.output_tokens == oa.usage.completion_tokens
+    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == oa.usage.prompt_tokens
+    # streamed: message_start, [thinking: start, thinking_delta+, signature_delta, stop], [text ...], message_delta
+    body = {k: v for k, v in ask.items() if k != "extra_body"} | ask["extra_body"]
+    events = _anthropic_events(server, body)
+    names = [n for n, _ in events if n != "ping"]
+    assert names[:2] == ["message_start", "content_block_start"] and names[-2:] == ["message_delta", "message_stop"]
+    blocks: dict[int, list] = {}
+    for n, d in events:
+        if n.startswith("content_block_"):
+            blocks.setdefault(d["index"], []).append((n, d))
+    assert sorted(blocks) == [0, 1]
+    start, *deltas, stop = blocks[0]
+    assert start[1]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""} and stop[0].endswith("stop")
+    kinds = [d["delta"]["type"] for _, d in deltas]
+    assert kinds[-1] == "signature_delta" and set(kinds[:-1]) == {"thinking_delta"}, kinds
+    assert "".join(d["delta"]["thinking"] for _, d in deltas[:-1]) == thought.thinking
+    assert deltas[-1][1]["delta"]["signature"] == thought.signature
+    assert blocks[1][0][1]["content_block"]["type"] == "text"
+    assert "".join(d["delta"]["text"] for n, d in blocks[1] if n == "content_block_delta") == text
+    # the official client's own accumulation of the stream equals the whole answer
+    with a.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
+    # a later turn sends the thinking block back (as Anthropic's clients do): accepted, dropped from the prompt
+    turn = HELLO + [{"role": "assistant", "content": [b.model_dump() for b in msg.content]},
+                    {"role": "user", "content": "And then?"}]
+    plain = HELLO + [{"role": "assistant", "content": text}, {"role": "user", "content": "And then?"}]
+    assert a.messages.count_tokens(model="x", messages=turn).input_tokens == \
+        a.messages.count_tokens(model="x", messages=plain).input_tokens
+
+
+def test_anthropic_thinking_adaptive_omitted_and_its_errors(server):
+    anthropic, a = _anthropic(server)
+    how = {"temperature": 1.0, "seed": 3}
+    shown = a.messages.create(model="x", max_tokens=16, messages=HELLO, extra_body=how,
+                              thinking={"type": "enabled", "budget_tokens": 4})
+    omitted = a.messages.create(model="x", max_tokens=16, messages=HELLO, extra_body=how,
+                                thinking={"type": "enabled", "budget_tokens": 4, "display": "omitted"})
+    assert omitted.content[0].type == "thinking" and omitted.content[0].thinking == ""
+    assert omitted.content[0].signature == shown.content[0].signature  # over the thinking as written
+    assert omitted.content[1].text == shown.content[1].text
+    # adaptive: the model decides, within the server's --reasoning-budget (6)
+    adaptive = a.messages.create(model="x", max_tokens=16, messages=HELLO, extra_body=how, thinking={"type": "adaptive"})
+    oa = _client(server).chat.completions.create(model="x", messages=HELLO, max_tokens=16, **SAMPLED)
+    assert adaptive.content[0].type == "thinking" and adaptive.content[0].thinking == oa.choices[0].message.reasoning_content
+    # disabled, as when it is left out: no thinking block
+    off = a.messages.create(model="x", max_tokens=16, messages=HELLO, extra_body=how, thinking={"type": "disabled"})
+    assert all(b.type == "text" for b in off.content)
+
+    def refused(words: str, **kw) -> None:
+        with pytest.raises(anthropic.BadRequestError) as e:
+            a.messages.create(**{"model": "x", "max_tokens": 16, "messages": HELLO, **kw})
+        assert e.value.body["type"] == "error" and words in e.value.body["error"]["message"], e.value.body
+
+    refused("must be less than max_tokens", thinking={"type": "enabled", "budget_tokens": 16})
+    refused("needs 'budget_tokens'", thinking={"type": "enabled"})
+    refused("cannot be used with 'thinking'", thinking={"type": "enabled", "budget_tokens": 4},
+            messages=HELLO + [{"role": "assistant", "content": "Well"}])
+    refused('"between_tools"} is not supported', thinking={"type": "between_tools"})
+
+
+def test_anthropic_thinking_then_a_forced_tool_call(server):
+    """The grammar of a forced tool call applies after the think block: a thinking block, then a tool_use block."""
+    _, a = _anthropic(server)
+    tool = {"name": "add", "input_schema": ADD[0]["function"]["parameters"]}
+    one_call = {"type": "any", "disable_parallel_tool_use": True}  # one call (a random model calls again and again)
+    msg = a.messages.create(model="x", max_tokens=100, messages=HELLO, tools=[tool], tool_choice=one_call,
+                            thinking={"type": "enabled", "budget_tokens": 3}, extra_body={"temperature": 1.0, "seed": 3})
+    assert [b.type for b in msg.content] == ["thinking", "tool_use"] and msg.stop_reason == "tool_use", msg.content
+    assert msg.content[0].thinking and set(msg.content[1].input) == {"a"}
+    with a.messages.stream(model="x", max_tokens=100, messages=HELLO, tools=[tool], tool_choice=one_call,
+                           thinking={"type": "enabled", "budget_tokens": 3},
+                           extra_body={"temperature": 1.0, "seed": 3}) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "tool_use"]
+    assert final.content[0].thinking == msg.content[0].thinking and final.content[1].input == msg.content[1].input
+
+
 def test_template_kwargs_may_not_replace_the_conversation(server):
     with pytest.raises(openai.BadRequestError) as e:
         _client(server).chat.completions.create(model="x", messages=HELLO, max_tokens=2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from edge.bundle import TokenizerSpec
-from edge.decode.tools import FALLBACK_PROMPT, parse_calls, prompt_messages, template_takes_tools
+from edge.decode.tools import FALLBACK_PROMPT, calls_so_far, parse_calls, prompt_messages, template_takes_tools
 
 # the shape of Qwen2.5's template: it reads `tools` and writes calls as <tool_call> blocks with tojson arguments
 NATIVE = (
@@ -71,3 +71,26 @@ def test_calls_are_parsed_into_openai_tool_calls():
     broken = parse_calls("<tool_call>\n{not json}\n</tool_call>")
     assert broken.tool_calls == [] and broken.content == "<tool_call>\n{not json}\n</tool_call>"
     assert parse_calls("just text").content == "just text"
+
+
+def test_calls_so_far_gives_each_calls_arguments_as_they_are_written():
+    """Every prefix of two parallel calls in the grammar's shape: the calls begun so far, names whole, arguments
+    a prefix of the final arguments (a brace or quote inside a string does not end them), whole once closed; the
+    final text gives what parse_calls gives. Text in another shape gives no calls (it is parsed at the end)."""
+    a, b = {"a": 1, "s": 'x}"y{['}, {"c": [1, {"d": 2}]}
+    text = "".join(f'<tool_call>\n{{"name": "{n}", "arguments": {json.dumps(v)}}}\n</tool_call>' + sep
+                   for n, v, sep in (("add", a, "\n"), ("w", b, "")))
+    final = calls_so_far(text)
+    assert [(c.name, json.loads(c.arguments), c.whole) for c in final] == [("add", a, True), ("w", b, True)]
+    assert [(c.name, c.arguments) for c in final] == [(k["function"]["name"], k["function"]["arguments"])
+                                                     for k in parse_calls(text).tool_calls]
+    seen = 0
+    for k in range(len(text) + 1):
+        got = calls_so_far(text[:k])
+        assert len(got) >= seen  # a call, once begun, stays
+        seen = len(got)
+        for c, f in zip(got, final):
+            assert c.name == f.name and f.arguments.startswith(c.arguments)
+            assert c.whole == (c.arguments == f.arguments)
+    assert calls_so_far('<tool_call>\n{"arguments": {}, "name": "add"}\n</tool_call>') == []
+    assert calls_so_far("Plain text") == []

@@ -171,3 +171,60 @@ def may_be_call(text: str) -> bool:
     """While streaming: whether the text so far may still turn into a call (so it is held back)."""
     s = text.lstrip()
     return s == "" or s.startswith(OPEN) or OPEN.startswith(s)
+
+
+# the start of a call as the call grammar writes it (JSON_OPTIONS: no free whitespace, the wrapper's keys in order)
+_HEAD = re.compile(r"\s*" + re.escape(OPEN) + r'\n\{"name": "([a-zA-Z0-9_-]{1,64})", "arguments": ')
+_TAIL = re.compile(r"\}\n" + re.escape(CLOSE))
+
+
+@dataclass
+class CallSoFar:
+    name: str
+    arguments: str  # the arguments' JSON text as far as it is written
+    whole: bool  # the arguments' JSON value is closed
+
+
+def calls_so_far(text: str) -> list[CallSoFar]:
+    """While a tool-calling answer streams: its calls so far, each with its name and as much of its arguments'
+    JSON text as is written, so a client can be sent the arguments as they come (Anthropic's input_json_delta).
+    Reads the shape the call grammar writes (`call_grammar`); text in any other shape gives no calls (the
+    answer is then parsed whole when it ends, `parse_calls`). Parses from the start each time: a call is short."""
+    out: list[CallSoFar] = []
+    pos = 0
+    while True:
+        m = _HEAD.match(text, pos)
+        if m is None:
+            return out
+        end = _json_end(text, m.end())
+        if end is None:
+            out.append(CallSoFar(m.group(1), text[m.end():], False))
+            return out
+        out.append(CallSoFar(m.group(1), text[m.end():end], True))
+        tail = _TAIL.match(text, end)
+        if tail is None:
+            return out
+        pos = tail.end()
+
+
+def _json_end(text: str, start: int) -> int | None:
+    """The index just past the JSON object or array that starts at `start`, or None while it is still open."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None

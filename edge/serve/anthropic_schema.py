@@ -100,8 +100,13 @@ class ToolChoice(_Strict):
 
 
 class Thinking(_Strict):
+    """Anthropic's extended thinking: "enabled" thinks within budget_tokens (the think block is closed after that
+    many tokens, edge.decode.thinking), "adaptive" lets the model decide (the server's --reasoning-budget),
+    "disabled" does not think. display "omitted": the thinking blocks come empty (their signature still)."""
+
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = None
+    budget_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    display: Literal["summarized", "omitted"] | None = None
 
 
 class OutputFormat(_Strict):
@@ -193,11 +198,43 @@ class CountTokensRequest(_Strict):
         """The sampling fields of the OpenAI request (none for a token count)."""
         return {}
 
-    def chat(self) -> tuple[ChatCompletionRequest, str]:
+    def thinks(self, model_thinks: bool) -> bool:
+        """Whether the answer may think: asked for ("enabled", or "adaptive": the model decides) on a model that
+        thinks. Off unless asked for, as on Anthropic's API. "enabled" on a model that does not think is a
+        BadRequest ("adaptive" is not: that model decides not to)."""
+        t = self.thinking
+        if t is None or t.type == "disabled" or (t.type == "adaptive" and not model_thinks):
+            return False
+        if not model_thinks:
+            raise BadRequest("'thinking' is not available: this model does not think before answering; send "
+                             "{\"type\": \"disabled\"} or leave it out", param="thinking")
+        return True
+
+    def thinking_display(self, model_thinks: bool) -> str | None:
+        """How the answer's thinking is shown: None (no thinking), "summarized" (as it was written: a small
+        model's thinking is short) or "omitted" (empty thinking blocks, the signature kept)."""
+        if not self.thinks(model_thinks):
+            return None
+        return self.thinking.display or "summarized"  # type: ignore[union-attr]
+
+    def chat(self, model_thinks: bool = False) -> tuple[ChatCompletionRequest, str]:
         """The OpenAI chat request this is (served by the same rows, grammar and scheduler) and the answer's
-        start (a final assistant message: the answer continues it)."""
+        start (a final assistant message: the answer continues it). A thinking model's template is told whether
+        to think (`enable_thinking`, Qwen3's and SmolLM3's switch), so no think block lands in the text of an
+        answer that was not asked to think; "enabled" thinking's budget_tokens is the row's reasoning budget."""
         messages, prefill = self.openai_messages()
         body: dict[str, Any] = {"model": self.model, "messages": messages, **self._chat_fields()}
+        if model_thinks:
+            on = self.thinks(True)
+            if on and prefill:
+                raise BadRequest("a final assistant message (the start of the answer) cannot be used with "
+                                 "'thinking': the answer starts with its thinking; end with a user message",
+                                 param="messages")
+            body["chat_template_kwargs"] = {"enable_thinking": on}
+            if on and self.thinking.type == "enabled":  # type: ignore[union-attr]
+                body["reasoning_budget"] = self.thinking.budget_tokens  # type: ignore[union-attr]
+        else:
+            self.thinks(False)
         fmt = self.output_config.format if self.output_config else None
         if fmt is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
@@ -227,6 +264,14 @@ class MessagesRequest(CountTokensRequest):
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here: accepted, nothing to choose
     inference_geo: Annotated[str, Field(max_length=64)] | None = None  # runs here: accepted
     seed: Annotated[int | None, Field(ge=0, le=MAX_SEED)] = None  # EdgeChat's: a sampled answer, reproducible
+
+    def thinks(self, model_thinks: bool) -> bool:
+        on = super().thinks(model_thinks)
+        t = self.thinking
+        if on and t is not None and t.budget_tokens is not None and t.budget_tokens >= self.max_tokens:
+            raise BadRequest(f"'thinking.budget_tokens' is {t.budget_tokens} but must be less than max_tokens "
+                             f"({self.max_tokens}): max_tokens counts the thinking and the answer", param="thinking")
+        return on
 
     def _chat_fields(self) -> dict[str, Any]:
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
@@ -263,7 +308,9 @@ RULES = {  # what each field takes, in words, for the error message
                   "Anthropic's server tools (web search, bash, ...) are not available here",
     "tools.input_schema": "a JSON schema object of the tool's input",
     "tool_choice": "{\"type\": \"auto\" | \"any\" | \"none\"} or {\"type\": \"tool\", \"name\": ...}",
-    "thinking": "{\"type\": \"disabled\"} (this model does not think before answering)",
+    "thinking": "{\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": \"adaptive\"} or {\"type\": \"disabled\"} "
+                "(display: \"summarized\" or \"omitted\"; enabled and adaptive on a model that thinks)",
+    "thinking.budget_tokens": f"an integer from 1 to {MAX_TOKENS_LIMIT}, less than max_tokens",
     "service_tier": "\"auto\" or \"standard_only\"",
     "output_config": "{\"format\": {\"type\": \"json_schema\", \"schema\": {...}}} (effort is accepted, one effort here)",
     "speed": "\"standard\" or \"fast\"",
@@ -323,9 +370,14 @@ def parse_messages_request(raw: bytes, lenient: bool = False) -> MessagesRequest
 
 def _check(body: CountTokensRequest) -> CountTokensRequest:
     """The rules across fields, in Anthropic's terms."""
-    if body.thinking is not None and body.thinking.type != "disabled":
-        raise BadRequest("'thinking' is not available: this model does not think before answering; send "
-                         "{\"type\": \"disabled\"} or leave it out", param="thinking")
+    t = body.thinking
+    if t is not None and t.type == "between_tools":
+        raise BadRequest("'thinking' {\"type\": \"between_tools\"} is not supported by this server: send "
+                         "{\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": \"adaptive\"} or "
+                         "{\"type\": \"disabled\"}", param="thinking")
+    if t is not None and t.type == "enabled" and t.budget_tokens is None:
+        raise BadRequest("'thinking' {\"type\": \"enabled\"} needs 'budget_tokens': the most tokens the model may "
+                         "think (fewer than max_tokens)", param="thinking")
     names = [t.name for t in body.tools or []]
     twice = sorted({x for x in names if names.count(x) > 1})
     if twice:

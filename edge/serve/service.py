@@ -526,25 +526,23 @@ async def _messages(service: Service, request: HTTPRequest):
     body, rows, reqs, q = await _admit(service, request, anthropic_schema.parse_messages_request, _plan_messages)
     mid = anthropic_writer.message_id()
     prompt_tokens = len(rows.prompts[0])
+    display = body.thinking_display(service.gen.tokenizer.thinking is not None)
+
     async def streamed():
-        return anthropic_writer.messages_sse(service, mid, api_answers.merged_events(reqs, q, 1), rows, prompt_tokens)
+        return anthropic_writer.messages_sse(service, mid, api_answers.merged_events(reqs, q, 1), rows, prompt_tokens,
+                                             display)
 
     got = await _answer_rows(request, reqs, q, streamed if body.stream else None)
     if isinstance(got, Response):
         return got
     texts, _, lasts = got
     _failed(service, lasts)
-    return anthropic_writer.message(service, mid, texts[0], lasts[0], rows, prompt_tokens)
+    return anthropic_writer.message(service, mid, texts[0], lasts[0], rows, prompt_tokens, display)
 
 
 def _anthropic_chat(service: Service, body: anthropic_schema.CountTokensRequest):
-    """The chat request /v1/messages runs. Anthropic's thinking is off unless asked for (and this server takes it
-    off only): a thinking model's template is told so (`enable_thinking: false`, Qwen3's and SmolLM3's switch),
-    so no think block lands in the answer's text."""
-    chat, answer_start = body.chat()
-    if service.gen.tokenizer.thinking is not None:
-        chat.chat_template_kwargs = {"enable_thinking": False}
-    return chat, answer_start
+    """The chat request /v1/messages runs: Anthropic's thinking is off unless asked for (anthropic_schema)."""
+    return body.chat(service.gen.tokenizer.thinking is not None)
 
 
 async def _plan_messages(service: Service, body: anthropic_schema.MessagesRequest):
