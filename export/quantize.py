@@ -428,35 +428,6 @@ def _plain_graph(fp32_dir: Path) -> tuple[Path, bool]:
     return (fp32_dir.parent if fused else fp32_dir) / "model.onnx", fused
 
 
-def _gptq_statistics(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, dims):
-    """GPTQ's input statistics over the plain graph, asked for by the quantized graph's MatMul names."""
-    from export import gptq
-    from export.gptq import Hessians, LayerHessians, statistics_bytes
-    from export.sensitivity import target_name
-
-    plain, fused = _plain_graph(fp32_dir)
-    feeds = sensitivity_feeds(hf_dir, QuantizeOptions(mode=opts.mode, calibration=opts.calibration,
-                                                      sensitivity_samples=opts.gptq_samples,
-                                                      sensitivity_tokens=opts.gptq_tokens), dims, chats=gptq_chats(opts))
-    hess = None
-    if statistics_bytes(plain) > gptq.ONE_PASS_BYTES:  # more than one pass of the whole graph: block by block
-        try:
-            hess = LayerHessians(hf_dir, plain, feeds)
-        except (ValueError, TypeError, RuntimeError) as e:  # names that do not map, blocks that cannot run alone
-            log.warning("GPTQ statistics block by block are not possible here (%s): passes of the whole graph", e)
-    hess = hess or Hessians(plain, dst, feeds)
-    plain_of = {target_name(p, fused): p for p in hess.input_of}
-
-    def by_name(name: str) -> np.ndarray:
-        if name in hess.input_of:
-            return hess(name)
-        if name not in plain_of:
-            raise RecipeError(f"gptq: no plain-graph MatMul maps to {name} (export/sensitivity.py FUSED)")
-        return hess(plain_of[name])
-
-    return hess, by_name
-
-
 def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, dims,
                 special: dict[str, tuple[int, int]], hessian) -> dict:
     """Measure each weight MatMul's 4-bit sensitivity, then pick the ones kept at 8 bits within the budget."""
@@ -532,15 +503,18 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
     hess = None
     if (opts.mode == INT4_WEIGHT and opts.int4_rounding == "gptq"
             or opts.mode == INT8_DYNAMIC and opts.int8_kernel == "nbits" and opts.int8_rounding == "gptq"):
-        hess, hessian = _gptq_statistics(fp32_dir, hf_dir, dst, opts, model_dims(hf_dir))
+        from export.gptq_statistics import gptq_statistics
+
+        hess, hessian = gptq_statistics(fp32_dir, hf_dir, dst, opts, model_dims(hf_dir))  # shared by the build's engines
     try:
         metrics = _run(fp32_dir, hf_dir, dst, opts, hessian if hess else None)
     finally:
         if hess:
             hess.close()
     if hess:
-        metrics |= {"gptq_tokens": hess.rows, "gptq_passes": hess.passes,
-                    "gptq_statistics": hess.method}
+        metrics |= {"gptq_tokens": hess.rows, "gptq_passes": hess.passes, "gptq_statistics": hess.method,
+                    "gptq_statistics_loaded": getattr(hess, "loaded_from_disk", 0),
+                    "gptq_statistics_computed": getattr(hess, "computed", None)}
     return metrics
 
 
