@@ -98,21 +98,16 @@ class StoredStatistics:
             self._inner = None
 
 
-def gptq_statistics(fp32_dir: Path, hf_dir: Path, dst: Path, opts, dims, shared: bool = True):
-    """GPTQ's input statistics over the plain graph, asked for by the quantized graph's MatMul names.
-
-    Returns (statistics, by_name). `shared`: kept on disk in `dst`'s parent (the build's work folder) under their
-    key and loaded from there when an earlier engine of the build collected them (`StoredStatistics`)."""
+def gptq_statistics(plain: Path, fused: bool, hf_dir: Path, dst: Path, feeds: list[dict], shared: bool = True):
+    """GPTQ's input statistics on `feeds` over the plain graph `plain`, asked for by the quantized graph's MatMul
+    names (`fused`: the fused graph's, mapped by export/sensitivity.py). Returns (statistics, by_name).
+    `shared`: kept on disk in `dst`'s parent (the build's work folder) under their key and loaded from there
+    when an earlier engine of the build collected them (`StoredStatistics`)."""
     from export import gptq
     from export.gptq import Hessians, LayerHessians, statistics_bytes
     from export.onnx_weights import GraphWeights, untie_lm_head, weight_matmuls
-    from export.quantize import QuantizeOptions, _plain_graph, gptq_chats, sensitivity_feeds
     from export.sensitivity import target_name
 
-    plain, fused = _plain_graph(fp32_dir)
-    feeds = sensitivity_feeds(hf_dir, QuantizeOptions(mode=opts.mode, calibration=opts.calibration,
-                                                      sensitivity_samples=opts.gptq_samples,
-                                                      sensitivity_tokens=opts.gptq_tokens), dims, chats=gptq_chats(opts))
     need = statistics_bytes(plain)
 
     def collect():

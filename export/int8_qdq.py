@@ -160,13 +160,12 @@ def _graph_amax(gw: GraphWeights, names: list[str], feeds: list[dict], workdir: 
     return amax
 
 
-def int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts, dims) -> dict:
-    """The int8-qdq graph (and its no-SmoothQuant ablation) of the untied fp32 graph `gw` into `dst`."""
+def int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts, feeds: list[dict], skip: set[str], ablation: Path) -> dict:
+    """The int8-qdq graph of the untied fp32 graph `gw` into `dst` (and the no-SmoothQuant ablation into the
+    folder `ablation`), calibrated on `feeds`; the weight MatMuls named in `skip` stay float. `opts`: the
+    quantize stage's options (export/quantize.py QuantizeOptions)."""
     from onnxruntime.quantization import CalibrationDataReader
 
-    from export.quantize import ABLATION, calibration_feeds, matching_matmuls
-
-    feeds = calibration_feeds(hf_dir, opts, dims.num_layers, dims.num_kv_heads, dims.head_dim)
     work = dst.parent
     plain = work / "prepared.onnx"
     gw.save(plain)  # untied, unsmoothed: the ablation's source and the statistics' graph
@@ -174,7 +173,6 @@ def int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts, dims) -> dict:
     scales = smooth(gw, feeds, opts.smoothquant_alpha, work, amax) if opts.smoothquant_alpha > 0 else {}
     pre = work / "smoothed.onnx"
     gw.save(pre)
-    skip = set(matching_matmuls(gw.model, tuple(opts.qdq_float_nodes), dims.num_layers))
     nodes = [n.name for n in weight_matmuls(gw.model)
              if not (opts.keep_lm_head_float and n.input[1].endswith(".lm_head_T")) and n.name not in skip]
     inputs = sorted({n.input[0] for n in weight_matmuls(gw.model) if n.name in set(nodes)})
@@ -193,8 +191,8 @@ def int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts, dims) -> dict:
                "lm_head_float": opts.keep_lm_head_float, "float_matmuls": float_nodes,
                "activation_ranges": "by block (torch)" if amax is not None else "whole graph (onnxruntime)"}
     if opts.smoothquant_ablation and opts.smoothquant_alpha > 0:
-        (work / ABLATION).mkdir(exist_ok=True)
-        _qdq(plain, work / ABLATION / "model.onnx", Reader(), nodes,
+        ablation.mkdir(exist_ok=True)
+        _qdq(plain, ablation / "model.onnx", Reader(), nodes,
              None if amax is None else {x: float(np.max(amax[x])) for x in inputs})
     return metrics
 

@@ -290,6 +290,18 @@ def _plain_graph(fp32_dir: Path) -> tuple[Path, bool]:
     return (fp32_dir.parent if fused else fp32_dir) / "model.onnx", fused
 
 
+def _gptq_statistics(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, dims, shared: bool = True):
+    """GPTQ's input statistics over the plain graph on GPTQ's texts (export/gptq_statistics.py: `shared`, kept in
+    the build's work folder for its other engines), asked for by the quantized graph's MatMul names."""
+    from export.gptq_statistics import gptq_statistics
+
+    plain, fused = _plain_graph(fp32_dir)
+    feeds = sensitivity_feeds(hf_dir, QuantizeOptions(mode=opts.mode, calibration=opts.calibration,
+                                                      sensitivity_samples=opts.gptq_samples,
+                                                      sensitivity_tokens=opts.gptq_tokens), dims, chats=gptq_chats(opts))
+    return gptq_statistics(plain, fused, hf_dir, dst, feeds, shared)
+
+
 def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, dims,
                 special: dict[str, tuple[int, int]], hessian) -> dict:
     """Measure each weight MatMul's 4-bit sensitivity, then pick the ones kept at 8 bits within the budget."""
@@ -365,9 +377,7 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
     hess = None
     if (opts.mode == INT4_WEIGHT and opts.int4_rounding == "gptq"
             or opts.mode == INT8_DYNAMIC and opts.int8_kernel == "nbits" and opts.int8_rounding == "gptq"):
-        from export.gptq_statistics import gptq_statistics
-
-        hess, hessian = gptq_statistics(fp32_dir, hf_dir, dst, opts, model_dims(hf_dir))  # shared by the build's engines
+        hess, hessian = _gptq_statistics(fp32_dir, hf_dir, dst, opts, model_dims(hf_dir))  # shared by the build's engines
     try:
         metrics = _run(fp32_dir, hf_dir, dst, opts, hessian if hess else None)
     finally:
@@ -407,7 +417,9 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
     else:
         from export.int8_qdq import int8_qdq
 
-        metrics |= int8_qdq(gw, out, hf_dir, opts, dims)
+        feeds = calibration_feeds(hf_dir, opts, dims.num_layers, dims.num_kv_heads, dims.head_dim)
+        skip = set(matching_matmuls(gw.model, tuple(opts.qdq_float_nodes), dims.num_layers))
+        metrics |= int8_qdq(gw, out, hf_dir, opts, feeds, skip, dst / ABLATION)
     # the embedding table: INT8 (shared with the LM head's INT8 weight where they are tied). Graphs ONNX
     # Runtime's quantizers wrote are read back from disk; ours is still in memory, saved once here.
     ort_wrote = opts.mode == INT8_QDQ or opts.int8_kernel != "nbits" and opts.mode == INT8_DYNAMIC

@@ -42,7 +42,7 @@ def test_a_build_collects_gptq_statistics_once_and_a_new_calibration_again(tiny_
 
 def test_stored_statistics_are_the_collected_matrices(tiny_bundle, tmp_path):
     """What a later engine reads back is bit for bit what the first one collected, asked by any MatMul name."""
-    from export.gptq_statistics import gptq_statistics
+    from export.quantize import _gptq_statistics as gptq_statistics
     from export.load import model_dims
     from export.quantize import QuantizeOptions
 
