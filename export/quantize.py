@@ -5,7 +5,10 @@
   symmetric Q/DQ (zero point 0; weights per output channel, activations per
   tensor) placed only on the weight MatMuls, calibrated on chat prefill steps.
   Masks, softmax and RoPE are never quantized (a whole-graph quantize_static
-  gives infinite scales on the attention-mask nodes).
+  gives infinite scales on the attention-mask nodes). export/int8_qdq.py: its
+  ranges come from the model one block at a time.
+- GPTQ rounding (int8-dynamic, int4-weight) reads statistics collected once per
+  build and shared by its engines (export/gptq_statistics.py).
 - int4-weight: MatMulNBits 4-bit, blocks of int4_block_size (32 by default), asymmetric (per-block zero points), the LM head at
   8 bits, and mixed precision by measured sensitivity (export/sensitivity.py): the weight MatMuls
   whose 4-bit form moves KL to fp32 most, per extra byte, are kept at 8 bits within a byte budget
