@@ -84,7 +84,9 @@ def eval_sets(tok, req: EvalRequest, max_context: int) -> dict[str, list[list[in
 
 def evaluate_bundle(req: EvalRequest, work: Path | None = None) -> dict:
     """Score every engine (and GGUF) against the reference, one model loaded at a time: the reference first,
-    its logits on every text kept on disk (export/reference_logits.py, in `work` or a temporary folder)."""
+    its logits on every text kept on disk (export/reference_logits.py) in a temporary folder in `work`, else
+    beside the bundle (a disk the user chose; the system's temporary folder may be a RAM disk)."""
+    import os
     import tempfile
 
     from edge.bundle import Bundle
@@ -130,7 +132,9 @@ def evaluate_bundle(req: EvalRequest, work: Path | None = None) -> dict:
     texts = [(kind, ids) for kind, seqs in sets.items() for ids in seqs if len(ids) >= 2]
     parts: dict[str, dict[str, list[dict]]] = {s: {n: [] for n in models} for s in sets}
     seconds = dict.fromkeys(models, 0.0)  # scoring time per model (its side of the metrics included)
-    with tempfile.TemporaryDirectory(prefix="edgechat-eval-", dir=work) as tmp:
+    if work is None and os.access(bundle.root.parent, os.W_OK):
+        work = bundle.root.parent
+    with tempfile.TemporaryDirectory(prefix=".edgechat-eval-", dir=work) as tmp:
         ReferenceLogits.check_room(Path(tmp), sum(len(ids) - 1 for _, ids in texts) * m.model.vocab_size * 4)
         with ReferenceLogits(Path(tmp) / "reference-logits.f32") as store:
             for name in [ref] + [n for n in models if n != ref]:  # the reference first: it writes the store
