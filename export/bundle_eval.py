@@ -82,20 +82,28 @@ def eval_sets(tok, req: EvalRequest, max_context: int) -> dict[str, list[list[in
             "prose": prose_windows(tok, prose_texts("eval"), req.window, req.prose_tokens)}
 
 
-def evaluate_bundle(req: EvalRequest) -> dict:
+def evaluate_bundle(req: EvalRequest, work: Path | None = None) -> dict:
+    """Score every engine (and GGUF) against the reference, one model loaded at a time: the reference first,
+    its logits on every text kept on disk (export/reference_logits.py) in a temporary folder in `work`, else
+    beside the bundle (a disk the user chose; the system's temporary folder may be a RAM disk)."""
+    import os
+    import tempfile
+
     from edge.bundle import Bundle
     from edge.decode.tokenizer import ChatTokenizer
+    from export.memory import release_memory
+    from export.reference_logits import ReferenceLogits
 
     bundle = Bundle.open(req.bundle)
     m = bundle.manifest
     tok = ChatTokenizer(bundle.path(m.tokenizer.file), m.tokenizer)
     sets = eval_sets(tok, req, m.model.max_context)
     longest = max(len(s) for seqs in sets.values() for s in seqs)
-    models: dict[str, tuple[Logits, int]] = {}  # name -> (logits, size in bytes)
+    models: dict[str, tuple[Callable[[], Logits], int]] = {}  # name -> (loads it, size in bytes): loaded one at a time
     for e in m.engines:
         if e.fingerprint.format == "onnx":
-            models[e.name] = (_onnx_logits(bundle.path(e.file), m.model, m.engine_io(e), req.threads, e.fingerprint.precision),
-                              m.engine_bytes(e.name))
+            models[e.name] = (lambda e=e: _onnx_logits(bundle.path(e.file), m.model, m.engine_io(e), req.threads,
+                                                       e.fingerprint.precision), m.engine_bytes(e.name))
     ggufs = {f"llama.cpp {Path(g).stem}": g for g in req.ggufs}
     if req.llama_cpp:
         from export.eval_gguf import same_weights
@@ -106,36 +114,43 @@ def evaluate_bundle(req: EvalRequest) -> dict:
                             f"{m.source or 'an unrecorded source'}: pass GGUFs of the same weights with --gguf")
         ggufs |= {f"llama.cpp {k}": str(p) for k, p in same_weights(Path(src)).items()}
     for name, g in ggufs.items():
-        models[name] = (_gguf_logits(g, longest, m.model.vocab_size, req.threads), Path(g).stat().st_size)
+        models[name] = (lambda g=g: _gguf_logits(g, longest, m.model.vocab_size, req.threads), Path(g).stat().st_size)
     ref = req.reference
     if ref.endswith(".gguf"):
         ref_name = f"llama.cpp {Path(ref).stem}"
-        models.setdefault(ref_name, (_gguf_logits(ref, longest, m.model.vocab_size, req.threads), Path(ref).stat().st_size))
+        models.setdefault(ref_name, (lambda: _gguf_logits(ref, longest, m.model.vocab_size, req.threads),
+                                     Path(ref).stat().st_size))
         ref = ref_name
     elif ref == FP32 and FP32 not in models:
-        work = bundle.root.with_name(bundle.root.name + ".work") / "export" / "model.onnx"
-        if not work.is_file():
-            raise DataError(f"{bundle.root} ships no fp32 engine and {work} is gone: pass --reference ENGINE or a .gguf")
-        models["fp32 (build reference)"] = (_onnx_logits(work, m.model, _plain_io(), req.threads), 0)
+        work_graph = bundle.root.with_name(bundle.root.name + ".work") / "export" / "model.onnx"
+        if not work_graph.is_file():
+            raise DataError(f"{bundle.root} ships no fp32 engine and {work_graph} is gone: pass --reference ENGINE or a .gguf")
+        models["fp32 (build reference)"] = (lambda: _onnx_logits(work_graph, m.model, _plain_io(), req.threads), 0)
         ref = "fp32 (build reference)"
     if ref not in models:
         raise DataError(f"reference {req.reference!r} is neither an engine of the bundle ({', '.join(models)}) nor a .gguf")
+    texts = [(kind, ids) for kind, seqs in sets.items() for ids in seqs if len(ids) >= 2]
     parts: dict[str, dict[str, list[dict]]] = {s: {n: [] for n in models} for s in sets}
-    seconds = dict.fromkeys(models, 0.0)  # scoring time per model (the reference's includes its side of the metrics)
-    for kind, seqs in sets.items():
-        for ids in tqdm(seqs, desc=f"held-out {kind}" if not req.data else kind, unit="text"):
-            if len(ids) < 2:
-                continue
-            t0 = time.perf_counter()
-            teacher = Reference.of(models[ref][0](ids))
-            seconds[ref] += time.perf_counter() - t0
-            y = np.array(ids[1:])
-            n_bytes = len(tok.decode(ids[1:], skip_special_tokens=False).encode("utf-8"))
-            for name, (run, _) in models.items():
+    seconds = dict.fromkeys(models, 0.0)  # scoring time per model (its side of the metrics included)
+    if work is None and os.access(bundle.root.parent, os.W_OK):
+        work = bundle.root.parent
+    with tempfile.TemporaryDirectory(prefix=".edgechat-eval-", dir=work) as tmp:
+        ReferenceLogits.check_room(Path(tmp), sum(len(ids) - 1 for _, ids in texts) * m.model.vocab_size * 4)
+        with ReferenceLogits(Path(tmp) / "reference-logits.f32") as store:
+            for name in [ref] + [n for n in models if n != ref]:  # the reference first: it writes the store
+                run = models[name][0]()
                 t0 = time.perf_counter()
-                student = teacher.logits if name == ref else run(ids)
-                parts[kind][name].append(token_metrics(student, teacher, y) | {"bytes": n_bytes})
+                for i, (kind, ids) in enumerate(tqdm(texts, desc=f"{name}: {'held-out texts' if not req.data else req.data}",
+                                                     unit="text")):
+                    if name == ref:
+                        store.put(i, run(ids))
+                    teacher = Reference.of(store.get(i))
+                    student = teacher.logits if name == ref else run(ids)
+                    n_bytes = len(tok.decode(ids[1:], skip_special_tokens=False).encode("utf-8"))
+                    parts[kind][name].append(token_metrics(student, teacher, np.array(ids[1:])) | {"bytes": n_bytes})
                 seconds[name] += time.perf_counter() - t0
+                del run
+                release_memory()  # this model's memory back before the next one loads
     out: dict = {"bundle": str(bundle.root), "reference": ref, "sets": {k: len(v) for k, v in sets.items()},
                  "data": req.data or "held-out chats (chitchat-dataset) + held-out prose (export/prose.py)",
                  "engines": {}}

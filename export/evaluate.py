@@ -222,65 +222,75 @@ def golden_regressions(golden: list[dict], tok, next_logits) -> list[dict]:
     return out
 
 
-def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict | None = None) -> dict:
-    """Measure every engine; KL and agreement are against the teacher when there is one (a pruned
-    build), else against the shipped fp32 graph. `stages`: prune/distill records for the report."""
-    from export.data import load_chats
-    from export.load import chat_tokenizer, model_dims
-    from export.report import write_report
+@dataclass(frozen=True)
+class HeldOut:
+    """One held-out text as every engine scores it: the reference's token ids, the shipped model's (the same
+    unless its vocabulary was pruned), and the text's UTF-8 bytes (bits per byte)."""
 
-    tok = chat_tokenizer(hf_dir)
-    timing: dict[str, dict] = {e.name: {} for e in engines}  # what each engine cost, by step (the stage record)
-    decs = {}
-    for e in engines:
-        t0 = time.perf_counter()
-        decs[e.name] = OrtDecoder(e.folder / "model.onnx", model_dims(getattr(e, "dims_dir", None) or hf_dir, opts.max_context),
-                                  e.io, threads=opts.threads, name=e.name, precision=e.precision)
-        timing[e.name] = {"load_s": time.perf_counter() - t0, "score_s": 0.0, "scored_tokens": 0}
-    ref = "teacher" if "teacher" in decs else FP32
-    chats = load_chats(opts.data, "evaluation", opts.samples)
-    t_ids = vocab.teacher_ids(hf_dir) if ref == "teacher" else None  # the shipped model's tokens in the teacher's ids
-    own_vocab = {e.name for e in engines if t_ids is not None and vocab.teacher_ids(getattr(e, "dims_dir", None) or hf_dir) is None}
-    ref_tok = chat_tokenizer(next(e.dims_dir for e in engines if e.name == ref)) if t_ids is not None else tok
+    kind: str
+    ref_ids: list[int]
+    ids: list[int]
+    n_bytes: int
 
-    def logits(name: str, ids: list[int]) -> np.ndarray:
-        d, x = decs[name], np.array([ids[:-1]])
-        return d.forward(x, d.new_cache(capacity=x.shape[1]), last_only=False)[0]
 
-    def timed(name: str, fn, *args):
-        t0 = time.perf_counter()
-        out = fn(*args)
-        timing[name]["score_s"] += time.perf_counter() - t0
-        return out
-
-    from export.prose import SOURCE, prose_texts
-
-    chat_limit = min(opts.max_tokens, opts.max_context)  # a bundle built with a short context scores within it
-    sets = {"chats": [ref_tok.encode_chat(c, add_generation_prompt=False)[:chat_limit] for c in chats],
-            "prose": prose_windows(ref_tok, prose_texts("eval"), min(opts.prose_window, opts.max_context), opts.prose_tokens)}
-    parts: dict[str, dict[str, list[dict]]] = {s: {n: [] for n in decs} for s in sets}
+def held_out_texts(sets: dict[str, list[list[int]]], tok, ref_tok, t_ids, chat_limit: int, window: int) -> list[HeldOut]:
+    """The texts to score, in order; a vocabulary-pruned model's tokens of the same text (`t_ids` given), cut
+    until that fits too."""
+    out = []
     for kind, seqs in sets.items():
-        for ref_ids in tqdm(seqs, desc=f"held-out {kind}", unit="text"):
+        for ref_ids in seqs:
             if len(ref_ids) < 2:
                 continue
             ids = ref_ids
-            if t_ids is not None:  # vocabulary-pruned: the same text in the student's tokens (cut until it fits too)
-                limit = chat_limit if kind == "chats" else min(opts.prose_window, opts.max_context)
+            if t_ids is not None:
+                limit = chat_limit if kind == "chats" else window
                 while len(ids := tok.encode(ref_tok.decode(ref_ids, skip_special_tokens=False))) > limit:
                     ref_ids = ref_ids[: len(ref_ids) - (len(ids) - limit)]
-                on_student = timed(ref, lambda: Reference.of(logits(ref, t_ids[ids].tolist())[:, t_ids]))  # over the kept tokens
-            teacher, y = timed(ref, lambda: Reference.of(logits(ref, ref_ids))), np.array(ids[1:])
-            n_bytes = len(ref_tok.decode(ref_ids[1:], skip_special_tokens=False).encode("utf-8"))
-            for name in decs:
-                timing[name]["scored_tokens"] += len(ids) - 1
-                if name in own_vocab:  # the teacher on its own tokens
-                    parts[kind][name].append(timed(name, token_metrics, teacher.logits, teacher, np.array(ref_ids[1:]))
-                                             | {"bytes": n_bytes})
-                    continue
-                ref_logits = on_student if t_ids is not None else teacher
-                student = ref_logits.logits if name == ref else timed(name, logits, name, ids)
-                parts[kind][name].append(timed(name, token_metrics, student, ref_logits, y)
-                                         | {"n_ref": len(ref_ids) - 1, "bytes": n_bytes})
+            out.append(HeldOut(kind, ref_ids, ids, len(ref_tok.decode(ref_ids[1:], skip_special_tokens=False).encode("utf-8"))))
+    return out
+
+
+def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict | None = None) -> dict:
+    """Measure every engine; KL and agreement are against the teacher when there is one (a pruned
+    build), else against the shipped fp32 graph. `stages`: prune/distill records for the report.
+
+    One engine in ONNX Runtime at a time: the reference first, its logits on every held-out text written to
+    disk (export/reference_logits.py), then each other engine scored against them, its speed and golden
+    answers measured, and unloaded before the next one loads."""
+    from export.data import load_chats
+    from export.load import chat_tokenizer, model_dims
+    from export.memory import release_memory
+    from export.prose import SOURCE, prose_texts
+    from export.reference_logits import ReferenceLogits
+    from export.report import write_report
+
+    tok = chat_tokenizer(hf_dir)
+    by_name = {e.name: e for e in engines}
+    ref = "teacher" if "teacher" in by_name else FP32
+    chats = load_chats(opts.data, "evaluation", opts.samples)
+    t_ids = vocab.teacher_ids(hf_dir) if ref == "teacher" else None  # the shipped model's tokens in the teacher's ids
+    own_vocab = {e.name for e in engines if t_ids is not None and vocab.teacher_ids(getattr(e, "dims_dir", None) or hf_dir) is None}
+    ref_tok = chat_tokenizer(by_name[ref].dims_dir) if t_ids is not None else tok
+
+    def dims(e):
+        return model_dims(getattr(e, "dims_dir", None) or hf_dir, opts.max_context)
+
+    def load(e) -> OrtDecoder:
+        return OrtDecoder(e.folder / "model.onnx", dims(e), e.io, threads=opts.threads,
+                          name=e.name, precision=e.precision)
+
+    def logits(d: OrtDecoder, ids: list[int]) -> np.ndarray:
+        x = np.array([ids[:-1]])
+        return d.forward(x, d.new_cache(capacity=x.shape[1]), last_only=False)[0]
+
+    chat_limit = min(opts.max_tokens, opts.max_context)  # a bundle built with a short context scores within it
+    window = min(opts.prose_window, opts.max_context)
+    sets = {"chats": [ref_tok.encode_chat(c, add_generation_prompt=False)[:chat_limit] for c in chats],
+            "prose": prose_windows(ref_tok, prose_texts("eval"), window, opts.prose_tokens)}
+    texts = held_out_texts(sets, tok, ref_tok, t_ids, chat_limit, window)
+    ref_vocab = dims(by_name[ref]).vocab_size
+    need = sum((len(t.ref_ids) - 1) * ref_vocab + (0 if t_ids is None else (len(t.ids) - 1) * len(t_ids)) for t in texts) * 4
+    ReferenceLogits.check_room(dst, need)
     results: dict = {"engines": {}, "golden": [], "eval_chats": len(chats), "reference": ref,
                      "data": opts.data or "chitchat-dataset:evaluation", "stages": stages or {},
                      "prose": {"source": SOURCE, "texts": len(sets["prose"])}}
@@ -290,45 +300,70 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
     def quality_only(e) -> bool:  # an ablation: scored, no golden answers or speed
         return getattr(e, "report_only", False) and not getattr(e, "lineage", False) and not getattr(e, "reference", False)
 
-    answers = sum(0 if quality_only(e) else opts.bench_runs + 1 + (0 if getattr(e, "lineage", False) else len(GOLDEN))
-                  for e in engines)
-    bar = tqdm(total=answers, desc="golden prompts + speed", unit="answer")
-    for e in engines:
-        d = decs[e.name]
-        q = summarize(parts["chats"][e.name])
-        if parts["prose"][e.name]:
-            q["prose"] = summarize(parts["prose"][e.name])
-        q["size_bytes"] = graph_bytes(e.folder / "model.onnx")
-        q["shipped"] = not getattr(e, "report_only", False)
-        q["scored_with"] = scored_with(e.precision, d)
-        q["timing"] = timing[e.name]
-        results["engines"][e.name] = q
-        if quality_only(e):
-            continue
-        gen = Generator(tok, d)
-        t0 = time.perf_counter()
-        q |= speed(gen, bench_ids, opts.bench_tokens, opts.bench_runs, bar.update)
-        timing[e.name]["speed_s"] = time.perf_counter() - t0
-        q["bench_prompt_tokens"] = len(bench_ids)
-        if getattr(e, "lineage", False):
-            continue  # teacher / pruned-only: speed too, golden answers only for what ships
-        passed = 0
-        t0 = time.perf_counter()
-        for g in GOLDEN:
-            text, last = gen.complete(tok.encode_chat([{"role": "user", "content": g["prompt"]}]), greedy)
-            ok = any(k.lower() in text.lower() for k in g["expect"]) if g["expect"] else None  # None: nothing to check
-            passed += bool(ok)
-            bar.update()
-            results["golden"].append({"engine": e.name, "prompt": g["prompt"], "answer": text.strip(),
-                                      "expect": g["expect"], "passed": ok, "token_ids": list(last.token_ids),
-                                      "finish_reason": last.finish_reason})
-        timing[e.name]["golden_s"] = time.perf_counter() - t0
-        q["golden_passed"] = f"{passed}/{sum(1 for g in GOLDEN if g['expect'])}"
-    bar.close()
+    timing: dict[str, dict] = {}  # what each engine cost, by step (the stage record)
+    with ReferenceLogits(dst / "reference-logits.f32") as store:
+        for e in [by_name[ref]] + [e for e in engines if e.name != ref]:  # the reference first: it writes the store
+            t0 = time.perf_counter()
+            d = load(e)
+            timing[e.name] = t = {"load_s": time.perf_counter() - t0, "score_s": 0.0, "scored_tokens": 0}
+            parts: dict[str, list[dict]] = {k: [] for k in sets}
+            t0 = time.perf_counter()
+            for i, x in enumerate(tqdm(texts, desc=f"{e.name}: held-out texts", unit="text")):
+                t["scored_tokens"] += len(x.ids) - 1
+                if e.name == ref:  # its logits on the reference's tokens (and on the shipped model's) go to disk
+                    store.put((i, "ref"), logits(d, x.ref_ids))
+                    if t_ids is not None:  # over the kept tokens
+                        store.put((i, "student"), logits(d, t_ids[x.ids].tolist())[:, t_ids])
+                if e.name in own_vocab:  # the teacher on its own tokens
+                    teacher = Reference.of(store.get((i, "ref")))
+                    parts[x.kind].append(token_metrics(teacher.logits, teacher, np.array(x.ref_ids[1:])) | {"bytes": x.n_bytes})
+                    continue
+                against = Reference.of(store.get((i, "ref" if t_ids is None else "student")))
+                student = against.logits if e.name == ref else logits(d, x.ids)
+                parts[x.kind].append(token_metrics(student, against, np.array(x.ids[1:]))
+                                     | {"n_ref": len(x.ref_ids) - 1, "bytes": x.n_bytes})
+            t["score_s"] = time.perf_counter() - t0
+            q = summarize(parts["chats"])
+            if parts["prose"]:
+                q["prose"] = summarize(parts["prose"])
+            q["size_bytes"] = graph_bytes(e.folder / "model.onnx")
+            q["shipped"] = not getattr(e, "report_only", False)
+            q["scored_with"] = scored_with(e.precision, d)
+            q["timing"] = t
+            results["engines"][e.name] = q
+            if not quality_only(e):
+                lineage = getattr(e, "lineage", False)  # teacher / pruned-only: speed too, golden answers only for what ships
+                bar = tqdm(total=opts.bench_runs + 1 + (0 if lineage else len(GOLDEN)), unit="answer",
+                           desc=f"{e.name}: speed" + ("" if lineage else " + golden prompts"))
+                gen = Generator(tok, d)
+                t0 = time.perf_counter()
+                q |= speed(gen, bench_ids, opts.bench_tokens, opts.bench_runs, bar.update)
+                t["speed_s"] = time.perf_counter() - t0
+                q["bench_prompt_tokens"] = len(bench_ids)
+                if not lineage:
+                    t0 = time.perf_counter()
+                    q["golden_passed"] = _golden(gen, tok, greedy, e.name, results["golden"], bar.update)
+                    t["golden_s"] = time.perf_counter() - t0
+                bar.close()
+                del gen
+            del d
+            release_memory()  # the engine's arena back to the OS before the next one loads
+        results["reference_logits_bytes"] = store.bytes
+    order = {e.name: k for k, e in enumerate(engines)}
+    results["engines"] = {n: results["engines"][n] for n in sorted(results["engines"], key=order.get)}
+    results["golden"].sort(key=lambda g: order[g["engine"]])  # stable: each engine's prompts keep their order
     for t in timing.values():
         t |= {k: round(v, 2) for k, v in t.items() if k.endswith("_s")}
         t["total_s"] = round(sum(v for k, v in t.items() if k.endswith("_s")), 2)
-    results["golden_regressions"] = golden_regressions(results["golden"], tok, lambda ids: logits(FP32, ids + [0])[-1])
+    fp32: list[OrtDecoder] = []  # loaded again only if an engine fails a golden prompt fp32 passes
+
+    def fp32_next(ids: list[int]) -> np.ndarray:
+        if not fp32:
+            fp32.append(load(by_name[FP32]))
+        return logits(fp32[0], ids + [0])[-1]
+
+    results["golden_regressions"] = golden_regressions(results["golden"], tok, fp32_next)
+    fp32.clear()
     base = results["engines"][FP32]
     for q in results["engines"].values():
         q["perplexity_delta_pct"] = 100 * (q["perplexity"] / base["perplexity"] - 1)
@@ -341,3 +376,16 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
         results["recovered"] = (p - f) / (p - t) if p > t else None  # share of pruning's perplexity rise won back
     write_report(results, dst)
     return results
+
+
+def _golden(gen: Generator, tok, greedy: SamplingConfig, name: str, into: list[dict], done) -> str:
+    """Greedy answers to the golden prompts, appended to `into`; returns "passed/checked"."""
+    passed = 0
+    for g in GOLDEN:
+        text, last = gen.complete(tok.encode_chat([{"role": "user", "content": g["prompt"]}]), greedy)
+        ok = any(k.lower() in text.lower() for k in g["expect"]) if g["expect"] else None  # None: nothing to check
+        passed += bool(ok)
+        done()
+        into.append({"engine": name, "prompt": g["prompt"], "answer": text.strip(), "expect": g["expect"],
+                     "passed": ok, "token_ids": list(last.token_ids), "finish_reason": last.finish_reason})
+    return f"{passed}/{sum(1 for g in GOLDEN if g['expect'])}"

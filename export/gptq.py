@@ -289,7 +289,7 @@ class LayerHessians:
 
         def adder(x: str):
             def hook(mod, args):
-                _add_xtx(acc, x, args[0].reshape(-1, args[0].shape[-1]).float().numpy())
+                self._add(acc, x, args[0].reshape(-1, args[0].shape[-1]).float().numpy())
             return hook
 
         handles = [modules[m].register_forward_pre_hook(adder(x)) for x, m in wanted.items()]
@@ -305,10 +305,17 @@ class LayerHessians:
             for handle in handles:
                 handle.remove()
         if collect:
-            self.loaded, self._loaded_step = _finish(acc, self.rows, self.input_of), self._at
+            self.loaded, self._loaded_step = self._done(acc), self._at
         self._at += 1
         if self._bar is not None:
             self._bar.update()
+
+    def _add(self, acc: dict[str, np.ndarray], x: str, a: np.ndarray) -> None:
+        """One text's rows `a` of input `x` into the block's sums (a subclass collects other statistics)."""
+        _add_xtx(acc, x, a)
+
+    def _done(self, acc: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return _finish(acc, self.rows, self.input_of)
 
     def close(self) -> None:
         self.loaded, self._hidden, self._args = {}, [], []

@@ -5,7 +5,10 @@
   symmetric Q/DQ (zero point 0; weights per output channel, activations per
   tensor) placed only on the weight MatMuls, calibrated on chat prefill steps.
   Masks, softmax and RoPE are never quantized (a whole-graph quantize_static
-  gives infinite scales on the attention-mask nodes).
+  gives infinite scales on the attention-mask nodes). export/int8_qdq.py: its
+  ranges come from the model one block at a time.
+- GPTQ rounding (int8-dynamic, int4-weight) reads statistics collected once per
+  build and shared by its engines (export/gptq_statistics.py).
 - int4-weight: MatMulNBits 4-bit, blocks of int4_block_size (32 by default), asymmetric (per-block zero points), the LM head at
   8 bits, and mixed precision by measured sensitivity (export/sensitivity.py): the weight MatMuls
   whose 4-bit form moves KL to fp32 most, per extra byte, are kept at 8 bits within a byte budget
@@ -177,144 +180,6 @@ def calibration_feeds(hf_dir: Path, opts: QuantizeOptions, num_layers: int, kv_h
     return feeds
 
 
-def smooth(gw: GraphWeights, feeds: list[dict], alpha: float, workdir: Path) -> int:
-    """SmoothQuant: scale weight-MatMul input channels by s and fold 1/s into what produced them.
-
-    Two exact folds: into the RMSNorm scale when the activation is Mul(x, 1-D constant)
-    (q/k/v, gate/up), and into up_proj's output columns when it is Mul(act(gate), up_proj(x))
-    (down_proj). Only where the activation feeds nothing but weight MatMuls (and Shape).
-    The activation statistics come from an ONNX Runtime session over the graph as saved in
-    `workdir` (its weights memory-mapped from there); the scaled weights are computed on save.
-    Returns the number of groups smoothed.
-    """
-    import onnx
-    import onnxruntime as ort
-    from onnx import helper
-
-    model = gw.model
-    inits = gw.names()
-    producers = {o: n for n in model.graph.node for o in n.output}
-    consumers: dict[str, list] = {}
-    for n in model.graph.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
-    wm = {id(n) for n in weight_matmuls(model)}
-
-    def const_vector(name: str) -> str | None:
-        """The 1-D initializer behind `name`, looking through Identity (the exporter dedupes equal weights)."""
-        while name not in inits and name in producers and producers[name].op_type == "Identity":
-            name = producers[name].input[0]
-        return name if name in inits and len(gw.shape(name)) == 1 else None
-
-    groups = {}
-    for n in weight_matmuls(model):
-        act = n.input[0]
-        p = producers.get(act)
-        if p is None or p.op_type != "Mul" or act in groups:
-            continue
-        if n.input[1].endswith(".lm_head_T"):
-            continue  # tied LM head: scaling it would break the tie the INT8 embedding relies on
-        users = consumers.get(act, [])
-        # Shape consumers read only the shape, so the fold stays exact for them
-        if not all(id(c) in wm or c.op_type == "Shape" for c in users):
-            continue
-        vec = [(k, const_vector(i)) for k, i in enumerate(p.input) if const_vector(i) is not None]
-        # Mul(act_fn(gate), up_proj(x)) -> down_proj: fold 1/s into up_proj's output columns instead
-        ups = [producers[i] for i in p.input if i in producers and id(producers[i]) in wm
-               and len(consumers.get(i, [])) == 1]
-        if vec:
-            groups[act] = (("norm", p, *vec[0]), [c for c in users if id(c) in wm])
-        elif ups:
-            groups[act] = (("matmul", ups[0]), [c for c in users if id(c) in wm])
-    if not groups:
-        return 0
-    # activation statistics: max |x| per channel over all calibration tokens, from a session over the
-    # graph saved with its weights, plus the activations as outputs (a graph-only copy beside it)
-    if gw.edited or gw.path.parent.resolve() != workdir.resolve():  # never write beside another stage's files
-        gw.save(workdir / "stats.onnx")
-    aug = type(model)()
-    aug.CopyFrom(model)
-    for act in groups:
-        aug.graph.output.append(helper.make_tensor_value_info(act, 1, None))
-    aug_path = gw.path.with_name("stats-aug.onnx")  # beside the weights it names
-    onnx.save_model(aug, str(aug_path))
-    del aug
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    names = list(groups)
-    amax = {a: None for a in names}
-    try:
-        sess = ort.InferenceSession(str(aug_path), so, providers=["CPUExecutionProvider"])
-        for feed in feeds:
-            outs = sess.run(names, feed)
-            for a, o in zip(names, outs):
-                m = np.abs(o).reshape(-1, o.shape[-1]).max(axis=0)
-                amax[a] = m if amax[a] is None else np.maximum(amax[a], m)
-            del outs
-        del sess
-    finally:
-        aug_path.unlink()
-    for act, (fold, mms) in groups.items():
-        wmax = np.max([np.abs(gw.array(m.input[1])).max(axis=1) for m in mms], axis=0)  # one weight at a time
-        s = np.power(np.maximum(amax[act], 1e-5), alpha) / np.power(np.maximum(wmax, 1e-5), 1 - alpha)
-        s = np.clip(s, 1e-2, 1e2).astype(np.float32)
-        if fold[0] == "norm":
-            _, mul, slot, vec = fold
-            private = (mul.name or act) + ".smoothed_weight"  # never modify a vector another node shares
-            gw.set(private, (gw.array(vec) / s).astype(np.float32))
-            mul.input[slot] = private
-        else:
-            gw.transform(fold[1].input[1], lambda u, sc=s: (u / sc[None, :]).astype(np.float32))
-        for m in mms:
-            gw.transform(m.input[1], lambda w, sc=s: (w * sc[:, None]).astype(np.float32))
-    gw.drop_unused()  # the norm weights replaced by their smoothed copies
-    return len(groups)
-
-
-def _int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts: QuantizeOptions, dims) -> dict:
-    from onnxruntime.quantization import CalibrationDataReader
-
-    feeds = calibration_feeds(hf_dir, opts, dims.num_layers, dims.num_kv_heads, dims.head_dim)
-    work = dst.parent
-    plain = work / "prepared.onnx"
-    gw.save(plain)  # untied, unsmoothed: the ablation's source and smooth()'s statistics graph
-    smoothed = smooth(gw, feeds, opts.smoothquant_alpha, work) if opts.smoothquant_alpha > 0 else 0
-    pre = work / "smoothed.onnx"
-    gw.save(pre)
-    skip = set(matching_matmuls(gw.model, tuple(opts.qdq_float_nodes), dims.num_layers))
-    nodes = [n.name for n in weight_matmuls(gw.model)
-             if not (opts.keep_lm_head_float and n.input[1].endswith(".lm_head_T")) and n.name not in skip]
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.it = iter(feeds)
-
-        def get_next(self):
-            return next(self.it, None)
-
-    _qdq(pre, dst, Reader(), nodes)
-    float_nodes = [n.name for n in weight_matmuls(gw.model) if n.name not in set(nodes)]
-    metrics = {"smoothquant_groups": smoothed, "calibration_samples": len(feeds), "quantized_matmuls": len(nodes),
-               "lm_head_float": opts.keep_lm_head_float, "float_matmuls": float_nodes}
-    if opts.smoothquant_ablation and opts.smoothquant_alpha > 0:
-        (work / ABLATION).mkdir(exist_ok=True)
-        _qdq(plain, work / ABLATION / "model.onnx", Reader(), nodes)
-    return metrics
-
-
-def _qdq(pre: Path, dst: Path, reader, nodes: list[str]) -> None:
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-
-    quantize_static(
-        str(pre), str(dst), reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"],
-        nodes_to_quantize=nodes, per_channel=True, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-        calibrate_method=CalibrationMethod.MinMax, use_external_data_format=True,  # any size: weights beside the graph
-        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
-                       "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
-                       "OpTypesToExcludeOutputQuantization": ["MatMul"]},  # TensorRT: Q/DQ on MatMul inputs only
-    )
-
-
 def sensitivity_feeds(hf_dir: Path, opts: QuantizeOptions, dims, skip: int = 0, chats: int | None = None) -> list[dict]:
     """Plain-graph prefill inputs: `chats` calibration chats (default half) and training prose for the rest
     (never the held-out texts), after the first `skip` of each (the ones GPTQ fitted its rounding to, so the
@@ -367,33 +232,16 @@ def _plain_graph(fp32_dir: Path) -> tuple[Path, bool]:
     return (fp32_dir.parent if fused else fp32_dir) / "model.onnx", fused
 
 
-def _gptq_statistics(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, dims):
-    """GPTQ's input statistics over the plain graph, asked for by the quantized graph's MatMul names."""
-    from export import gptq
-    from export.gptq import Hessians, LayerHessians, statistics_bytes
-    from export.sensitivity import target_name
+def _gptq_statistics(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, dims, shared: bool = True):
+    """GPTQ's input statistics over the plain graph on GPTQ's texts (export/gptq_statistics.py: `shared`, kept in
+    the build's work folder for its other engines), asked for by the quantized graph's MatMul names."""
+    from export.gptq_statistics import gptq_statistics
 
     plain, fused = _plain_graph(fp32_dir)
     feeds = sensitivity_feeds(hf_dir, QuantizeOptions(mode=opts.mode, calibration=opts.calibration,
                                                       sensitivity_samples=opts.gptq_samples,
                                                       sensitivity_tokens=opts.gptq_tokens), dims, chats=gptq_chats(opts))
-    hess = None
-    if statistics_bytes(plain) > gptq.ONE_PASS_BYTES:  # more than one pass of the whole graph: block by block
-        try:
-            hess = LayerHessians(hf_dir, plain, feeds)
-        except (ValueError, TypeError, RuntimeError) as e:  # names that do not map, blocks that cannot run alone
-            log.warning("GPTQ statistics block by block are not possible here (%s): passes of the whole graph", e)
-    hess = hess or Hessians(plain, dst, feeds)
-    plain_of = {target_name(p, fused): p for p in hess.input_of}
-
-    def by_name(name: str) -> np.ndarray:
-        if name in hess.input_of:
-            return hess(name)
-        if name not in plain_of:
-            raise RecipeError(f"gptq: no plain-graph MatMul maps to {name} (export/sensitivity.py FUSED)")
-        return hess(plain_of[name])
-
-    return hess, by_name
+    return gptq_statistics(plain, fused, hf_dir, dst, feeds, shared)
 
 
 def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, dims,
@@ -471,15 +319,16 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
     hess = None
     if (opts.mode == INT4_WEIGHT and opts.int4_rounding == "gptq"
             or opts.mode == INT8_DYNAMIC and opts.int8_kernel == "nbits" and opts.int8_rounding == "gptq"):
-        hess, hessian = _gptq_statistics(fp32_dir, hf_dir, dst, opts, model_dims(hf_dir))
+        hess, hessian = _gptq_statistics(fp32_dir, hf_dir, dst, opts, model_dims(hf_dir))  # shared by the build's engines
     try:
         metrics = _run(fp32_dir, hf_dir, dst, opts, hessian if hess else None)
     finally:
         if hess:
             hess.close()
     if hess:
-        metrics |= {"gptq_tokens": hess.rows, "gptq_passes": hess.passes,
-                    "gptq_statistics": hess.method}
+        metrics |= {"gptq_tokens": hess.rows, "gptq_passes": hess.passes, "gptq_statistics": hess.method,
+                    "gptq_statistics_loaded": getattr(hess, "loaded_from_disk", 0),
+                    "gptq_statistics_computed": getattr(hess, "computed", None)}
     return metrics
 
 
@@ -508,7 +357,11 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
         metrics["int4_rounding"] = opts.int4_rounding
         metrics["int4_block_size"] = opts.int4_block_size
     else:
-        metrics |= _int8_qdq(gw, out, hf_dir, opts, dims)
+        from export.int8_qdq import int8_qdq
+
+        feeds = calibration_feeds(hf_dir, opts, dims.num_layers, dims.num_kv_heads, dims.head_dim)
+        skip = set(matching_matmuls(gw.model, tuple(opts.qdq_float_nodes), dims.num_layers))
+        metrics |= int8_qdq(gw, out, hf_dir, opts, feeds, skip, dst / ABLATION)
     # the embedding table: INT8 (shared with the LM head's INT8 weight where they are tied). Graphs ONNX
     # Runtime's quantizers wrote are read back from disk; ours is still in memory, saved once here.
     ort_wrote = opts.mode == INT8_QDQ or opts.int8_kernel != "nbits" and opts.mode == INT8_DYNAMIC

@@ -119,3 +119,102 @@ def test_the_evaluate_stage_records_what_each_engine_cost_and_how_it_was_scored(
     assert "Q/DQ run as written" in line and "tokens" in line and "s in all" in line
     row = next(x for x in report.splitlines() if x.startswith("| int4-weight "))
     assert f"({lo:.4f}–{hi:.4f})" in row
+
+
+def _built_engines(bundle):
+    """The tiny build's load folder and its engines as the build passed them to the evaluate stage."""
+    from export.package import EngineArtifact
+    from export.recipe import FROM_FUSED
+
+    work = bundle.root.with_name(bundle.root.name + ".work")
+    engines = [EngineArtifact("fp32", work / "export", "fp32", reference=True)]
+    for p in ("int8-dynamic", "int8-qdq", "int4-weight"):
+        engines.append(EngineArtifact(p, work / f"quantize-{p}", p, variant="fused" if p in FROM_FUSED else "plain"))
+    return work / "load", engines
+
+
+def test_the_evaluate_stage_holds_one_engine_at_a_time_and_scores_as_all_in_memory(tiny_bundle, tmp_path, monkeypatch):
+    """The evaluate stage loads one engine at a time (the reference's logits kept on disk between them), and its
+    numbers are the ones scoring every engine side by side in memory gives (what it did before), to the bit."""
+    import gc
+
+    import numpy as np
+
+    from edge.backends.onnxruntime import OrtDecoder
+    from edge.io_contract import io_for_variant
+    from export import evaluate
+    from export.load import chat_tokenizer, model_dims
+
+    alive, most = [0], [0]
+
+    class Counted(OrtDecoder):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            alive[0] += 1
+            most[0] = max(most[0], alive[0])
+
+        def __del__(self):
+            alive[0] -= 1
+
+    monkeypatch.setattr(evaluate, "OrtDecoder", Counted)
+    hf_dir, engines = _built_engines(tiny_bundle)
+    opts = evaluate.EvalOptions(samples=3, max_context=256, prose_tokens=150, threads=1, bench_runs=1, bench_tokens=4,
+                                golden_tokens=4)
+    res = evaluate.run(hf_dir, engines, tmp_path, opts)
+    gc.collect()
+    assert most[0] == 1 and alive[0] == 0
+    assert res["reference_logits_bytes"] > 0 and not list(tmp_path.glob("reference-logits*"))  # removed at the end
+    assert list(res["engines"]) == [e.name for e in engines]
+    assert [g["engine"] for g in res["golden"]] == [e.name for e in engines for _ in evaluate.GOLDEN]
+
+    # the same texts scored the way the stage did before: every engine loaded at once, the reference in memory
+    tok = chat_tokenizer(hf_dir)
+    from export.data import load_chats
+    from export.prose import prose_texts
+
+    sets = {"chats": [tok.encode_chat(c, add_generation_prompt=False)[:256] for c in load_chats(None, "evaluation", 3)],
+            "prose": evaluate.prose_windows(tok, prose_texts("eval"), 256, 150)}
+    decs = {e.name: OrtDecoder(e.folder / "model.onnx", model_dims(hf_dir, 256), io_for_variant(e.variant), threads=1,
+                               precision=e.precision) for e in engines}
+
+    def logits(d, ids):
+        x = np.array([ids[:-1]])
+        return d.forward(x, d.new_cache(capacity=x.shape[1]), last_only=False)[0]
+
+    for kind, seqs in sets.items():
+        parts = {n: [] for n in decs}
+        for ids in seqs:
+            ref = evaluate.Reference.of(logits(decs["fp32"], ids))
+            n_bytes = len(tok.decode(ids[1:], skip_special_tokens=False).encode("utf-8"))
+            for n, d in decs.items():
+                s = ref.logits if n == "fp32" else logits(d, ids)
+                parts[n].append(evaluate.token_metrics(s, ref, np.array(ids[1:])) | {"n_ref": len(ids) - 1, "bytes": n_bytes})
+        for n in decs:
+            got = res["engines"][n] if kind == "chats" else res["engines"][n]["prose"]
+            want = evaluate.summarize(parts[n])
+            for k in ("kl_to_fp32", "top1_agreement", "perplexity", "kl_ci95", "eval_tokens", "bits_per_byte"):
+                assert got[k] == want[k], (n, kind, k)
+
+
+def test_edge_export_eval_holds_one_model_at_a_time(tiny_bundle, tmp_path, monkeypatch):
+    import gc
+
+    from edge.backends.onnxruntime import OrtDecoder
+    import edge.backends.onnxruntime as ort_backend
+
+    alive, most = [0], [0]
+
+    class Counted(OrtDecoder):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            alive[0] += 1
+            most[0] = max(most[0], alive[0])
+
+        def __del__(self):
+            alive[0] -= 1
+
+    monkeypatch.setattr(ort_backend, "OrtDecoder", Counted)
+    res = evaluate_bundle(EvalRequest(tiny_bundle.root, chats=2, prose_tokens=100, threads=1), work=tmp_path)
+    gc.collect()
+    assert most[0] == 1 and alive[0] == 0 and set(res["engines"]) == {e.name for e in tiny_bundle.manifest.engines}
+    assert not list(tmp_path.iterdir())  # the reference's logits are gone with the run

@@ -274,10 +274,10 @@ def test_gptq_statistics_choose_block_by_block_past_one_pass(mixed_bundle, tmp_p
     names = [n.name for n in weight_matmuls(gw.model)]
     assert any("qkv" in n.lower() or "gate_up" in n.lower() for n in names), names  # names only the fused graph has
     opts = QuantizeOptions(mode="int4-weight", gptq_samples=4, gptq_tokens=32)
-    graph, by_graph = _gptq_statistics(fused, work / "load", tmp_path, opts, model_dims(work / "load"))
+    graph, by_graph = _gptq_statistics(fused, work / "load", tmp_path, opts, model_dims(work / "load"), shared=False)
     assert type(graph).__name__ == "Hessians"
     monkeypatch.setattr(export.gptq, "ONE_PASS_BYTES", 1)
-    blocks, by_block = _gptq_statistics(fused, work / "load", tmp_path, opts, model_dims(work / "load"))
+    blocks, by_block = _gptq_statistics(fused, work / "load", tmp_path, opts, model_dims(work / "load"), shared=False)
     try:
         assert type(blocks).__name__ == "LayerHessians"
         for n in names:
@@ -290,7 +290,7 @@ def test_gptq_statistics_choose_block_by_block_past_one_pass(mixed_bundle, tmp_p
         raise TypeError("LlamaDecoderLayer.forward() missing 1 required positional argument: 'cache'")
 
     monkeypatch.setattr(llama.LlamaDecoderLayer, "forward", cannot_run_alone)
-    hess, _ = _gptq_statistics(fused, work / "load", tmp_path, opts, model_dims(work / "load"))
+    hess, _ = _gptq_statistics(fused, work / "load", tmp_path, opts, model_dims(work / "load"), shared=False)
     assert type(hess).__name__ == "Hessians"  # passes of the whole graph: slower, never wrong
     hess.close()
 

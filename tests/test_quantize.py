@@ -195,7 +195,7 @@ def test_smoothing_is_exact_before_quantization(tiny_bundle, tmp_path):
     import onnxruntime as ort
 
     from export.onnx_weights import GraphWeights
-    from export.quantize import smooth
+    from export.int8_qdq import smooth
 
     src = tiny_bundle.path("engines/fp32/model.onnx")
     gw = GraphWeights(src)
@@ -206,7 +206,7 @@ def test_smoothing_is_exact_before_quantization(tiny_bundle, tmp_path):
         for kv in ("key", "value"):
             feed[f"past_key_values.{i}.{kv}"] = np.zeros((1, n.num_kv_heads, 0, n.head_dim), np.float32)
     before = ort.InferenceSession(str(src)).run(["logits"], feed)[0]
-    assert smooth(gw, [feed], alpha=0.5, workdir=tmp_path) > 0
+    assert len(smooth(gw, [feed], alpha=0.5, workdir=tmp_path)) > 0
     gw.save(tmp_path / "smoothed.onnx")  # streamed: the weights go to smoothed.onnx.data
     assert (tmp_path / "smoothed.onnx.data").stat().st_size > 0
     after = ort.InferenceSession(str(tmp_path / "smoothed.onnx")).run(["logits"], feed)[0]
@@ -293,3 +293,47 @@ def test_int8_dynamic_is_gptq_rounded_and_closer_to_fp32_than_round_to_nearest(t
         for name, f in (("gptq", gptq), ("minmax", rtn)):
             kl[name] = summarize([token_metrics(f(ids), ref(ids), np.array(ids[1:])) for ids in seqs])["kl_to_fp32"]
         assert kl["gptq"] < kl["minmax"], (kind, kl)  # tiny random model: ~1.4e-6 against ~1.5e-6 on chats
+
+
+def _activation_scales(path) -> dict[str, float]:
+    """Each QuantizeLinear's scale on an activation (not a weight): input name -> scale."""
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(path), load_external_data=False)
+    inits = {i.name: i for i in m.graph.initializer}
+    return {n.input[0]: float(numpy_helper.to_array(inits[n.input[1]])) for n in m.graph.node
+            if n.op_type == "QuantizeLinear" and n.input[0] not in inits}
+
+
+def test_int8_qdq_ranges_come_block_by_block_and_equal_the_whole_graph_calibration(tiny_bundle, tmp_path, monkeypatch):
+    """The int8-qdq activation ranges come from the model one block at a time (ONNX Runtime's whole-graph
+    calibrator never runs) and equal, within float rounding, what that calibrator measured on the smoothed
+    graph and on the no-SmoothQuant ablation."""
+    import importlib
+
+    from export import int8_qdq, quantize
+
+    ort_quantize = importlib.import_module("onnxruntime.quantization.quantize")  # the module, not its function
+
+    work = tiny_bundle.root.with_name(tiny_bundle.root.name + ".work")
+    opts = quantize.QuantizeOptions(mode="int8-qdq", samples=8)
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "blocks").mkdir()
+    with monkeypatch.context() as m:
+        m.setattr(int8_qdq, "_takes_ranges", lambda: False)  # the whole-graph calibration, as before
+        old = quantize.run(work / "export", work / "load", tmp_path / "whole", opts)
+    assert old["activation_ranges"] == "whole graph (onnxruntime)"
+
+    def no_calibration(*a, **k):
+        raise AssertionError("the whole-graph calibrator ran")
+
+    monkeypatch.setattr(ort_quantize, "create_calibrator", no_calibration)
+    new = quantize.run(work / "export", work / "load", tmp_path / "blocks", opts)
+    assert new["activation_ranges"] == "by block (torch)" and new["smoothquant_groups"] == old["smoothquant_groups"] > 0
+    for sub in ("", quantize.ABLATION):
+        want = _activation_scales(tmp_path / "whole" / sub / "model.onnx")
+        got = _activation_scales(tmp_path / "blocks" / sub / "model.onnx")
+        assert set(got) == set(want) and len(want) >= 4
+        for x in want:
+            assert got[x] == pytest.approx(want[x], rel=1e-5), x

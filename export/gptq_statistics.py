@@ -1,0 +1,151 @@
+"""GPTQ's input statistics for a build: collected once, kept on disk in the build's work folder, shared by its engines.
+
+int8-dynamic and int4-weight both round by GPTQ from the same statistics (X^T X of every weight MatMul's input
+on the same calibration texts, export/gptq.py). Collected per engine they cost the same pass twice (the 0.5B
+Qwen2.5-Coder: most of a 29-minute int8 stage, then again for int4). Here the first engine's quantize stage
+writes each matrix to `OUT.work/gptq-statistics-KEY/` as it is collected, and a later stage with the same KEY
+loads it instead. KEY covers what the matrices depend on: the plain graph's weights (path, size and mtime of
+the graph and its data: a new export is a new key), the calibration token ids (texts, counts, lengths, chat
+share, the user's file) and gptq.py's own code. A changed key recomputes, and the folders of other keys are
+removed then (each is K x K float64 per distinct input: SmolLM2-135M 0.8 GB, Qwen2.5-0.5B 4.5 GB); where the
+disk has not twice that free, nothing is stored and each engine collects its own, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from edge.errors import RecipeError
+
+log = logging.getLogger("edgechat")
+PREFIX = "gptq-statistics-"
+
+
+def statistics_key(plain: Path, feeds: list[dict]) -> str:
+    """What the statistics depend on, hashed: the plain graph's weights, the calibration tokens, gptq.py's code."""
+    files = [plain, plain.with_name(plain.name + ".data")]
+    weights = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
+    code = hashlib.sha256(Path(__file__).with_name("gptq.py").read_bytes()).hexdigest()
+    tokens = hashlib.sha256()
+    for f in feeds:
+        tokens.update(np.ascontiguousarray(f["input_ids"], np.int64).tobytes() + b"|")
+    return hashlib.sha256(json.dumps([weights, code, tokens.hexdigest()]).encode()).hexdigest()[:16]
+
+
+class StoredStatistics:
+    """The statistics interface of `Hessians` / `LayerHessians` (`input_of`, `__call__(node)`, `rows`, `passes`,
+    `method`, `close`) over a folder of .npy files: a matrix on disk is loaded, one that is not is collected by
+    `make()` (built on first need) and every matrix that pass produced is written, so the next engine finds it."""
+
+    def __init__(self, folder: Path, make: Callable[[], object], input_of: dict[str, str], rows: int) -> None:
+        self.folder, self._make, self.input_of, self.rows = folder, make, input_of, rows
+        folder.mkdir(parents=True, exist_ok=True)
+        self._inner = None
+        self._passes = 0  # of inners already closed
+        self._last: tuple[str, np.ndarray] | None = None  # q, k and v ask for the same input in a row
+        self.loaded_from_disk = 0  # matrices this stage read back
+        self.computed = 0  # ...and collected itself
+        meta = folder / "method.txt"
+        self.method = meta.read_text().strip() if meta.is_file() else None
+
+    @property
+    def passes(self) -> int:
+        """Passes over the calibration texts this stage ran (0: every matrix came from disk)."""
+        return self._passes + (self._inner.passes if self._inner is not None else 0)
+
+    def _file(self, x: str) -> Path:
+        return self.folder / (hashlib.sha256(x.encode()).hexdigest()[:24] + ".npy")
+
+    def __call__(self, node: str) -> np.ndarray:
+        x = self.input_of[node]
+        if self._last is not None and self._last[0] == x:
+            return self._last[1]
+        f = self._file(x)
+        if self._inner is not None and x in self._inner.loaded:  # collected by this stage's pass: in memory
+            h = self._inner.loaded[x]
+        elif f.is_file():
+            h = np.load(f)
+            self.loaded_from_disk += 1
+        else:
+            if self._inner is None:
+                self._inner = self._make()
+                self.method = self._inner.method
+                (self.folder / "method.txt").write_text(self.method + "\n")
+            h = self._inner(node)
+            for y, m in self._inner.loaded.items():  # the whole pass's matrices, each written once
+                g = self._file(y)
+                if not g.is_file():
+                    tmp = g.with_suffix(".tmp.npy")
+                    np.save(tmp, m)
+                    os.replace(tmp, g)
+                    self.computed += 1
+        self._last = (x, h)
+        return h
+
+    def close(self) -> None:
+        self._last = None
+        if self._inner is not None:
+            self._passes += self._inner.passes
+            self._inner.close()
+            self._inner = None
+
+
+def gptq_statistics(plain: Path, fused: bool, hf_dir: Path, dst: Path, feeds: list[dict], shared: bool = True):
+    """GPTQ's input statistics on `feeds` over the plain graph `plain`, asked for by the quantized graph's MatMul
+    names (`fused`: the fused graph's, mapped by export/sensitivity.py). Returns (statistics, by_name).
+    `shared`: kept on disk in `dst`'s parent (the build's work folder) under their key and loaded from there
+    when an earlier engine of the build collected them (`StoredStatistics`)."""
+    from export import gptq
+    from export.gptq import Hessians, LayerHessians, statistics_bytes
+    from export.onnx_weights import GraphWeights, untie_lm_head, weight_matmuls
+    from export.sensitivity import target_name
+
+    need = statistics_bytes(plain)
+
+    def collect():
+        hess = None
+        if need > gptq.ONE_PASS_BYTES:  # more than one pass of the whole graph: block by block
+            try:
+                hess = LayerHessians(hf_dir, plain, feeds)
+            except (ValueError, TypeError, RuntimeError) as e:  # names that do not map, blocks that cannot run alone
+                log.warning("GPTQ statistics block by block are not possible here (%s): passes of the whole graph", e)
+        return hess or Hessians(plain, dst, feeds)
+
+    hess = None
+    if shared:
+        key = statistics_key(plain, feeds)
+        folder = dst.parent / f"{PREFIX}{key}"
+        if not folder.is_dir() and 2 * need > shutil.disk_usage(dst.parent).free:
+            log.warning("GPTQ statistics are not kept for the next engine: they need %.1f GB and %s has %.1f GB free",
+                        need / 1e9, dst.parent, shutil.disk_usage(dst.parent).free / 1e9)
+        else:
+            for old in dst.parent.glob(PREFIX + "*"):  # another export's or calibration's: never asked for again
+                if old != folder:
+                    shutil.rmtree(old, ignore_errors=True)
+            gw = GraphWeights(plain)
+            untie_lm_head(gw)
+            input_of = {n.name: n.input[0] for n in weight_matmuls(gw.model)}
+            del gw
+            rows = sum(int(np.prod(f["input_ids"].shape)) for f in feeds)
+            if not rows:
+                raise ValueError("GPTQ needs calibration text: no tokens were given")
+            hess = StoredStatistics(folder, collect, input_of, rows)
+    hess = hess or collect()
+    plain_of = {target_name(p, fused): p for p in hess.input_of}
+
+    def by_name(name: str) -> np.ndarray:
+        if name in hess.input_of:
+            return hess(name)
+        if name not in plain_of:
+            raise RecipeError(f"gptq: no plain-graph MatMul maps to {name} (export/sensitivity.py FUSED)")
+        return hess(plain_of[name])
+
+    return hess, by_name
