@@ -72,9 +72,10 @@ def test_shapes_follow_the_model_context():
 
 @pytest.mark.parametrize("device, precision, trt, graph, match", [
     ("t4", "bf16", "10.8", None, "does not support bf16"),
-    ("t4", "fp8", "10.8", None, "does not support fp8"),
+    ("t4", "fp8-qdq", "10.8", None, r"fp8-qdq needs SM >= 8.9 .*this GPU is SM 7.5 \(build one of fp32, fp16, int8-qdq"),
+    ("t4", "int4-qdq", "10.8", None, r"int4-qdq needs SM >= 8.0 \(TensorRT's INT4 weight-only"),
+    ("orin-nano-8gb", "fp8-qdq", "10.3", None, r"fp8-qdq needs SM >= 8.9 .*this GPU is SM 8.7"),
     ("l4", "fp16", "11.0", None, "strongly typed"),
-    ("l4", "fp8", "10.8", None, "FP8 Q/DQ graph"),
     ("orin-nano-8gb", "int8-dynamic", "10.3", None, "ONNX Runtime graph"),
     ("orin-nano-8gb", "fp16", "8.6", None, "too old"),
     ("cpu", "fp16", "10.3", None, "no NVIDIA GPU"),

@@ -1,0 +1,185 @@
+"""TensorRT's Q/DQ formats (export/trt_formats.py): int4-qdq (W4A16) and fp8-qdq, their graphs, their quality on
+ONNX Runtime's CPU reference kernels, the export-time check and the stand-in's SM floors."""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from conftest import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory) -> dict[str, Path]:
+    """A tiny loaded model, its plain fp32 graph and the two TensorRT formats quantized from it."""
+    from export import load, onnx_export, quantize
+    from export.model_source import resolve
+
+    d = tmp_path_factory.mktemp("trtfmt")
+    src = make_tiny_model(d / "src")
+    (d / "hf").mkdir()
+    load.run(resolve(str(src)), d / "hf")
+    (d / "plain").mkdir()
+    onnx_export.run(d / "hf", d / "plain", onnx_export.ExportOptions(fused=False, greedy_tokens=8))
+    out = {"hf": d / "hf", "fp32": d / "plain"}
+    for mode in ("int4-qdq", "fp8-qdq"):
+        (d / mode).mkdir()
+        quantize.run(d / "plain", d / "hf", d / mode, quantize.QuantizeOptions(mode=mode, samples=8, gptq_samples=8))
+        out[mode] = d / mode
+    return out
+
+
+def _logits(path: Path, ids: np.ndarray) -> np.ndarray:
+    """Prefill logits of the graph at `path` on ONNX Runtime's CPU kernels, Q/DQ as written (edge/precisions.py)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_quant_qdq", "1")
+    sess = ort.InferenceSession(str(path / "model.onnx"), so, providers=["CPUExecutionProvider"])
+    n = ids.shape[1]
+    feeds = {"input_ids": ids, "attention_mask": np.ones((1, n), np.int64), "position_ids": np.arange(n)[None]}
+    for i in sess.get_inputs():
+        if i.name.startswith("past_key_values"):
+            dt = np.float16 if "float16" in i.type else np.float32
+            feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), dt)
+    return sess.run(["logits"], feeds)[0][0].astype(np.float64)
+
+
+def _kl_top1(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
+    lp = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
+    lq = got - np.logaddexp.reduce(got, axis=-1, keepdims=True)
+    return float((np.exp(lp) * (lp - lq)).sum(-1).mean()), float((ref.argmax(-1) == got.argmax(-1)).mean())
+
+
+def test_int4_qdq_is_symmetric_int4_blocks_dequantized_before_each_matmul(formats):
+    g = onnx.load(str(formats["int4-qdq"] / "model.onnx"))
+    assert next(o.version for o in g.opset_import if o.domain == "") == 21
+    inits = {i.name: i for i in g.graph.initializer}
+    dq = {n.output[0]: n for n in g.graph.node if n.op_type == "DequantizeLinear"}
+    four = [n for n in dq.values() if inits[n.input[0]].data_type == onnx.TensorProto.INT4]
+    assert len(four) == 14  # q, k, v, o, gate, up, down x 2 layers
+    for n in four:
+        attrs = {a.name: a.i for a in n.attribute}
+        k, cols = inits[n.input[0]].dims
+        assert attrs["axis"] == 0 and k % attrs["block_size"] == 0 and cols % 2 == 0
+        assert len(n.input) == 2  # no zero point: symmetric
+        assert list(inits[n.input[1]].dims) == [k // attrs["block_size"], cols]
+        assert inits[n.input[1]].data_type == onnx.TensorProto.FLOAT16
+    matmuls = [n for n in g.graph.node if n.op_type == "MatMul" and n.input[1] in dq]
+    assert len(matmuls) == 15  # every weight MatMul, the head (INT8 per channel) included
+    head = next(n for n in matmuls if "lm_head" in n.name)
+    hq = dq[head.input[1]]
+    assert inits[hq.input[0]].data_type == onnx.TensorProto.INT8 and len(inits[hq.input[1]].dims) == 1
+    assert not [i for i in g.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2
+                and i.dims[0] * i.dims[1] >= 64 * 64]  # no float weight matrix left (the embedding reads the head's)
+
+
+def test_fp8_qdq_is_fp8_weights_per_channel_and_activations_per_tensor(formats):
+    g = onnx.load(str(formats["fp8-qdq"] / "model.onnx"))
+    assert next(o.version for o in g.opset_import if o.domain == "") == 19
+    inits = {i.name: i for i in g.graph.initializer}
+    q = [n for n in g.graph.node if n.op_type == "QuantizeLinear"]
+    assert len(q) == 8  # one per activation: q/k/v and gate/up share theirs (o and down have their own), 2 layers
+    for n in q:
+        assert inits[n.input[2]].data_type == onnx.TensorProto.FLOAT8E4M3FN
+        assert numpy_helper.to_array(inits[n.input[1]]).size == 1  # per tensor
+        assert numpy_helper.to_array(inits[n.input[1]]).item() > 0
+    w = [n for n in g.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+         and inits[n.input[0]].data_type == onnx.TensorProto.FLOAT8E4M3FN]
+    assert len(w) == 14 and all(len(inits[n.input[1]].dims) == 1 for n in w)
+
+
+@pytest.mark.parametrize("mode, max_kl, min_top1", [("int4-qdq", 0.05, 0.8), ("fp8-qdq", 0.01, 0.9)])
+def test_cpu_reference_kernels_run_it_close_to_fp32(formats, mode, max_kl, min_top1):
+    """ONNX Runtime's CPU kernels run the graph as TensorRT's Q/DQ semantics define it: quality is known before any
+    GPU sees it (the tiny random model's logits are flat, so KL is small for any sane quantization)."""
+    ids = np.random.default_rng(0).integers(3, 250, (1, 48))
+    kl, top1 = _kl_top1(_logits(formats["fp32"], ids), _logits(formats[mode], ids))
+    assert kl < max_kl and top1 >= min_top1, (kl, top1)
+
+
+@pytest.mark.parametrize("mode", ["int4-qdq", "fp8-qdq"])
+def test_tensorrt_check_accepts_the_graphs(formats, mode):
+    from export.trt_compat import check
+
+    rep = check(formats[mode] / "model.onnx")
+    assert rep.compatible, rep.problems
+    assert rep.dequantize_nodes >= 15
+
+
+def _dq_model(q: np.ndarray, scale: np.ndarray, zp=None, axis: int = 0, block: int = 0, quantize_input: bool = False):
+    from onnx import helper
+
+    inits = [numpy_helper.from_array(q, "q"), numpy_helper.from_array(scale, "s")]
+    ins = ["q", "s"]
+    if zp is not None:
+        inits.append(numpy_helper.from_array(zp, "z"))
+        ins.append("z")
+    attrs = {"axis": axis} | ({"block_size": block} if block else {})
+    if quantize_input:  # an activation quantized to q's type
+        nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], **attrs),
+                 helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["y"], **attrs)]
+        inits = inits[1:]
+        x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, list(q.shape))
+    else:
+        nodes = [helper.make_node("DequantizeLinear", ins, ["w"], **attrs),
+                 helper.make_node("MatMul", ["x", "w"], ["y"])]
+        x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, q.shape[0]])
+    g = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+def _int4(a):
+    import ml_dtypes
+
+    return np.asarray(a).astype(ml_dtypes.int4)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("int4-zero-point", "zero point is not 0"),
+    ("int4-odd-columns", "odd last dimension"),
+    ("int4-activation", "INT4 on an activation"),
+    ("int8-blocks", "int8 block quantization"),
+    ("two-blocked-axes", "one blocked axis"),
+    ("uint8", "uint8 zero point"),
+])
+def test_check_refuses_what_tensorrts_importer_asserts_on(case, match):
+    """onnx-tensorrt's QuantDequantLinearHelper (10.1-GA) and TensorRT's INT4 (weight-only) rules, in the export-time
+    check the stand-in's parser shares."""
+    from export.trt_compat import qdq_problems
+
+    k, n, b = 64, 8, 32
+    s = np.full((k // b, n), 0.1, np.float16)
+    m = {
+        "int4-zero-point": lambda: _dq_model(_int4(np.ones((k, n))), s, zp=_int4(np.ones((k // b, n))), block=b),
+        "int4-odd-columns": lambda: _dq_model(_int4(np.ones((k, n - 1))), s[:, :-1], block=b),
+        "int4-activation": lambda: _dq_model(_int4(np.ones((k, n))), np.array(0.1, np.float32),
+                                             zp=_int4(0), quantize_input=True),
+        "int8-blocks": lambda: _dq_model(np.ones((k, n), np.int8), s, block=b),
+        "two-blocked-axes": lambda: _dq_model(_int4(np.ones((k, n))), np.full((k // b, n // 2), 0.1, np.float16),
+                                              block=b),
+        "uint8": lambda: _dq_model(np.ones((k, n), np.uint8), np.full(n, 0.1, np.float32), zp=np.zeros(n, np.uint8),
+                                   axis=1),
+    }[case]()
+    problems = qdq_problems(m)[2]
+    assert any(match in p for p in problems), problems
+
+
+def test_check_takes_a_symmetric_int4_weight_in_blocks():
+    from export.trt_compat import qdq_problems
+
+    m = _dq_model(_int4(np.ones((64, 8))), np.full((2, 8), 0.1, np.float16), block=32)
+    assert qdq_problems(m)[2] == []
+
+
+def test_runtime_refuses_an_engine_below_its_sm_in_one_line():
+    from edge.backends.choose import engine_mismatch
+    from edge.bundle import Fingerprint
+    from edge.device.machine import Machine
+
+    t4 = Machine(arch="x86_64", python="3.11", gpu_sm="7.5", gpu_name="T4", tensorrt="10.8.0")
+    for precision, need in (("int4-qdq", "8.0"), ("fp8-qdq", "8.9")):
+        why = engine_mismatch(Fingerprint("tensorrt", precision, gpu_sm="7.5", tensorrt_version="10.8.0"), t4)
+        assert why and f"{precision} needs SM >= {need}" in why and "this GPU is SM 7.5" in why and "\n" not in why
