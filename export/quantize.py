@@ -548,14 +548,18 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
 def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian) -> dict:
     from export.load import model_dims
 
+    dims = model_dims(hf_dir)
     if opts.mode in (INT4_QDQ, FP8):  # TensorRT's Q/DQ formats on the fp16 graph: export/trt_formats.py
         from export import trt_formats
 
-        metrics = {"mode": opts.mode} | trt_formats.run(fp32_dir, hf_dir, dst, opts, hessian)
+        fitted = max(gptq_chats(opts), opts.gptq_samples - gptq_chats(opts))  # GPTQ's texts: not measured on
+        metrics = {"mode": opts.mode} | trt_formats.run(
+            fp32_dir, dst, opts, hessian,
+            lambda: calibration_feeds(hf_dir, opts, dims.num_layers, dims.num_kv_heads, dims.head_dim),
+            lambda: sensitivity_feeds(hf_dir, opts, dims, skip=fitted))
         return metrics | {"size_bytes": graph_bytes(dst / "model.onnx"),
                           "fp32_size_bytes": graph_bytes(fp32_dir / "model.onnx"),
                           "size_ratio": graph_bytes(dst / "model.onnx") / graph_bytes(fp32_dir / "model.onnx")}
-    dims = model_dims(hf_dir)
     gw = GraphWeights(fp32_dir / "model.onnx")
     untie_lm_head(gw)
     out = dst / "model.onnx"

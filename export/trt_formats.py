@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -160,13 +161,12 @@ def write_int4_qdq(fp32_dir: Path, dst: Path, block: int, hessian, promoted: set
     return {"int4_matmuls": len(blocks), "int4_blocks": sorted(set(blocks.values())), "int8_matmuls": eight}
 
 
-def int4_qdq(fp32_dir: Path, hf_dir: Path, dst: Path, opts, dims, hessian) -> dict:
+def int4_qdq(fp32_dir: Path, dst: Path, opts, hessian, sensitivity_feeds: Callable[[], list[dict]]) -> dict:
     """quantize.run's int4-qdq: the all-4-bit graph, then, given a budget (int4_budget_mb / int4_extra_ratio),
     the MatMuls whose 4-bit form moves KL to fp32 most per extra byte promoted to INT8 while the file fits."""
     from export import sensitivity
     from export.gptq import gptq_block_quant
     from export.int4 import dequantize
-    from export.quantize import gptq_chats, sensitivity_feeds
 
     metrics = write_int4_qdq(fp32_dir, dst, opts.int4_block_size, hessian, set())
     base = graph_bytes(dst / "model.onnx")
@@ -184,8 +184,7 @@ def int4_qdq(fp32_dir: Path, hf_dir: Path, dst: Path, opts, dims, hessian) -> di
     del gw
     cost = {t: k * n + 2 * n - (k * n // 2 + 2 * n * k // max(block_for(k, opts.int4_block_size), 1))
             for t, (k, n) in shapes.items() if block_for(k, opts.int4_block_size) and n % 2 == 0}
-    fitted = max(gptq_chats(opts), opts.gptq_samples - gptq_chats(opts))  # GPTQ's texts are not measured on
-    probe = sensitivity.Probe(fp32_dir / "model.onnx", dst, sensitivity_feeds(hf_dir, opts, dims, skip=fitted))
+    probe = sensitivity.Probe(fp32_dir / "model.onnx", dst, sensitivity_feeds())
     try:
         def quant(node: str, w: np.ndarray) -> np.ndarray:
             b = block_for(w.shape[0], opts.int4_block_size)
@@ -239,20 +238,18 @@ def activation_ranges(plain: Path, work: Path, feeds: list[dict], names: list[st
     return {name: amax[t] for name, t in inputs.items()}
 
 
-def fp8_qdq(fp32_dir: Path, hf_dir: Path, dst: Path, opts, dims) -> dict:
+def fp8_qdq(fp32_dir: Path, dst: Path, calibration_feeds: Callable[[], list[dict]]) -> dict:
     """quantize.run's fp8-qdq: FP8 E4M3 weights per output channel and FP8 activations per tensor (calibrated)
     on every weight MatMul but the LM head."""
     import ml_dtypes
     from onnx import helper
-
-    from export.quantize import calibration_feeds
 
     work = dst / "fp16-graph"
     gw = fp16_graph(fp32_dir, work)
     _set_opset(gw, FP8_OPSET)
     head = head_matmul(gw.model)
     nodes = [n for n in weight_matmuls(gw.model) if n is not head]
-    feeds = calibration_feeds(hf_dir, opts, dims.num_layers, dims.num_kv_heads, dims.head_dim)
+    feeds = calibration_feeds()
     amax = activation_ranges(fp32_dir / "model.onnx", dst, feeds, [n.name for n in nodes])
     zero = "fp8_zero_point"
     gw.set(zero, np.zeros((), ml_dtypes.float8_e4m3fn))
@@ -283,13 +280,12 @@ def fp8_qdq(fp32_dir: Path, hf_dir: Path, dst: Path, opts, dims) -> dict:
             "calibration_samples": len(feeds), "activation_amax": dict(sorted(amax.items()))}
 
 
-def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts, hessian) -> dict:
-    """quantize.run's entry for the TensorRT formats (opts: export.quantize.QuantizeOptions)."""
-    from export.load import model_dims
-
-    dims = model_dims(hf_dir)
+def run(fp32_dir: Path, dst: Path, opts, hessian, calibration_feeds: Callable[[], list[dict]],
+        sensitivity_feeds: Callable[[], list[dict]]) -> dict:
+    """quantize.run's entry for the TensorRT formats (opts: export.quantize.QuantizeOptions; the feeds: the
+    calibration chats' prefill, and the sensitivity texts GPTQ did not fit on, both from export/quantize.py)."""
     if opts.mode == INT4_QDQ:
-        return int4_qdq(fp32_dir, hf_dir, dst, opts, dims, hessian)
+        return int4_qdq(fp32_dir, dst, opts, hessian, sensitivity_feeds)
     if opts.mode == FP8:
-        return fp8_qdq(fp32_dir, hf_dir, dst, opts, dims)
+        return fp8_qdq(fp32_dir, dst, calibration_feeds)
     raise ValueError(f"trt_formats: not a TensorRT Q/DQ format: {opts.mode}")

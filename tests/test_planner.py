@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import time
@@ -85,7 +86,7 @@ def test_7b_int8_4k_fits_t4_not_orin_nano():
     rec = recommend(d, load_profile("orin-nano-8gb@desktop"), PlanOptions(context=4096, answer_tokens=100))
     assert rec.plan.precision == "int4-weight" and rec.context < 2048
     rec = recommend(KNOWN_SIZES["13b"], load_profile("orin-nano-8gb"), o)
-    assert rec.plan is None and "even int4-weight needs" in rec.reason and "--prune" in rec.reason
+    assert rec.plan is None and re.search("even int4-(weight|qdq) needs", rec.reason) and "--prune" in rec.reason
 
 
 def test_llama3_8b_fits_orin_nano_at_int4_with_2048_tokens():
@@ -241,7 +242,7 @@ def test_plan_default_model_recommends_no_fp32_on_gpus(target):
     got = data["recommendation"]
     assert got["precision"] == precision and got["reason"] in rec and got["runner_up"]["precision"] != "fp32"
     assert got["expected_kl"] <= 0.05 and "SmolLM2" in got["expected_kl_source"]
-    assert {p["precision"]: p["expected_kl"] for p in data["plans"]}["int4-weight"] == pytest.approx(0.443)
+    assert {p["precision"]: p["expected_kl"] for p in data["plans"]}["int4-weight"] == pytest.approx(0.0532)
 
 
 def test_plan_fp32_only_when_asked():
