@@ -183,3 +183,112 @@ def test_runtime_refuses_an_engine_below_its_sm_in_one_line():
     for precision, need in (("int4-qdq", "8.0"), ("fp8-qdq", "8.9")):
         why = engine_mismatch(Fingerprint("tensorrt", precision, gpu_sm="7.5", tensorrt_version="10.8.0"), t4)
         assert why and f"{precision} needs SM >= {need}" in why and "this GPU is SM 7.5" in why and "\n" not in why
+
+
+# ----------------------------------------------------------------------------- engines on the TensorRT stand-in
+
+
+@pytest.fixture(scope="module")
+def qdq_bundle(tmp_path_factory, tiny_model_dir):
+    """A tiny bundle built by the whole export path (quantize, evaluate, golden prompts) with both formats."""
+    from export.recipe import BuildOptions, build
+
+    out = tmp_path_factory.mktemp("qdq-bundles") / "qdq.bundle"
+    return build(BuildOptions(output=out, model=str(tiny_model_dir), precisions=("fp32", "int4-qdq", "fp8-qdq"),
+                              max_context=256, eval_samples=4, calibration_samples=8), log=lambda s: None).root
+
+
+def _gpu(fake_gpu, monkeypatch, name: str, sm: str):
+    """The stand-in's GPU replaced by another (the fake_gpu fixture plays an SM 8.7 Orin)."""
+    from fake_tensorrt import cuda as fcuda
+
+    dev = fcuda.Device(name=name, sm=sm, memory_bytes=24 << 30)
+    monkeypatch.setattr(fcuda, "DEVICE", dev)
+    return dev
+
+
+@pytest.mark.parametrize("precision, profile, gpu, sm", [("int4-qdq", "orin-nano-8gb", None, "8.7"),
+                                                         ("fp8-qdq", "l4", "L4 (fake)", "8.9")])
+def test_build_engine_cli_builds_each_format_with_the_golden_prompts(fake_gpu, monkeypatch, qdq_bundle, tmp_path,
+                                                                      capsys, precision, profile, gpu, sm):
+    """`edge-chat build-engine` on the profile that runs it: the stand-in parses the Q/DQ graph (INT4 blocks or
+    FP8), builds a strongly typed engine, and the engine answers the golden prompts as the graph it came from."""
+    import json as _json
+    import shutil
+
+    from edge.bundle import Bundle
+    from edge.cli import main
+
+    from conftest import trt_errors
+
+    if gpu:
+        _gpu(fake_gpu, monkeypatch, gpu, sm)
+    path = tmp_path / "b.bundle"
+    shutil.copytree(qdq_bundle, path)
+    assert main(["build-engine", str(path), "--profile", profile, "--precision", precision]) == 0, \
+        capsys.readouterr().err
+    name = f"trt-{precision}-sm{sm.replace('.', '')}"
+    assert f"built    engines/{name}/model.engine" in capsys.readouterr().out
+    b = Bundle.open(path, verify="full")
+    e = b.manifest.engine(name)
+    assert (e.fingerprint.precision, e.fingerprint.gpu_sm) == (precision, sm)
+    assert e.quality["built_from"] == precision and e.quality["device_profile"] == profile
+    same, asked = e.quality["golden_same_as_source"].split("/")
+    assert same == asked and int(asked) >= 3
+    blob = b.path(e.file).read_bytes()
+    header = _json.loads(blob[16:16 + int.from_bytes(blob[8:16], "little")])
+    assert header["flags"] == []  # strongly typed: the types come from the Q/DQ graph
+    assert not trt_errors()
+    assert main(["golden", str(path), "--engine", name, "--json"]) == 0
+    res = _json.loads(capsys.readouterr().out)
+    assert res["engine"] == name and res["same_as_reference"].split("/")[0] == res["same_as_reference"].split("/")[1]
+
+
+@pytest.mark.parametrize("precision, need", [("int4-qdq", "8.0"), ("fp8-qdq", "8.9")])
+def test_build_engine_cli_refuses_each_format_on_a_t4(fake_gpu, monkeypatch, qdq_bundle, tmp_path, capsys,
+                                                      precision, need):
+    """On a T4 (SM 7.5) `edge-chat build-engine` refuses both formats in one line naming the SM they need and what
+    the T4 can build instead, and leaves the bundle as it was; and the stand-in itself, handed the network past
+    EdgeChat's settings, refuses to build it as TensorRT does (no INT4/FP8 GEMMs below their SM)."""
+    import shutil
+
+    import fake_tensorrt as trt
+    from edge.backends.tensorrt.builder import _network
+    from edge.bundle import Bundle
+    from edge.cli import main
+
+    from conftest import trt_errors
+
+    _gpu(fake_gpu, monkeypatch, "Tesla T4 (fake)", "7.5")
+    path = tmp_path / "b.bundle"
+    shutil.copytree(qdq_bundle, path)
+    before = (path / "manifest.json").read_bytes()
+    assert main(["build-engine", str(path), "--profile", "t4", "--precision", precision]) != 0
+    err = capsys.readouterr().err
+    assert f"{precision} needs SM >= {need}" in err and "SM 7.5" in err and "int8-qdq" in err, err
+    assert (path / "manifest.json").read_bytes() == before
+    assert not list((path / "engines").glob("trt-*"))
+    logger = trt.Logger()
+    builder = trt.Builder(logger)
+    network, _ = _network(builder, logger, Bundle.open(path).path(f"engines/{precision}/model.onnx"), True)
+    assert builder.build_serialized_network(network, builder.create_builder_config()) is None
+    assert any("quantized GEMMs on SM 7.5" in m for m in trt_errors()), trt_errors()
+
+
+def test_the_build_gives_int4_qdq_the_int4_block_and_budget(tmp_path):
+    """`edge-export build --precision int4-qdq --int4-block 64 --int4-budget-mb N` reaches int4-qdq's quantize stage
+    (it used to be refused as an int4-weight-only flag, and the build passed int4-qdq neither the block nor the
+    budget); --int4-head-bits, int4-weight's alone, is still refused without int4-weight."""
+    from edge.errors import RecipeError
+    from export.cli import make_parser
+    from export.recipe import BuildOptions, _quantize_options
+
+    def parse(*flags: str) -> BuildOptions:
+        return BuildOptions.from_cli(make_parser().parse_args(["build", "-o", str(tmp_path / "x.bundle"),
+                                                               "--precision", "fp32", "--precision", "int4-qdq", *flags]))
+
+    opts = parse("--int4-block", "64", "--int4-budget-mb", "105.4")
+    q = _quantize_options(opts, "int4-qdq")
+    assert (q.mode, q.int4_block_size, q.int4_budget_mb) == ("int4-qdq", 64, 105.4)
+    with pytest.raises(RecipeError, match="--int4-head-bits shapes the int4-weight engine"):
+        parse("--int4-head-bits", "4")
