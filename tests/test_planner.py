@@ -156,18 +156,19 @@ def test_default_kl_table_has_a_source_for_every_precision():
 
 
 def test_default_kl_figures_are_the_measured_builds():
-    """The planner's expected KL for int8-dynamic and int4-weight is the measured build's (its JSON in docs/bench),
-    not a constant that drifts from it (int4-weight said 0.443 while builds measured 0.053)."""
+    """The planner's expected KL for int8-dynamic, int4-weight and fp8-qdq is the measured build's (its JSON
+    in docs/bench), not a constant that drifts from it (int4-weight said 0.443 while builds measured 0.053)."""
     import json
     from pathlib import Path
 
-    from export.planner import DEFAULT_KL, SMOLLM2_EVAL
+    from export.planner import DEFAULT_KL, SMOLLM2_EVAL, SMOLLM2_TRT_EVAL
 
-    measured = json.loads((Path(__file__).parents[1] / SMOLLM2_EVAL).read_text())["engines"]
-    for p in ("int8-dynamic", "int4-weight"):
-        kl, source = DEFAULT_KL[p]
-        assert kl == pytest.approx(measured[p]["chats"]["kl_to_fp32"], abs=5e-5), p
-        assert SMOLLM2_EVAL in source
+    for path, names in ((SMOLLM2_EVAL, ("int8-dynamic", "int4-weight")), (SMOLLM2_TRT_EVAL, ("fp8-qdq",))):
+        measured = json.loads((Path(__file__).parents[1] / path).read_text())["engines"]
+        for p in names:
+            kl, source = DEFAULT_KL[p]
+            assert kl == pytest.approx(measured[p]["chats"]["kl_to_fp32"], abs=5e-5), p
+            assert path in source
 
 
 def test_bundle_quality_is_relative_to_the_bundles_own_fp32(tiny_bundle):
