@@ -292,3 +292,29 @@ def test_the_build_gives_int4_qdq_the_int4_block_and_budget(tmp_path):
     assert (q.mode, q.int4_block_size, q.int4_budget_mb) == ("int4-qdq", 64, 105.4)
     with pytest.raises(RecipeError, match="--int4-head-bits shapes the int4-weight engine"):
         parse("--int4-head-bits", "4")
+
+
+def test_int4_qdq_budget_promotes_matmuls_to_int8_within_it(formats, tmp_path, monkeypatch):
+    """With a byte budget the MatMuls whose 4-bit form hurts most go to INT8 per channel while the file fits it;
+    the rest keep the all-4-bit graph's levels, and GPTQ rounds each MatMul once per form across the two graphs."""
+    from export import gptq, quantize
+    from export.onnx_weights import graph_bytes
+
+    base = graph_bytes(formats["int4-qdq"] / "model.onnx")
+    calls: list[int] = []
+    real = gptq.gptq_block_quant
+    monkeypatch.setattr(gptq, "gptq_block_quant", lambda w, h, bits, *a, **k: calls.append(bits) or real(w, h, bits, *a, **k))
+    dst = tmp_path / "budget"
+    dst.mkdir()
+    m = quantize.run(formats["fp32"], formats["hf"], dst, quantize.QuantizeOptions(
+        mode="int4-qdq", samples=8, gptq_samples=8, int4_budget_mb=base * 1.15 / 1e6))
+    assert m["int4_8bit_matmuls"] and graph_bytes(dst / "model.onnx") <= base * 1.15
+    promoted = set(m["int4_8bit_matmuls"])
+    old = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(formats["int4-qdq"] / "model.onnx")).graph.initializer}
+    new = onnx.load(str(dst / "model.onnx"))
+    four = [n for n in new.graph.node if n.op_type == "DequantizeLinear" and any(a.name == "block_size" for a in n.attribute)]
+    assert four and all(np.array_equal(numpy_helper.to_array(next(i for i in new.graph.initializer if i.name == n.input[0])),
+                                       old[n.input[0]]) for n in four)
+    # 15 for the all-4-bit graph (14 + the head), one per MatMul the sensitivity measures, and only the promoted
+    # ones again for the budget's graph (without the reuse: all 15 again)
+    assert len(promoted) < 14 and len(calls) < 2 * 15 + len(m["int4_sensitivity"]), (len(calls), len(promoted))
