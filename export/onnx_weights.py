@@ -23,6 +23,7 @@ Value = Union[np.ndarray, Callable[[], np.ndarray]]
 INLINE_MAX = 1024  # tensors up to this many bytes stay inside the graph proto (as onnx.save's size_threshold)
 ALIGN = 4096  # external tensors start on page boundaries, so ONNX Runtime can memory-map them
 COPY_CHUNK = 64 << 20
+FOUR_BIT = (21, 22)  # onnx.TensorProto.UINT4, INT4: stored two values a byte
 
 
 def load_graph(path: Path):
@@ -63,8 +64,28 @@ def tensor_nbytes(init) -> int:
         return int(ext["length"])
     if init.raw_data:
         return len(init.raw_data)
-    dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
-    return int(np.prod(init.dims, dtype=np.int64)) * dtype.itemsize
+    count = int(np.prod(init.dims, dtype=np.int64))
+    if init.data_type in FOUR_BIT:
+        return (count + 1) // 2
+    return count * helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+
+
+def pack_4bit(data: np.ndarray) -> np.ndarray:
+    """ONNX's INT4/UINT4 bytes: two values a byte, the first in the low nibble (numpy's int4 holds one a byte)."""
+    u = data.reshape(-1).view(np.uint8) & 0x0F
+    if u.size % 2:
+        u = np.append(u, np.uint8(0))
+    return (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
+
+
+def unpack_4bit(raw: np.ndarray, count: int, dtype) -> np.ndarray:
+    """The inverse of pack_4bit: `count` values of `dtype` (ml_dtypes int4/uint4)."""
+    u = np.empty(raw.size * 2, np.uint8)
+    u[0::2], u[1::2] = raw & 0x0F, raw >> 4
+    u = u[:count]
+    if np.dtype(dtype).name == "int4":
+        u = np.where(u > 7, u.astype(np.int16) - 16, u).astype(np.int8)
+    return u.astype(dtype)
 
 
 def append_external(f, t, chunks, nbytes: int, location: str) -> None:
@@ -238,6 +259,9 @@ class GraphWeights:
         dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
         count = int(np.prod(init.dims, dtype=np.int64))
         with open(self.base / ext["location"], "rb") as f:
+            if init.data_type in FOUR_BIT:
+                raw = np.fromfile(f, dtype=np.uint8, count=(count + 1) // 2, offset=int(ext.get("offset", 0)))
+                return unpack_4bit(raw, count, dtype).reshape(tuple(init.dims))
             a = np.fromfile(f, dtype=dtype, count=count, offset=int(ext.get("offset", 0)))
         if a.size != count:
             raise EdgeChatError(f"{self.base / ext['location']} ends before the tensor {init.name!r} it should hold "
@@ -340,6 +364,9 @@ class GraphWeights:
                 raise ValueError(f"edit of {init.name!r} is {data.dtype}{list(data.shape)}, its record says "
                                  f"{want[1]}{list(want[0])}")
             chunks, nbytes = [data.reshape(-1).view(np.uint8)], data.nbytes
+            if init.data_type in FOUR_BIT:
+                chunks = [pack_4bit(data)]
+                nbytes = chunks[0].nbytes
         elif init.name in self._sources:
             data = np.ascontiguousarray(self._read(init))
             chunks, nbytes = [data.reshape(-1).view(np.uint8)], data.nbytes

@@ -14,7 +14,7 @@ from edge import precisions
 from edge.bundle import ModelDims
 from edge.errors import RecipeError
 from edge.io_contract import KV_BYTES, KV_INT8, DecoderIO
-from edge.precisions import BF16, FP8, FP16, FP32, INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
+from edge.precisions import BF16, FP8, FP16, FP32, INT4_QDQ, INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
 from edge.device.profiles import DeviceProfile
 from edge.backends.tensorrt.settings import TENSORRT_BUILD_RAM_FACTOR
 
@@ -190,7 +190,7 @@ def _plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOpt
     overhead = profile.runtime_overhead_gb * GB
     total = weights + kv + activations + overhead
     usable = profile.usable_memory_gb * GB
-    needs_build = bool(profile.tensorrt_versions) and precision in (FP16, BF16, FP8, INT8_QDQ)
+    needs_build = bool(profile.tensorrt_versions) and precisions.get(precision).tensorrt and precision != FP32
     build = weights * TENSORRT_BUILD_RAM_FACTOR if needs_build else None
     host = profile.host_ram_gb * GB
     # Roofline: each decoded token reads every weight once plus the whole KV cache so far (worst case: full).
@@ -220,17 +220,33 @@ def plan_all(dims: ModelDims, profile: DeviceProfile, opts: PlanOptions, precisi
 # no bundle's own measurement is at hand. Data with its source; None where nothing has been measured.
 SMOLLM2 = ("measured on SmolLM2-135M-Instruct by the build's evaluate stage: recipes/smollm2-int8.toml, 64 held-out "
            "chitchat chats, edge runtime (README, 'Quality kept')")
+# the measured build docs/quality.md reports (`edge-export build --precision int8-dynamic --precision int4-weight
+# --int4-block 64 --int4-budget-mb 105.4`, then `edge-export eval`, 32 held-out chats): its JSON is the source, and
+# tests/test_planner.py checks these figures against it so they cannot drift from the measurement
+SMOLLM2_EVAL = "docs/bench/quality-final-eval-2026-12-05.json"
+SMOLLM2_FINAL = (f"measured on SmolLM2-135M-Instruct, 32 held-out chats, KL to fp32 ({SMOLLM2_EVAL}; "
+                 "docs/quality.md)")
+# TensorRT's Q/DQ formats as ONNX Runtime's CPU reference kernels compute them (`edge-export build --recipe R
+# --skip-eval`, R: fp32, fp16, fp8-qdq, 32 calibration chats; then `edge-export eval --chats 12 --prose-tokens 2048`;
+# docs/quality.md "TensorRT's Q/DQ formats"): checked against its JSON by tests/test_planner.py as above
+SMOLLM2_TRT_EVAL = "docs/bench/quality-trt-formats-eval-2026-12-06.json"
+SMOLLM2_TRT = (f"measured on SmolLM2-135M-Instruct, 12 held-out chats, KL to fp32 on ONNX Runtime's CPU reference "
+               f"kernels, not on a GPU ({SMOLLM2_TRT_EVAL}; docs/quality.md)")
 NO_GPU = "not measured: EdgeChat has not run TensorRT on a GPU yet"
+NO_MODEL = ("not measured on SmolLM2-135M yet (its graph is scored on ONNX Runtime's CPU reference kernels by the "
+            "evaluate stage: a bundle's own figure replaces this)")
 DEFAULT_KL: dict[str, tuple[float | None, str]] = {
     FP32: (0.0, "the reference itself"),
     FP16: (None, NO_GPU),
     BF16: (None, NO_GPU),
-    FP8: (None, NO_GPU),
-    INT8_DYNAMIC: (0.0061, SMOLLM2),
+    FP8: (0.0600, SMOLLM2_TRT),
+    INT8_DYNAMIC: (0.0043, SMOLLM2_FINAL),
     INT8_QDQ: (0.097, SMOLLM2 + "; SmoothQuant alpha 0.8"),
-    INT4_WEIGHT: (0.443, SMOLLM2),
+    # the budgeted layout (33 of 120 MatMuls at 8 bits, 105.2 MB); the default all-4-bit blocks of 32 measure more
+    INT4_WEIGHT: (0.0532, SMOLLM2_FINAL + ", at --int4-block 64 --int4-budget-mb 105.4"),
+    INT4_QDQ: (None, NO_MODEL),  # its SmolLM2 build did not finish in the time it was measured (docs/quality.md)
 }
-DEFAULT_MAX_KL = 0.05  # on the defaults above: int8-dynamic is within it, int8-qdq and int4-weight are not
+DEFAULT_MAX_KL = 0.05  # on the defaults above: int8-dynamic is within it; int8-qdq, int4-weight (0.053), fp8-qdq (0.060) not
 GPU_FLOOR = (FP16, BF16)  # on a GPU the recommendation never goes below these for quality, nor to fp32 unasked
 TENSORRT_FROM_FP32 = tuple(p.name for p in precisions.TABLE if FP32 in p.trt_sources)  # built on the device from fp32
 

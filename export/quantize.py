@@ -1,4 +1,5 @@
-"""Quantize stage: fp32 ONNX decoder -> int8-dynamic | int8-qdq | int4-weight.
+"""Quantize stage: fp32 ONNX decoder -> int8-dynamic | int8-qdq | int4-weight (here), int4-qdq | fp8-qdq
+(TensorRT's formats on the fp16 graph: export/trt_formats.py).
 
 - int8-dynamic (ONNX Runtime CPU/CUDA): INT8 weights, dynamic activations.
 - int8-qdq (TensorRT, W8A8): SmoothQuant folded into the RMSNorm weights, then
@@ -32,7 +33,7 @@ import numpy as np
 
 from edge import precisions
 from edge.errors import RecipeError
-from edge.precisions import INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
+from edge.precisions import FP8, INT4_QDQ, INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
 from export.embedding import quantize_embedding
 from export.nbits import nbits_bytes, quantize_matmuls as _nbits  # noqa: F401 - nbits_bytes: the quantizer's API
 from export.onnx_weights import GraphWeights, graph_bytes, lm_head_matmul, untie_lm_head, weight_matmuls
@@ -317,7 +318,7 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
     from export.load import model_dims
 
     hess = None
-    if (opts.mode == INT4_WEIGHT and opts.int4_rounding == "gptq"
+    if (opts.mode == INT4_WEIGHT and opts.int4_rounding == "gptq" or opts.mode == INT4_QDQ
             or opts.mode == INT8_DYNAMIC and opts.int8_kernel == "nbits" and opts.int8_rounding == "gptq"):
         hess, hessian = _gptq_statistics(fp32_dir, hf_dir, dst, opts, model_dims(hf_dir))  # shared by the build's engines
     try:
@@ -336,6 +337,17 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
     from export.load import model_dims
 
     dims = model_dims(hf_dir)
+    if opts.mode in (INT4_QDQ, FP8):  # TensorRT's Q/DQ formats on the fp16 graph: export/trt_formats.py
+        from export import trt_formats
+
+        fitted = max(gptq_chats(opts), opts.gptq_samples - gptq_chats(opts))  # GPTQ's texts: not measured on
+        metrics = {"mode": opts.mode} | trt_formats.run(
+            fp32_dir, dst, opts, hessian,
+            lambda: calibration_feeds(hf_dir, opts, dims.num_layers, dims.num_kv_heads, dims.head_dim),
+            lambda: sensitivity_feeds(hf_dir, opts, dims, skip=fitted))
+        return metrics | {"size_bytes": graph_bytes(dst / "model.onnx"),
+                          "fp32_size_bytes": graph_bytes(fp32_dir / "model.onnx"),
+                          "size_ratio": graph_bytes(dst / "model.onnx") / graph_bytes(fp32_dir / "model.onnx")}
     gw = GraphWeights(fp32_dir / "model.onnx")
     untie_lm_head(gw)
     out = dst / "model.onnx"

@@ -25,7 +25,7 @@ from edge.bundle import Bundle, StageRecord
 from edge import precisions
 from edge.decode.cache import cache_kind
 from edge.errors import RecipeError
-from edge.precisions import FP16, FP32, INT4_WEIGHT, INT8_DYNAMIC
+from edge.precisions import FP16, FP32, INT4_QDQ, INT4_WEIGHT, INT8_DYNAMIC
 from export.console import fmt_bytes
 from export.distill import DistillOptions
 from export.draft import DraftOptions
@@ -57,14 +57,14 @@ class BuildOptions:
     calibration: str | None = None
     calibration_samples: int = 64
     smoothquant_alpha: float = 0.5
-    # int4-weight: the engine's size in MB at most (the most sensitive MatMuls go to 8 bits within it), else
-    # int4_extra_ratio of the all-4-bit size; int4_rounding: "gptq", "minmax" or "kquant" (export/quantize.py)
+    # int4-weight and int4-qdq: the engine's size in MB at most (the most sensitive MatMuls go to 8 bits within
+    # it), else int4_extra_ratio of the all-4-bit size; int4_rounding (int4-weight): "gptq", "minmax" or "kquant"
     int4_budget_mb: float | None = None
     int4_extra_ratio: float = 0.0
     int4_rounding: str = "gptq"
     gptq_samples: int = 96  # gptq rounding: calibration texts (half chats, half training prose) of 512 tokens
     int8_rounding: str = "gptq"  # int8-dynamic: "gptq" or "minmax" (export/quantize.py)
-    int4_block_size: int = 32  # int4-weight: 4-bit block size (edge-export plan says which fits a device)
+    int4_block_size: int = 32  # int4-weight and int4-qdq: 4-bit block size (edge-export plan says which fits)
     int4_lm_head_bits: int = 8
     eval_samples: int = 64
     skip_eval: bool = False
@@ -207,12 +207,14 @@ class BuildOptions:
         if getattr(a, "draft", False) or getattr(a, "draft_layers", None) is not None:
             layers = getattr(a, "draft_layers", None)
             draft = dataclasses.replace(draft or DraftOptions(), **({"layers": layers} if layers is not None else {}))
-        int4_flags = [f for f, v in (("--int4-block", getattr(a, "int4_block", None)),
-                                     ("--int4-head-bits", getattr(a, "int4_head_bits", None)),
-                                     ("--int4-budget-mb", getattr(a, "int4_budget_mb", None))) if v is not None]
-        if int4_flags and INT4_WEIGHT not in base.precisions:
-            raise RecipeError(f"{int4_flags[0]} shapes the int4-weight engine, which this build does not make "
-                              f"(it builds {', '.join(base.precisions)}): add --precision int4-weight")
+        int4_flags = [(f, engines) for f, v, engines in (
+            ("--int4-block", getattr(a, "int4_block", None), (INT4_WEIGHT, INT4_QDQ)),
+            ("--int4-head-bits", getattr(a, "int4_head_bits", None), (INT4_WEIGHT,)),
+            ("--int4-budget-mb", getattr(a, "int4_budget_mb", None), (INT4_WEIGHT, INT4_QDQ))) if v is not None]
+        for flag, engines in int4_flags:
+            if not set(engines) & set(base.precisions):
+                raise RecipeError(f"{flag} shapes the {' and '.join(engines)} engine, which this build does not make "
+                                  f"(it builds {', '.join(base.precisions)}): add --precision {engines[0]}")
         return dataclasses.replace(base, prune=prune, distill=distill, draft=draft)
 
 
@@ -442,6 +444,9 @@ def _quantize_options(opts: BuildOptions, precision: str, nearest: bool = False)
                  "int4_lm_head_bits": opts.int4_lm_head_bits}
         if not nearest:
             extra |= {"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio}
+    elif precision == INT4_QDQ:  # GPTQ always (export/trt_formats.py); the int4 engine's block size and budget
+        extra = {"int4_block_size": opts.int4_block_size, "int4_budget_mb": opts.int4_budget_mb,
+                 "int4_extra_ratio": opts.int4_extra_ratio}
     elif precision == INT8_DYNAMIC:
         extra = {"int8_rounding": "minmax" if nearest else opts.int8_rounding}
     if not nearest:

@@ -7,9 +7,10 @@ rejects must be caught here, on the workstation, where it can still be fixed. Wh
   docs/operators.md for TensorRT 10.0; later 10.x and 11 read at least that range);
 - no ONNX Runtime contrib ops (com.microsoft: MatMulNBits, GroupQueryAttention, ...) and none of
   the standard ops onnx-tensorrt lists as unsupported (MatMulInteger, DynamicQuantizeLinear, ...);
-- explicit quantization the way TensorRT wants it: INT8 Q/DQ only (no UINT8), zero points all 0,
-  scales finite and positive, activations quantized per tensor, weights per channel only along the
-  output axis of the MatMul/Gemm they feed;
+- explicit quantization the way TensorRT wants it (`qdq_problems`): INT8, INT4 or FP8 Q/DQ only (no UINT8),
+  zero points all 0, scales finite and positive, activations quantized per tensor, weights per channel only
+  along the output axis of the MatMul/Gemm they feed, or in blocks along one axis (INT4 weight-only, even last
+  dimension);
 - every node's op and input types against export/tensorrt_ops.toml, the per-op type table of
   onnx-tensorrt's docs/operators.md for a TensorRT version (`node_problems`): a Gather or Cast of an
   INT8 tensor, an fp16 op TensorRT has no fp16 kernel for, an op the table does not have.
@@ -29,7 +30,12 @@ import numpy as np
 
 from edge.errors import EdgeChatError
 
-MIN_OPSET, MAX_OPSET = 9, 20  # onnx-tensorrt docs/operators.md: "TensorRT 10.0 supports opset 9 to opset 20"
+# onnx-tensorrt docs/operators.md: "TensorRT 10.0 supports opset 9 to opset 20"; 21 too, which INT4 weights need
+# (INT4 in DequantizeLinear and its block_size are opset 21's): the parser itself bounds no opset (ModelImporter.cpp
+# at 10.1-GA only warns below 7), its INT4 Q/DQ import dates from 10.0 EA (docs/Changelog.md), and opset 21 changes
+# no op EdgeChat's graphs use beyond adding the 4-bit types (export/trt_formats.py); NVIDIA Model Optimizer writes
+# its INT4 ONNX for TensorRT 10 at opset 21. Newer operators.md say 9-22.
+MIN_OPSET, MAX_OPSET = 9, 21
 # Standard ops onnx-tensorrt marks "N" (not supported) that an exporter or quantizer can emit.
 UNSUPPORTED_OPS = frozenset({
     "BitShift", "ConcatFromSequence", "ConvInteger", "Det", "DynamicQuantizeLinear", "MatMulInteger",
@@ -175,13 +181,30 @@ def check(model_or_path, tensorrt_version: str = DEFAULT_TENSORRT) -> CompatRepo
     contrib = sorted(o for o in ops if "." in o)
     if contrib:
         rep.problems.append(f"ONNX Runtime contrib ops TensorRT cannot parse: {', '.join(contrib)} "
-                            "(build engines from the plain fp32 or int8-qdq graph, not the ORT-optimized one)")
+                            "(build engines from the plain fp32, fp16 or a Q/DQ graph, not the ORT-optimized one)")
     bad = sorted(o for o in ops if o in UNSUPPORTED_OPS)
     if bad:
         rep.problems.append(f"ops TensorRT does not support: {', '.join(bad)} (int8-dynamic graphs are for ONNX "
                             "Runtime; TensorRT takes INT8 as QuantizeLinear/DequantizeLinear pairs)")
 
     rep.problems += node_problems(model, tensorrt_version)
+    rep.quantize_nodes, rep.dequantize_nodes, problems = qdq_problems(model, read)
+    rep.problems += problems
+    return rep
+
+
+def qdq_problems(model, read: Callable[[Any], np.ndarray] | None = None) -> tuple[int, int, list[str]]:
+    """(QuantizeLinear count, DequantizeLinear count, one line per node TensorRT's importer refuses), the rules of
+    onnx-tensorrt's QuantDequantLinearHelper (onnxOpImporters.cpp, 10.1-GA) and TensorRT's quantized types:
+    constant scales, finite and > 0, in FP32/FP16/BF16; zero points INT8, INT4 or FP8 and all zero (TensorRT is
+    symmetric; UINT8 refused); a 1-D scale is per channel (weights only, along the output axis of their MatMul);
+    a scale of the input's rank is a block scale: one blocked axis, the last or second to last, tiling it exactly,
+    and only for INT4 / FP8 weights; INT4 is weight-only (a DequantizeLinear of a constant, never a
+    QuantizeLinear) and needs an even last dimension. `read`: initializer -> array (default numpy_helper)."""
+    from onnx import numpy_helper
+
+    read = read or numpy_helper.to_array
+    g = model.graph
     inits = {i.name: i for i in g.initializer}
     consts = {n.output[0]: n for n in g.node if n.op_type == "Constant"}
     consumers: dict[str, list] = {}
@@ -196,43 +219,68 @@ def check(model_or_path, tensorrt_version: str = DEFAULT_TENSORRT) -> CompatRepo
             return numpy_helper.to_array(consts[name].attribute[0].t)
         return None
 
+    counts = {"QuantizeLinear": 0, "DequantizeLinear": 0}
+    problems: list[str] = []
     for n in g.node:
-        if n.op_type not in ("QuantizeLinear", "DequantizeLinear") or n.domain not in STANDARD_DOMAINS:
+        if n.op_type not in counts or n.domain not in STANDARD_DOMAINS:
             continue
-        if n.op_type == "QuantizeLinear":
-            rep.quantize_nodes += 1
-        else:
-            rep.dequantize_nodes += 1
+        counts[n.op_type] += 1
         where = f"{n.op_type} '{n.name or n.output[0]}'"
         scale = const(n.input[1])
         if scale is None:
-            rep.problems.append(f"{where}: scale is computed at run time; TensorRT needs constant Q/DQ scales")
+            problems.append(f"{where}: scale is computed at run time; TensorRT needs constant Q/DQ scales")
             continue
+        if scale.dtype not in (np.float32, np.float16) and scale.dtype.name != "bfloat16":
+            problems.append(f"{where}: {scale.dtype} scale; TensorRT reads FP32, FP16 or BF16 scales")
         if not np.all(np.isfinite(scale)) or not np.all(scale > 0):
-            rep.problems.append(f"{where}: scales must be finite and > 0 (min {np.min(scale)!r}, max {np.max(scale)!r}) "
-                                "- calibrate on data that reaches this node, or leave it unquantized")
+            problems.append(f"{where}: scales must be finite and > 0 (min {np.min(scale)!r}, max {np.max(scale)!r}) "
+                            "- calibrate on data that reaches this node, or leave it unquantized")
         zp = const(n.input[2]) if len(n.input) > 2 and n.input[2] else None
+        qtype = None  # the quantized type: the zero point's, else the DequantizeLinear input's
         if zp is not None:
-            if zp.dtype != np.int8:
-                rep.problems.append(f"{where}: {zp.dtype} zero point; TensorRT takes INT8 Q/DQ only (quantize "
-                                    "with QuantType.QInt8 for weights and activations)")
-            elif np.any(zp != 0):
-                rep.problems.append(f"{where}: zero point is not 0 (TensorRT's INT8 is symmetric): quantize with "
-                                    "ActivationSymmetric and WeightSymmetric")
-        per_channel = scale.ndim > 0 and scale.size > 1
+            qtype = zp.dtype.name
+            if qtype not in ("int8", "int4", "float8_e4m3fn"):
+                problems.append(f"{where}: {zp.dtype} zero point; TensorRT takes INT8, INT4 and FP8 E4M3 Q/DQ only "
+                                "(quantize with QuantType.QInt8 for weights and activations)")
+            elif np.any(zp.astype(np.float32) != 0):
+                problems.append(f"{where}: zero point is not 0 (TensorRT's quantization is symmetric): quantize with "
+                                "ActivationSymmetric and WeightSymmetric")
         is_weight = n.op_type == "DequantizeLinear" and n.input[0] in inits
-        if per_channel and not is_weight:
-            rep.problems.append(f"{where}: per-channel activation quantization; TensorRT wants activations per tensor")
-        if per_channel and is_weight:
-            axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
-            wdims = list(inits[n.input[0]].dims)
-            axis = axis % len(wdims)
-            for user in consumers.get(n.output[0], []):
-                out_axis = _output_axis(user, n.output[0], len(wdims))
-                if out_axis is not None and axis != out_axis:
-                    rep.problems.append(f"{where}: weight scales along axis {axis}, but {user.op_type} "
-                                        f"'{user.name}' has its output channels on axis {out_axis}")
-    return rep
+        if is_weight and qtype is None:
+            qtype = TYPE_NAMES.get(inits[n.input[0]].data_type, "").lower().replace("fp8", "float8_e4m3fn")
+        if qtype == "int4" and not is_weight:
+            problems.append(f"{where}: INT4 on an activation; TensorRT's INT4 is weight-only (a DequantizeLinear of "
+                            "a constant weight)")
+        wdims = list(inits[n.input[0]].dims) if is_weight else []
+        if qtype == "int4" and is_weight and (not wdims or wdims[-1] % 2):
+            problems.append(f"{where}: INT4 weight of shape {wdims}: TensorRT packs INT4 in pairs and refuses an odd "
+                            "last dimension")
+        if scale.ndim == 0 or scale.size == 1:
+            continue
+        if not is_weight:
+            problems.append(f"{where}: per-channel activation quantization; TensorRT wants activations per tensor")
+            continue
+        if scale.ndim == len(wdims) and scale.ndim > 1:  # a block scale
+            blocked = [a for a, (d, s) in enumerate(zip(wdims, scale.shape)) if d != s]
+            if (len(blocked) != 1 or blocked[0] < len(wdims) - 2 or wdims[blocked[0]] % scale.shape[blocked[0]]
+                    or any(d != s for a, (d, s) in enumerate(zip(wdims, scale.shape)) if a not in blocked)):
+                problems.append(f"{where}: block scale {list(scale.shape)} for a weight {wdims}: TensorRT takes one "
+                                "blocked axis (the last or second to last) that the blocks tile exactly")
+            elif qtype not in ("int4", "float8_e4m3fn"):
+                problems.append(f"{where}: {qtype} block quantization; TensorRT 10 blocks INT4 and FP8 weights only "
+                                "(INT8 weights go per channel)")
+            continue
+        if scale.ndim != 1:
+            problems.append(f"{where}: scale of rank {scale.ndim} for an input of rank {len(wdims)}: TensorRT takes a "
+                            "scalar, a 1-D per-channel scale or a block scale of the input's rank")
+            continue
+        axis = next((a.i for a in n.attribute if a.name == "axis"), 1) % len(wdims)
+        for user in consumers.get(n.output[0], []):
+            out_axis = _output_axis(user, n.output[0], len(wdims))
+            if out_axis is not None and axis != out_axis:
+                problems.append(f"{where}: weight scales along axis {axis}, but {user.op_type} "
+                                f"'{user.name}' has its output channels on axis {out_axis}")
+    return counts["QuantizeLinear"], counts["DequantizeLinear"], problems
 
 
 def _output_axis(node, weight: str, rank: int) -> int | None:

@@ -30,8 +30,8 @@ def test_profile_loads_with_sources(name):
 
 def test_device_facts():
     t4, l4, nano = load_profile("t4"), load_profile("l4"), load_profile("orin-nano-8gb")
-    assert t4.compute_capability == "7.5" and not t4.supports("bf16") and not t4.supports("fp8")
-    assert l4.compute_capability == "8.9" and l4.supports("fp8")
+    assert t4.compute_capability == "7.5" and not t4.supports("bf16") and not t4.supports("fp8-qdq") and not t4.supports("int4-qdq")
+    assert l4.compute_capability == "8.9" and l4.supports("fp8-qdq") and l4.supports("int4-qdq")
     assert nano.compute_capability == "8.7" and nano.build_on_device and nano.unified_memory
     assert nano.usable_memory_gb == pytest.approx(6.6)  # headless; the desktop mode leaves 5.2
     assert load_profile("orin-nano-8gb@desktop").usable_memory_gb == pytest.approx(5.2)

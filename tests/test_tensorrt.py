@@ -71,10 +71,11 @@ def test_shapes_follow_the_model_context():
 
 
 @pytest.mark.parametrize("device, precision, trt, graph, match", [
-    ("t4", "bf16", "10.8", None, "does not support bf16"),
-    ("t4", "fp8", "10.8", None, "does not support fp8"),
+    ("t4", "bf16", "10.8", None, r"bf16 needs SM >= 8.0 \(BF16 tensor cores"),
+    ("t4", "fp8-qdq", "10.8", None, r"fp8-qdq needs SM >= 8.9 .*this GPU is SM 7.5 \(build one of fp32, fp16, int8-qdq"),
+    ("t4", "int4-qdq", "10.8", None, r"int4-qdq needs SM >= 8.0 \(TensorRT's INT4 weight-only"),
+    ("orin-nano-8gb", "fp8-qdq", "10.3", None, r"fp8-qdq needs SM >= 8.9 .*this GPU is SM 8.7"),
     ("l4", "fp16", "11.0", None, "strongly typed"),
-    ("l4", "fp8", "10.8", None, "FP8 Q/DQ graph"),
     ("orin-nano-8gb", "int8-dynamic", "10.3", None, "ONNX Runtime graph"),
     ("orin-nano-8gb", "fp16", "8.6", None, "too old"),
     ("cpu", "fp16", "10.3", None, "no NVIDIA GPU"),
@@ -157,7 +158,7 @@ def _qdq_graph(*, zp_dtype=np.int8, zp=0, scale=0.05, act_scale_shape=(), w_axis
     ({"scale": 0.0}, "finite and > 0"),
     ({"act_scale_shape": (8,)}, "activations per tensor"),
     ({"w_axis": 0}, "axis 0, but MatMul 'mm' has its output channels on axis 1"),
-    ({"opset": 21}, "opset 21 is outside the 9-20"),
+    ({"opset": 22}, "opset 22 is outside the 9-21"),
     ({"op": "MatMulInteger"}, "ops TensorRT does not support: MatMulInteger"),
 ])
 def test_compat_check_catches_what_tensorrt_rejects(kw, match):
@@ -327,7 +328,7 @@ def test_build_engine_cli_up_to_tensorrt(tiny_bundle, tmp_path):
     r = run_cli("export.cli", "engines", str(b), "--target", "orin-nano-8gb")
     assert r.returncode == 2 and "built on the device itself" in r.stderr
     r = run_cli("export.cli", "engines", str(b), "--target", "t4", "--precision", "bf16")
-    assert r.returncode == 2 and "does not support bf16" in r.stderr
+    assert r.returncode == 2 and "bf16 needs SM >= 8.0" in r.stderr
 
 
 def test_info_says_which_backend_and_why(tiny_bundle):

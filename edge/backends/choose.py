@@ -57,6 +57,8 @@ def engine_mismatch(fp: Fingerprint, m: Machine) -> str | None:
     built = f"engine built for SM {fp.gpu_sm} with TensorRT {fp.tensorrt_version}"
     if not m.has_gpu:
         return f"{built}; this machine has no usable NVIDIA GPU ({m.gpu_error or 'none found'})"
+    if fp.precision in precisions.PRECISIONS and (why := precisions.sm_refusal(fp.precision, m.gpu_sm)):
+        return f"{built}; {why}"
     here = f"this is SM {m.gpu_sm} with TensorRT {m.tensorrt or 'not installed'}"
     if str(fp.gpu_sm) != str(m.gpu_sm):
         return f"{built}; {here}"

@@ -10,7 +10,10 @@ Strict where TensorRT is, and in TensorRT's manner (False / None plus a logged e
 - the ONNX parser rejects ops TensorRT has no importer for (com.microsoft contrib ops) and opsets
   outside 9-20;
 - optimization profiles must give every dynamic input min <= opt <= max of the network's rank with its
-  static dims; a STRONGLY_TYPED network refuses precision flags; BF16 needs SM >= 8.0;
+  static dims; a STRONGLY_TYPED network refuses precision flags; BF16 needs SM >= 8.0, a network with INT4
+  weights SM >= 8.0 and one with FP8 Q/DQ SM >= 8.9;
+- the parser refuses Q/DQ nodes its importer asserts on (`export.trt_compat.qdq_problems`: non-zero or UINT8
+  zero points, scales <= 0, blocks on more than one axis, INT4 on activations or with an odd last dimension);
 - a build that needs more device memory than there is returns None ("OutOfMemory");
 - an engine from another TensorRT version (unless built VERSION_COMPATIBLE and run by a later one of the
   same major) or for another SM does not deserialize (None);
@@ -56,7 +59,7 @@ __version__ = "10.3.0"  # the fixture sets the version it plays
 def _major() -> int:
     return int(__version__.split(".")[0])
 MAGIC = b"FAKETRT1"
-MIN_OPSET, MAX_OPSET = 9, 20
+MIN_OPSET, MAX_OPSET = 9, 21  # as export/trt_compat.py (21: INT4 weights)
 
 
 # ----------------------------------------------------------------------------- enums and small types
@@ -217,6 +220,7 @@ class INetworkDefinition:
         self.outputs: list[_Tensor] = []
         self.model_bytes: bytes | None = None
         self.weight_bytes = 0
+        self.quantized: set[str] = set()
 
     @property
     def num_inputs(self) -> int:
@@ -235,6 +239,24 @@ def _tensors(values) -> list[_Tensor]:
         out.append(_Tensor(v.name, _ONNX_TO_TRT.get(t.elem_type, DataType.FLOAT), tuple(d for d, _ in dims),
                            tuple(p for _, p in dims)))
     return out
+
+
+def _quantized_types(m) -> set[str]:
+    """The quantized types a graph's Q/DQ nodes carry: a DequantizeLinear's constant input, a zero point."""
+    names = {3: "INT8", 17: "FP8", 22: "INT4"}
+    inits = {i.name: i.data_type for i in m.graph.initializer}
+    found = set()
+    for n in m.graph.node:
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            for k in (0, 2):
+                if k < len(n.input) and inits.get(n.input[k]) in names:
+                    found.add(names[inits[n.input[k]]])
+    return found
+
+
+# the lowest SM each quantized type builds on (TensorRT's "Working with Quantized Types": INT4 weight-only GEMMs
+# from Ampere, FP8 GEMMs from compute capability 8.9)
+_MIN_SM = {"INT4": (8, 0), "FP8": (8, 9)}
 
 
 class ParserError:
@@ -280,6 +302,10 @@ class OnnxParser:
             from export.trt_compat import node_problems
 
             self.errors += [ParserError(f"Unsupported: {p}") for p in node_problems(m, __version__)]
+        if not self.errors:  # QuantDequantLinearHelper's asserts: symmetric, positive scales, blocks, INT4 weight-only
+            from export.trt_compat import qdq_problems
+
+            self.errors += [ParserError(f"Assertion failed: {p}") for p in qdq_problems(m)[2]]
         if self.errors:
             for e in self.errors:
                 self.logger.log(Logger.ERROR, str(e))
@@ -288,6 +314,7 @@ class OnnxParser:
                                if t.name not in {i.name for i in m.graph.initializer}]
         self.network.outputs = _tensors(m.graph.output)
         self.network.weight_bytes = sum(len(i.raw_data) for i in m.graph.initializer)
+        self.network.quantized = _quantized_types(m)
         self.network.model_bytes = m.SerializeToString()  # the engine carries its weights, as a plan does
         return True
 
@@ -425,6 +452,12 @@ class Builder:
         if _BuilderFlag10.BF16 in config.flags and major < 8:
             self._error(f"Error Code 9: API Usage Error (BF16 is not supported on SM {dev.sm})")
             return None
+        sm = tuple(int(x) for x in dev.sm.split(".")[:2])
+        for qt in sorted(network.quantized):
+            if sm < _MIN_SM.get(qt, (0, 0)):
+                self._error(f"Error Code 9: Internal Error (no implementation of {qt} quantized GEMMs on SM {dev.sm}: "
+                            f"{qt} needs SM >= {'.'.join(map(str, _MIN_SM[qt]))})")
+                return None
         dynamic = [t for t in network.inputs if -1 in t.shape]
         if dynamic and not config.profiles:
             self._error("Error Code 4: API Usage Error (Network has dynamic or shape inputs, but no optimization "
@@ -544,6 +577,7 @@ class ICudaEngine:
         so = ort.SessionOptions()
         so.intra_op_num_threads = 1
         so.log_severity_level = 3
+        so.add_session_config_entry("session.disable_quant_qdq", "1")  # Q/DQ as written: TensorRT's arithmetic
         self.session = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
         self.profiles_taken: set[int] = set()
 

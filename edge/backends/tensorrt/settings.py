@@ -18,7 +18,7 @@ from edge import precisions
 from edge.bundle import ModelDims
 from edge.errors import EdgeChatError
 from edge.io_contract import DecoderIO
-from edge.precisions import BF16, FP8, FP16, FP32, INT8_QDQ
+from edge.precisions import BF16, FP16, FP32
 from edge.device.profiles import DeviceProfile
 
 TENSORRT_BUILD_RAM_FACTOR = 3.5  # TensorRT's builder peaks at ~3-4x the weights in host RAM
@@ -150,13 +150,16 @@ def builder_settings(profile: DeviceProfile, dims: ModelDims, io: DecoderIO, pre
     if precisions.get(precision).variant == "fused":
         raise BuildSettingsError(f"'{precision}' is an ONNX Runtime graph (MatMulNBits/dynamic INT8); "
                                  "TensorRT builds from the fp32/fp16 or int8-qdq graph")
+    if why := precisions.sm_refusal(precision, str(profile.compute_capability)):
+        fits = [p for p in precisions.TENSORRT if profile.supports(p) and not precisions.sm_refusal(p, str(profile.compute_capability))]
+        raise BuildSettingsError(f"{profile.display_name}: {why} (build one of {', '.join(fits)} for it)")
     if not profile.supports(precision):
         raise BuildSettingsError(f"{profile.display_name} (SM {profile.compute_capability}) does not support "
                                  f"{precision}; it supports {', '.join(profile.precisions)}")
     graph = graph_precision or FP32
     flags: list[str] = []
     strongly_typed = False
-    if precision == INT8_QDQ:
+    if precisions.get(precision).quantized:  # int8-qdq, int4-qdq, fp8-qdq (the fused ones were refused above)
         strongly_typed = True  # explicit Q/DQ: types come from the graph, no precision flags (TRT 10 and 11)
     elif precision in (FP16, BF16):
         if graph == precision:
@@ -167,8 +170,6 @@ def builder_settings(profile: DeviceProfile, dims: ModelDims, io: DecoderIO, pre
                                      f"(edge-export build --precision {precision}) or use TensorRT 10")
         else:
             flags.append(precision.upper())
-    elif precision == FP8:
-        raise BuildSettingsError("FP8 engines need an FP8 Q/DQ graph, which EdgeChat does not export yet")
     elif precision == FP32:
         strongly_typed = major >= 11
     if version_compatible:

@@ -1,0 +1,300 @@
+"""TensorRT's own quantized formats, written as explicit Q/DQ on the fp16 plain graph (export/fp16.py):
+
+- `int4-qdq` (W4A16, Ampere and later): each weight MatMul reads its weight through
+  DequantizeLinear(INT4 [K, N], fp16 scales [K / block, N], axis 0, block_size), opset 21, symmetric (no zero
+  point: TensorRT's dequantize layer takes zero points of 0 only), the form onnx-tensorrt's importer reads as a
+  block-quantized weight (scale of the input's rank, one blocked axis, an even last dimension). The levels are
+  rounded by the project's GPTQ (export/gptq.py, symmetric), with the int4 engine's block size and, within its
+  byte budget, the MatMuls whose 4-bit form hurts most (export/sensitivity.py) kept at INT8 per output channel,
+  as the LM head always is (which the embedding gathers its rows from, export/embedding.py). Activations stay
+  fp16: TensorRT runs these as weight-only GEMMs.
+- `fp8-qdq` (Ada and later): FP8 E4M3 weights per output channel, and each weight MatMul's input through
+  QuantizeLinear/DequantizeLinear to FP8 per tensor, its scale the calibrated max |x| / 448 over the
+  calibration chats' prefill on the fp32 graph (NVIDIA Model Optimizer's "max" calibration), opset 19. The LM
+  head stays fp16 (as int8-qdq keeps it float).
+
+ONNX Runtime's CPU kernels run both (DequantizeLinear with INT4 blocks and FP8 Q/DQ, checked on onnxruntime
+1.32) with `session.disable_quant_qdq` (edge/precisions.py): the float arithmetic Q/DQ defines, so the evaluate
+stage scores them before any GPU sees them. Without it ONNX Runtime fuses DQ(INT4) -> MatMul into MatMulNBits
+with 8-bit activations, which is not what TensorRT computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from edge.errors import RecipeError
+from edge.precisions import FP8, INT4_QDQ
+from export.onnx_weights import GraphWeights, graph_bytes, untie_lm_head, weight_matmuls
+
+log = logging.getLogger("edgechat")
+INT4_OPSET = 21  # INT4 in DequantizeLinear and its block_size attribute are opset 21's
+FP8_OPSET = 19  # FP8 E4M3 Q/DQ is opset 19's
+FP8_MAX = 448.0  # the largest finite E4M3FN value
+FP16_TINY = float(np.finfo(np.float16).tiny)  # the smallest normal fp16 scale (TensorRT wants scales > 0)
+INT4_BLOCKS = (128, 64, 32, 16)  # the block sizes tried, largest first, when the asked one does not divide K
+
+
+def block_for(k: int, asked: int) -> int:
+    """The block size of a weight with `k` input rows: `asked` if it divides k, else the largest smaller one that
+    does (TensorRT infers the block from the shapes: it must tile K exactly). 0: none does."""
+    return next((b for b in (asked, *INT4_BLOCKS) if b <= asked and k % b == 0), 0)
+
+
+def head_matmul(model) -> object | None:
+    """The LM head: the weight MatMul whose output is the logits output, or reaches it through one Cast."""
+    outs = {o.name for o in model.graph.output}
+    casts = {n.input[0] for n in model.graph.node if n.op_type == "Cast" and n.output[0] in outs}
+    return next((n for n in weight_matmuls(model) if n.output[0] in outs | casts), None)
+
+
+def fp16_graph(fp32_dir: Path, work: Path) -> GraphWeights:
+    """The fp16 plain graph of export/fp16.py, written under `work`, untied (the head its own weight)."""
+    from export import fp16
+
+    work.mkdir(parents=True, exist_ok=True)
+    fp16.run(fp32_dir, work)
+    gw = GraphWeights(work / "model.onnx")
+    untie_lm_head(gw)
+    return gw
+
+
+def _set_opset(gw: GraphWeights, opset: int) -> None:
+    """Raise the default-domain opset: 18 -> 19/21 changes no op this exporter writes (they add types: INT4,
+    FP8, and Cast's `saturate`), so the graph means the same."""
+    for o in gw.model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            o.version = max(o.version, opset)
+    gw.model.ir_version = max(gw.model.ir_version, 10 if opset >= 21 else 9)
+
+
+def _int8_channel(w: np.ndarray, h: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric INT8 per output channel: (q [K, N] int8, scales [N] fp32), GPTQ-rounded when `h` is given."""
+    k, n = w.shape
+    if h is not None:
+        from export.gptq import gptq_block_quant
+
+        q, s, _ = gptq_block_quant(w, h, 8, k, symmetric=True)
+        return np.ascontiguousarray((q[:, 0, :k].astype(np.int16) - 128).astype(np.int8).T), s[:, 0]
+    s = np.maximum(np.abs(w).max(axis=0), 1e-8) / 127.0
+    return np.clip(np.round(w / s), -127, 127).astype(np.int8), s.astype(np.float32)
+
+
+def _int4_blocks(w: np.ndarray, h: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric GPTQ INT4 blocks along K: (levels [K, N] in -8..7, scales [K / block, N] fp32)."""
+    from export.gptq import gptq_block_quant
+
+    k, _ = w.shape
+    q, s, _ = gptq_block_quant(w, h, 4, block, symmetric=True)  # q [N, K / block, block], zero point 8
+    return np.ascontiguousarray((q.reshape(q.shape[0], k).astype(np.int8) - 8).T), np.ascontiguousarray(s.T)
+
+
+def _fp16_scale(s: np.ndarray) -> np.ndarray:
+    return np.maximum(s, FP16_TINY).astype(np.float16)
+
+
+def _dequantize_weight(gw: GraphWeights, node, q: np.ndarray, scale: np.ndarray, axis: int, block: int = 0,
+                       zero_point: bool = False) -> None:
+    """Replace the MatMul's weight by DequantizeLinear(q, scale) right before it (in place in the node list)."""
+    from onnx import helper
+
+    wname = node.input[1]
+    qname = wname + "_quantized"
+    gw.set(qname, q)
+    gw.set(wname + "_scale", scale)
+    inputs = [qname, wname + "_scale"]
+    if zero_point:  # the head: export/embedding.py gathers a tied embedding's rows from it and reads its zeros
+        gw.set(wname + "_zero_point", np.zeros(scale.shape, q.dtype))
+        inputs.append(wname + "_zero_point")
+    attrs = {"axis": axis} | ({"block_size": block} if block else {})
+    dq = helper.make_node("DequantizeLinear", inputs, [wname + "_dq"], name=node.name + "/DequantizeLinear", **attrs)
+    node.input[1] = wname + "_dq"
+    nodes = gw.model.graph.node
+    nodes.insert(list(nodes).index(node), dq)
+
+
+def _int4():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.int4)
+
+
+def _finish(gw: GraphWeights, dst: Path) -> None:
+    from export.embedding import quantize_embedding
+
+    gw.drop_unused()
+    quantize_embedding(gw, dequantize_first=True)  # TensorRT's form: DequantizeLinear then Gather
+    gw.save(dst / "model.onnx")
+
+
+# ----------------------------------------------------------------------------- int4-qdq
+
+
+def write_int4_qdq(fp32_dir: Path, dst: Path, block: int, hessian, promoted: set[str],
+                   levels: dict | None = None) -> dict:
+    """The int4-qdq graph: every weight MatMul INT4 in blocks (GPTQ), the head and `promoted` INT8 per channel.
+    `levels` (MatMul name -> its GPTQ result) is filled and read, so a second graph of the same weights (the
+    budget's) rounds only what changed: GPTQ is most of the build's time (minutes per pass over 210 MatMuls)."""
+    levels = {} if levels is None else levels
+    work = dst / "fp16-graph"
+    gw = fp16_graph(fp32_dir, work)
+    _set_opset(gw, INT4_OPSET)
+    head = head_matmul(gw.model)
+    blocks: dict[str, int] = {}
+    eight: list[str] = []
+    for node in weight_matmuls(gw.model):
+        w = gw.array(node.input[1]).astype(np.float32)
+        k, n = w.shape
+        b = block_for(k, block)
+        if node is head or node.name in promoted or not b or n % 2:
+            if (node.name, 8) not in levels:
+                levels[node.name, 8] = _int8_channel(w, hessian(node.name))
+            q8, s8 = levels[node.name, 8]
+            _dequantize_weight(gw, node, q8, _fp16_scale(s8), axis=1, zero_point=node is head)
+            eight.append(node.name)
+        else:
+            if (node.name, 4) not in levels:
+                levels[node.name, 4] = _int4_blocks(w, hessian(node.name), b)
+            q4, s4 = levels[node.name, 4]
+            _dequantize_weight(gw, node, q4.astype(_int4()), _fp16_scale(s4), axis=0, block=b)
+            blocks[node.name] = b
+        del w
+    _finish(gw, dst)
+    shutil.rmtree(work, ignore_errors=True)
+    return {"int4_matmuls": len(blocks), "int4_blocks": sorted(set(blocks.values())), "int8_matmuls": eight}
+
+
+def int4_qdq(fp32_dir: Path, dst: Path, opts, hessian, sensitivity_feeds: Callable[[], list[dict]]) -> dict:
+    """quantize.run's int4-qdq: the all-4-bit graph, then, given a budget (int4_budget_mb / int4_extra_ratio),
+    the MatMuls whose 4-bit form moves KL to fp32 most per extra byte promoted to INT8 while the file fits."""
+    from export import sensitivity
+    from export.gptq import gptq_block_quant
+    from export.int4 import dequantize
+
+    levels: dict = {}
+    metrics = write_int4_qdq(fp32_dir, dst, opts.int4_block_size, hessian, set(), levels)
+    base = graph_bytes(dst / "model.onnx")
+    metrics |= {"int4_block_size": opts.int4_block_size, "int4_rounding": "gptq (symmetric)", "int4_all4_bytes": base}
+    if opts.int4_budget_mb is None and opts.int4_extra_ratio <= 0:
+        return metrics
+    budget = int(opts.int4_budget_mb * 1e6) if opts.int4_budget_mb is not None else int(base * (1 + opts.int4_extra_ratio))
+    if budget < base:
+        raise RecipeError(f"int4_budget_mb {budget / 1e6:.1f} is less than the all-4-bit int4-qdq engine "
+                          f"({base / 1e6:.1f} MB): raise it, or leave it unset")
+    gw = GraphWeights(fp32_dir / "model.onnx")
+    untie_lm_head(gw)
+    head = head_matmul(gw.model)
+    shapes = {n.name: gw.shape(n.input[1]) for n in weight_matmuls(gw.model) if n is not head}
+    del gw
+    cost = {t: k * n + 2 * n - (k * n // 2 + 2 * n * k // max(block_for(k, opts.int4_block_size), 1))
+            for t, (k, n) in shapes.items() if block_for(k, opts.int4_block_size) and n % 2 == 0}
+    probe = sensitivity.Probe(fp32_dir / "model.onnx", dst, sensitivity_feeds())
+    try:
+        def quant(node: str, w: np.ndarray) -> np.ndarray:
+            b = block_for(w.shape[0], opts.int4_block_size)
+            return dequantize(*gptq_block_quant(w, hessian(node), 4, b, symmetric=True), k=w.shape[0])
+
+        sens = sensitivity.measure(probe, quant, False, skip=lambda t: t not in cost)
+    finally:
+        del probe
+        for f in ("probe.onnx", "probe.onnx.data", "probe-inputs.onnx"):
+            (dst / f).unlink(missing_ok=True)
+    chosen = sensitivity.allocate(sens, cost, budget - base)
+    while True:
+        metrics |= write_int4_qdq(fp32_dir, dst, opts.int4_block_size, hessian, set(chosen), levels)
+        if graph_bytes(dst / "model.onnx") <= budget or not chosen:
+            break
+        chosen.pop()  # the graph's own records grew past the plan: the least KL per byte goes back to 4 bits
+    return metrics | {"int4_budget_bytes": budget, "int4_8bit_matmuls": chosen,
+                      "int4_sensitivity": dict(sorted(sens.items(), key=lambda kv: -kv[1]))}
+
+
+# ----------------------------------------------------------------------------- fp8-qdq
+
+
+def activation_ranges(plain: Path, work: Path, feeds: list[dict], names: list[str]) -> dict[str, float]:
+    """max |x| of each named weight MatMul's input over the calibration feeds, on the plain fp32 graph."""
+    import onnx
+    import onnxruntime as ort
+
+    gw = GraphWeights(plain)
+    model = gw.model
+    inputs = {n.name: n.input[0] for n in model.graph.node if n.name in names}
+    missing = sorted(set(names) - set(inputs))
+    if missing:
+        raise RecipeError(f"fp8-qdq: the fp32 graph has no MatMul named {missing[0]} (the fp16 graph renamed it?)")
+    have = {o.name for o in model.graph.output}
+    for t in sorted(set(inputs.values()) - have):
+        model.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+    gw.save(work / "ranges.onnx")
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    try:
+        sess = ort.InferenceSession(str(work / "ranges.onnx"), so, providers=["CPUExecutionProvider"])
+        tensors = sorted(set(inputs.values()))
+        amax = dict.fromkeys(tensors, 0.0)
+        for f in feeds:
+            for t, v in zip(tensors, sess.run(tensors, f)):
+                amax[t] = max(amax[t], float(np.abs(v).max()))
+    finally:
+        for f in ("ranges.onnx", "ranges.onnx.data"):
+            (work / f).unlink(missing_ok=True)
+    return {name: amax[t] for name, t in inputs.items()}
+
+
+def fp8_qdq(fp32_dir: Path, dst: Path, calibration_feeds: Callable[[], list[dict]]) -> dict:
+    """quantize.run's fp8-qdq: FP8 E4M3 weights per output channel and FP8 activations per tensor (calibrated)
+    on every weight MatMul but the LM head."""
+    import ml_dtypes
+    from onnx import helper
+
+    work = dst / "fp16-graph"
+    gw = fp16_graph(fp32_dir, work)
+    _set_opset(gw, FP8_OPSET)
+    head = head_matmul(gw.model)
+    nodes = [n for n in weight_matmuls(gw.model) if n is not head]
+    feeds = calibration_feeds()
+    amax = activation_ranges(fp32_dir / "model.onnx", dst, feeds, [n.name for n in nodes])
+    zero = "fp8_zero_point"
+    gw.set(zero, np.zeros((), ml_dtypes.float8_e4m3fn))
+    unused: list[str] = []
+    quantized: set[str] = set()
+    for node in nodes:
+        if not amax[node.name] > 0:  # never reached by the calibration: TensorRT needs a scale > 0
+            unused.append(node.name)
+            continue
+        w = gw.array(node.input[1]).astype(np.float32)
+        s = _fp16_scale(np.maximum(np.abs(w).max(axis=0), 1e-8) / FP8_MAX)
+        q = np.clip(w / s.astype(np.float32), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+        _dequantize_weight(gw, node, q, s, axis=1)
+        x = node.input[0]
+        if x not in quantized:  # q, k and v (gate and up) read one tensor: one Q/DQ pair for them, before the first
+            xs = node.name + "/input_scale"
+            gw.set(xs, _fp16_scale(np.array(amax[node.name] / FP8_MAX, np.float32)))
+            at = list(gw.model.graph.node).index(node)
+            gw.model.graph.node.insert(at, helper.make_node("QuantizeLinear", [x, xs, zero], [x + "/fp8"],
+                                                             name=node.name + "/QuantizeLinear"))
+            gw.model.graph.node.insert(at + 1, helper.make_node("DequantizeLinear", [x + "/fp8", xs, zero],
+                                                                 [x + "/fp8_dq"], name=node.name + "/input/DequantizeLinear"))
+            quantized.add(x)
+        node.input[0] = x + "/fp8_dq"
+    _finish(gw, dst)
+    shutil.rmtree(work, ignore_errors=True)
+    return {"fp8_matmuls": len(nodes) - len(unused), "float_matmuls": ([head.name] if head else []) + unused,
+            "calibration_samples": len(feeds), "activation_amax": dict(sorted(amax.items()))}
+
+
+def run(fp32_dir: Path, dst: Path, opts, hessian, calibration_feeds: Callable[[], list[dict]],
+        sensitivity_feeds: Callable[[], list[dict]]) -> dict:
+    """quantize.run's entry for the TensorRT formats (opts: export.quantize.QuantizeOptions; the feeds: the
+    calibration chats' prefill, and the sensitivity texts GPTQ did not fit on, both from export/quantize.py)."""
+    if opts.mode == INT4_QDQ:
+        return int4_qdq(fp32_dir, dst, opts, hessian, sensitivity_feeds)
+    if opts.mode == FP8:
+        return fp8_qdq(fp32_dir, dst, calibration_feeds)
+    raise ValueError(f"trt_formats: not a TensorRT Q/DQ format: {opts.mode}")
