@@ -128,3 +128,25 @@ def test_a_sentencepiece_gguf_is_tokenized_as_llama_cpp_does_and_repaired(tmp_pa
     for text in ("the and a then", "<start_of_turn>user\nthe  and<end_of_turn>\n", "Naïve café 🙂"):
         assert fixed.encode(text, add_special_tokens=False).ids == ref.encode(text).ids, text
     assert fixed.decode(fixed.encode("the and a", add_special_tokens=False).ids) == "the and a"
+
+
+def test_the_end_of_turn_token_the_template_writes_stops_generation(tmp_path):
+    """A gemma3 GGUF records one EOS (<eos>); with Gemma's template (recipes/templates/gemma3.jinja, for a base
+    checkpoint) the model ends its turn with <end_of_turn>, which llama.cpp also stops on: the load stage's EOS
+    ids hold both, and only the end-of-turn tokens the template writes."""
+    pytest.importorskip("gguf")
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from export.load import eos_ids, read_chat_template
+
+    _spm_gguf(tmp_path / "spm.gguf")
+    tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=1), config=SimpleNamespace(eos_token_id=1))
+    assert eos_ids(model, tok) == [1]  # no template: the GGUF's EOS alone
+    tok.chat_template = read_chat_template(Path(__file__).resolve().parent.parent / "recipes/templates/gemma3.jinja")
+    assert eos_ids(model, tok) == [1, tok.convert_tokens_to_ids("<end_of_turn>")]
+    tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    assert eos_ids(model, tok) == [1]  # <|im_end|> is no token of this vocabulary
