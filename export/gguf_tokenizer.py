@@ -59,11 +59,11 @@ PROBES = [
 class SpmReference:
     """llama.cpp's SentencePiece tokenization of a GGUF's tokens and scores (`llm_tokenizer_spm`), in Python.
     Control and user-defined tokens (`<start_of_turn>`, runs of newlines or spaces) are cut out of the raw text
-    first, the longest first (as llama.cpp's special-token partition, parse_special on: how a rendered chat
-    template is tokenized). Each other stretch: spaces as '\u2581' (one in front when `add_space_prefix`), cut
-    into characters, then the adjacent pair whose joined text is the highest-scoring token merged first (the
-    leftmost on a tie) until none joins; a piece that is no token becomes its bytes' <0xXX> tokens. Quadratic:
-    for the probe texts only."""
+    first, the longest first (llama.cpp's special-token partition with parse_special on: how a rendered chat
+    template is tokenized). Each other stretch: spaces as '▁' (and one in front of the text and after each
+    cut-out token when `add_space_prefix`, as llama.cpp does), cut into characters, then the adjacent pair whose
+    joined text is the highest-scoring token merged first (the leftmost on a tie) until none joins; a piece that
+    is no token becomes its bytes' <0xXX> tokens. Quadratic: for the probe texts only."""
 
     CONTROL, USER_DEFINED, BYTE = 3, 4, 6  # llama.cpp's token types
 
@@ -88,9 +88,11 @@ class SpmReference:
                     cut += ([(sp, True)] if k else []) + ([(piece, False)] if piece else [])
             parts = cut
         out: list[int] = []
-        for k, (frag, special) in enumerate(parts):
-            out += [self.ids[frag]] if special else self._merge(" " + frag if self.add_space_prefix and k == 0
+        after_special = True  # llama.cpp puts the space prefix at the start and after every cut-out token
+        for frag, special in parts:
+            out += [self.ids[frag]] if special else self._merge(" " + frag if self.add_space_prefix and after_special
                                                                    else frag)
+            after_special = special
         return SimpleNamespace(ids=out)
 
     def _merge(self, text: str) -> list[int]:

@@ -71,7 +71,7 @@ SPM_PIECES = {"\u2581": -0.5, "t": 0.0, "h": 0.0, "e": 0.0, "a": 0.0, "n": 0.0, 
               "the": -5.0, "\u2581the": -6.0, "an": -3.0, "and": -7.0, "\u2581and": -8.0, "\u2581a": -4.0}
 
 
-def _spm_gguf(path):
+def _spm_gguf(path, add_space_prefix: bool = False):
     import gguf
     from tiny_gguf import write_out
 
@@ -94,29 +94,32 @@ def _spm_gguf(path):
     w.add_eos_token_id(1)
     w.add_unk_token_id(3)
     w.add_pad_token_id(0)
-    w.add_add_space_prefix(False)
+    w.add_add_space_prefix(add_space_prefix)
     w.add_file_type(0)
     return write_out(w, path)
 
 
-def test_a_sentencepiece_gguf_is_tokenized_as_llama_cpp_does_and_repaired(tmp_path):
+@pytest.mark.parametrize("prefix", [False, True])
+def test_a_sentencepiece_gguf_is_tokenized_as_llama_cpp_does_and_repaired(tmp_path, prefix):
     """transformers 4.57 makes a Unigram of a gemma3 GGUF's merge scores (Gemma 3 270M: 'the' cut into t + he,
     perplexity 193 on prose instead of 8.1): the check finds it against llama.cpp's merge loop and ships a BPE
-    that merges in the scores' order, special and user-defined tokens matched whole."""
+    that merges in the scores' order, special and user-defined tokens matched whole; with add_space_prefix
+    (Llama 2, Phi-3 files) a space goes in front of the text and after each special token, as llama.cpp puts it."""
     pytest.importorskip("gguf")
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
     from export.gguf_tokenizer import SpmReference, check_and_fix, differences, reference_tokenizer
 
-    gguf = _spm_gguf(tmp_path / "spm.gguf")
+    gguf = _spm_gguf(tmp_path / "spm.gguf", prefix)
     ref, kind = reference_tokenizer(gguf)
     assert isinstance(ref, SpmReference) and kind == "sentencepiece"
     ids = {t: i for i, t in enumerate(ref.tokens)}
     # llama.cpp's order: th, then the, then ▁the; "and" likewise; two spaces and the turn markers whole
-    assert ref.encode("the and").ids == [ids["the"], ids["\u2581and"]]
-    assert ref.encode("<start_of_turn>x  the\n").ids == [
-        ids["<start_of_turn>"], ids["<0x78>"], ids["  "], ids["the"], ids["\n"]]
+    the = ids["\u2581the"] if prefix else ids["the"]
+    assert ref.encode("the and").ids == [the, ids["\u2581and"]]
+    assert ref.encode("<start_of_turn>x  the\n").ids == [ids["<start_of_turn>"]] + (
+        [ids["\u2581"]] if prefix else []) + [ids["<0x78>"], ids["  "], the, ids["\n"]]
     out = tmp_path / "hf"
     AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf").save_pretrained(out)
     converted = Tokenizer.from_file(str(out / "tokenizer.json"))
