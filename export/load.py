@@ -96,13 +96,23 @@ def load_hf(ref: ModelRef, online: bool = False, dtype: str = "float32"):
     return model, tok
 
 
+# the end-of-turn tokens llama.cpp stops on besides EOS (its vocabulary loader's end-of-generation list)
+END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "<|end_of_text|>")
+
+
 def eos_ids(model, tok) -> list[int]:
-    """EOS ids from the generation config and the tokenizer (some GGUFs disagree; keep both)."""
+    """EOS ids from the generation config and the tokenizer (some GGUFs disagree; keep all), and each
+    end-of-turn token the chat template writes: a GGUF records one EOS (Gemma 3's <eos>), and a template that
+    closes turns with another token (<end_of_turn>) would otherwise run past it (llama.cpp stops on both)."""
     ids: list[int] = []
     for src in (getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id, tok.eos_token_id):
         for i in ([src] if isinstance(src, int) else (src or [])):
             if i is not None and i not in ids:
                 ids.append(int(i))
+    vocab = tok.get_vocab()
+    for text in END_OF_TURN:
+        if text in (tok.chat_template or "") and text in vocab and vocab[text] not in ids:
+            ids.append(int(vocab[text]))
     return ids
 
 

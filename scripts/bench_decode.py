@@ -13,6 +13,8 @@ each row is recorded: other work on the machine makes absolute figures noisy. Pr
   bash scripts/peers-setup.sh                                   # once: llama.cpp tools + genai venv
   .venv/bin/python scripts/bench_decode.py smollm2.bundle
   .venv/bin/python scripts/bench_decode.py smollm2.bundle --concurrency 8   # + the engines through the server
+  .venv/bin/python scripts/bench_decode.py fused.bundle --compare plain=plain.bundle --no-genai --no-llama-cpp
+      # + the same engines of other bundles of the same tokenizer, in the same rounds, with per-round ratios
 
 llama.cpp: Q8_0, Q4_0 and Q4_K_M made by llama-quantize from an F32 GGUF of the weights the bundle was
 built from (cached under ~/.cache/edgechat/gguf), timed by llama-bench (pp of the prompt length at depth 0
@@ -431,6 +433,9 @@ def main() -> int:
     ap.add_argument("--no-genai", action="store_true")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--concurrency", type=int, help="also serve the INT8 and INT4 engines to this many clients")
+    ap.add_argument("--compare", action="append", default=[], metavar="LABEL=BUNDLE",
+                    help="also time the same engines of this bundle (same tokenizer), rows named 'LABEL ENGINE', "
+                         "and the ratio of each of ours to it per round (repeatable)")
     ap.add_argument("--no-spin", action="store_true", help="idle worker threads sleep instead of spinning (ours: ORT "
                     "allow_spinning 0; llama.cpp: --poll 0); fairer on a machine other work is loading")
     ap.add_argument("--out", default="bench-results/decode.json")
@@ -457,10 +462,22 @@ def main() -> int:
             Bundle.open(a.draft).manifest.engine(a.draft_engine)
         except EdgeChatError as e:
             ap.error(f"--draft: {e}")
+    compare: dict[str, Bundle] = {}
+    for c in a.compare:
+        label, sep, path = c.partition("=")
+        if not sep or not label or not path:
+            ap.error(f"--compare {c!r}: give LABEL=BUNDLE, e.g. plain=/tmp/plain.bundle")
+        try:
+            compare[label] = Bundle.open(path)
+        except EdgeChatError as e:
+            ap.error(f"--compare {label}: {e}")
     names = [e.name for e in m.engines if e.fingerprint.format == "onnx"]
     engines = a.engines or [e for e in ("int8-dynamic", "int4-weight") if e in names] or names
     prompt = [{"role": "user", "content": a.prompt}] if a.prompt else PROMPT
     prompt_ids = ChatTokenizer(b.path(m.tokenizer.file), m.tokenizer).encode_chat(prompt)
+    for label, cb in compare.items():  # every row must answer the same prompt tokens
+        if ChatTokenizer(cb.path(cb.manifest.tokenizer.file), cb.manifest.tokenizer).encode_chat(prompt) != prompt_ids:
+            ap.error(f"--compare {label}: its tokenizer or chat template makes other prompt tokens than {a.bundle}'s")
     base = {"threads": a.threads, "new": a.new_tokens, "prompt_ids": prompt_ids, "no_spin": a.no_spin}
     bw = read_bandwidth_gbs(a.threads)
     cpu = cpu_name()
@@ -482,6 +499,14 @@ def main() -> int:
             specs[f"edgechat {e} stream + draft {a.draft_engine}"] = {
                 "kind": "edgechat-stream", "bundle": str(b.root), "engine": e, "draft": a.draft,
                 "draft_engine": a.draft_engine}
+    compare_ratios = []
+    for label, cb in compare.items():
+        for e in engines:
+            if e not in {x.name for x in cb.manifest.engines}:
+                skipped.append(f"{label} {e}: {cb.root} has no such engine")
+                continue
+            specs[f"{label} {e}"] = {"kind": "edgechat", "bundle": str(cb.root), "engine": e}
+            compare_ratios.append((f"edgechat {e}", f"{label} {e}"))
     specs |= peers(b, a, skipped)
     for s in skipped:
         print(f"  skipped {s}")
@@ -525,7 +550,8 @@ def main() -> int:
             print("  cost of one target call of n tokens, in single-token calls: " +
                   ", ".join(f"n={n}: {v:.2f}" for n, v in cost.items() if n != "one_token_ms"))
     ratios = {}
-    for ours, theirs in RATIOS + [(n, f"edgechat {s['engine']} stream") for n, s in specs.items() if s.get("draft")]:
+    for ours, theirs in RATIOS + compare_ratios + [(n, f"edgechat {s['engine']} stream") for n, s in specs.items()
+                                                   if s.get("draft")]:
         pairs = [(x, y) for x, y in zip(rounds.get(ours, []), rounds.get(theirs, [])) if "error" not in x and "error" not in y]
         if pairs:
             dec = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in pairs]
@@ -558,7 +584,7 @@ def main() -> int:
                                "prompt_tokens": len(prompt_ids), "prompt": prompt,
                                "rounds": a.rounds, "rows": rows, "per_round": rounds, "loads": loads,
                                "ratios": ratios, "speculative_output_identical": identical, "skipped": skipped,
-                               "served": served}, indent=2))
+                               "served": served, "compare": {k: str(v.root) for k, v in compare.items()}}, indent=2))
     print(f"\nwrote {out}")
     return 0
 
