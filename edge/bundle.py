@@ -34,7 +34,7 @@ from edge.errors import (
 )
 
 log = logging.getLogger("edgechat")
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # 2: an engine may carry its own `io` contract (the fused graph's differs from the plain one's);
 # a version-1 manifest still reads, every engine using the manifest's `io`.
 # 3: a fused engine's `io` may name `logit_positions` (the graph returns logits at those positions only);
@@ -46,7 +46,9 @@ SCHEMA_VERSION = 7
 # manifest may carry `draft` (a draft model's bundle inside this one).
 # 7: an engine's `io` may say `kv_cache: "int8"` with its scale names (an 8-bit KV cache, export/kv_int8.py);
 # a reader of 1-6 refuses such a bundle by its version instead of binding int8 buffers as float.
-READS_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+# 8: `tokenizer.add_bos` (a raw prompt starts with the BOS token, as the model was trained: Gemma, Llama 2);
+# written only when true, and a reader of 1-7 refuses such a bundle instead of feeding raw prompts without it.
+READS_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 MANIFEST = "manifest.json"
 PARTIAL_TAG = ".partial-"
 
@@ -57,9 +59,11 @@ Verify = Literal["none", "size", "stamp", "full"]
 STATE_DIR_ENV = "EDGECHAT_STATE_DIR"
 
 
-def schema_needed(draft: dict, engines: list) -> int:
+def schema_needed(draft: dict, engines: list, add_bos: bool = False) -> int:
     """The oldest schema that says what a manifest holds, so an older runtime still serves a bundle that uses
-    nothing newer (a draft or a cut LM head needs 6, an 8-bit KV cache 7)."""
+    nothing newer (a draft or a cut LM head needs 6, an 8-bit KV cache 7, a tokenizer that adds BOS 8)."""
+    if add_bos:
+        return 8
     if any(e.io.get("kv_cache") for e in engines):
         return 7
     return 6 if draft or any(e.io.get("logit_ids") for e in engines) else 5
@@ -129,6 +133,10 @@ class TokenizerSpec:
     bos_token: str | None = None
     eos_token: str | None = None
     special_tokens: dict[str, str] = field(default_factory=dict)
+    # a raw prompt (text completion, `edge-chat run --raw`) starts with bos_token_id, as the model was trained
+    # (the GGUF's tokenizer.ggml.add_bos_token, the HF tokenizer_config's add_bos_token); chat templates write
+    # their own. Schema 8; written only when true.
+    add_bos: bool = False
 
     def __post_init__(self) -> None:
         if not self.eos_token_ids:
@@ -216,7 +224,10 @@ class Manifest:
         return entry.io or self.io
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.tokenizer.add_bos:  # an older reader (schema <= 7) knows no such key
+            d["tokenizer"].pop("add_bos")
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> "Manifest":

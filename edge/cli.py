@@ -167,7 +167,7 @@ def _run(args: argparse.Namespace) -> int:
                             "place there; drop one of them")
     gen = _gen(args)
     if args.raw:  # a base model (or any model) continuing text, as /v1/completions does
-        ids = gen.tokenizer.encode(args.prompt)
+        ids = gen.tokenizer.encode_text(args.prompt)
         if not ids:
             raise EdgeChatError("the prompt is empty: give some text to continue")
         _print_stream(gen.stream(ids, _cfg(gen, args)), args.stats)

@@ -205,6 +205,7 @@ def tokenizer_spec(hf_dir: Path) -> TokenizerSpec:
     return TokenizerSpec(
         file="tokenizer.json", chat_template=template, eos_token_ids=src["eos_token_ids"],
         bos_token_id=by_content.get(bos), pad_token_id=cfg.get("pad_token_id"), bos_token=bos, eos_token=eos,
+        add_bos=bool(tcfg.get("add_bos_token")) and by_content.get(bos) is not None,
     )
 
 

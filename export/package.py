@@ -121,6 +121,6 @@ def run(hf_dir: Path, engines: list[EngineArtifact], stages: list[StageRecord], 
         manifest = Manifest(
             bundle_id=f"{slug}-{digest}", model_name=src["name"], source=src["source"], model=dims, tokenizer=spec,
             io=DecoderIO().to_dict(), engines=entries, stages=stages, generation=gen, golden=golden or [],
-            draft=draft_entry, schema_version=schema_needed(draft_entry, entries),
+            draft=draft_entry, schema_version=schema_needed(draft_entry, entries, spec.add_bos),
         )
         return w.commit(manifest)

@@ -143,3 +143,40 @@ def test_rewrite_replaces_old_bundle_only_after_verify(tiny_bundle, tmp_path):
         b = w.commit(m)
     assert b.root == dst.absolute()
     Bundle.open(dst, verify="full")
+
+
+def test_a_tokenizer_that_adds_bos_is_schema_8_and_raw_prompts_start_with_it_once(tiny_bundle, tmp_path):
+    """Gemma 3's GGUF says tokenizer.ggml.add_bos_token: its raw prompts (/v1/completions, run --raw) went in
+    without BOS and it degenerated (" France. France. France."). The load stage reads add_bos_token, the
+    manifest carries it (schema 8, written only when true so a reader of 7 still reads the rest), and a raw
+    prompt starts with BOS exactly once."""
+    import dataclasses
+
+    from edge.bundle import schema_needed
+    from edge.decode.tokenizer import ChatTokenizer
+    from export.load import tokenizer_spec
+
+    m = tiny_bundle.manifest
+    assert not m.tokenizer.add_bos and "add_bos" not in m.to_dict()["tokenizer"]
+    spec = dataclasses.replace(m.tokenizer, add_bos=True)
+    m8 = dataclasses.replace(m, tokenizer=spec, schema_version=schema_needed(m.draft, m.engines, spec.add_bos))
+    again = Manifest.from_dict(json.loads(json.dumps(m8.to_dict())))
+    assert again.tokenizer.add_bos and again.schema_version == 8
+
+    path = tiny_bundle.root / m.tokenizer.file
+    plain, with_bos = ChatTokenizer(path, m.tokenizer), ChatTokenizer(path, spec)
+    bos = spec.bos_token_id
+    assert bos is not None and spec.bos_token
+    ids = plain.encode_text("The capital of France is")
+    assert ids == plain.encode("The capital of France is") and ids[:1] != [bos]
+    assert with_bos.encode_text("The capital of France is") == [bos] + ids
+    assert with_bos.encode_text(spec.bos_token + "The capital of France is") == [bos] + ids  # typed: still once
+
+    load = tiny_bundle.root.with_name(tiny_bundle.root.name + ".work") / "load"
+    hf = tmp_path / "load"
+    shutil.copytree(load, hf)
+    cfg = json.loads((hf / "tokenizer_config.json").read_text())
+    (hf / "tokenizer_config.json").write_text(json.dumps(cfg | {"add_bos_token": True}))
+    assert tokenizer_spec(hf).add_bos
+    (hf / "tokenizer_config.json").write_text(json.dumps(cfg | {"add_bos_token": False}))
+    assert not tokenizer_spec(hf).add_bos

@@ -108,6 +108,15 @@ class ChatTokenizer:
         # The template already contains the special tokens: add none (as apply_chat_template does).
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """A raw prompt (text completion, `run --raw`) as the model was trained to see text: after the BOS token
+        where the bundle says so (Gemma degenerates without it), once, even if the text starts with it."""
+        ids = self.encode(text)
+        bos = self.spec.bos_token_id
+        if self.spec.add_bos and bos is not None and ids[:1] != [bos]:
+            ids = [bos] + ids
+        return ids
+
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """The prompt's token ids: the rendered template, with each message's content tokenized as text."""

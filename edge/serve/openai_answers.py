@@ -185,7 +185,7 @@ def completion_rows(service, body: CompletionRequest) -> Rows:
     for i, p in enumerate(body.prompts()):
         if isinstance(p, str):
             surely_too_long(service, len(p), "prompt")
-            ids = gen.tokenizer.encode(p)
+            ids = gen.tokenizer.encode_text(p)
             texts.append(p)
         else:
             bad = [t for t in p if t >= vocab]
