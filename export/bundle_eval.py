@@ -140,7 +140,7 @@ def evaluate_bundle(req: EvalRequest, work: Path | None = None) -> dict:
             for name in [ref] + [n for n in models if n != ref]:  # the reference first: it writes the store
                 run = models[name][0]()
                 t0 = time.perf_counter()
-                for i, (kind, ids) in enumerate(tqdm(texts, desc=f"{name}: {'held-out texts' if not req.data else req.data}",
+                for i, (kind, ids) in enumerate(tqdm(texts, desc=f"{'held-out texts' if not req.data else req.data} ({name})",
                                                      unit="text")):
                     if name == ref:
                         store.put(i, run(ids))

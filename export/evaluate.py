@@ -308,7 +308,7 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
             timing[e.name] = t = {"load_s": time.perf_counter() - t0, "score_s": 0.0, "scored_tokens": 0}
             parts: dict[str, list[dict]] = {k: [] for k in sets}
             t0 = time.perf_counter()
-            for i, x in enumerate(tqdm(texts, desc=f"{e.name}: held-out texts", unit="text")):
+            for i, x in enumerate(tqdm(texts, desc=f"held-out texts ({e.name})", unit="text")):
                 t["scored_tokens"] += len(x.ids) - 1
                 if e.name == ref:  # its logits on the reference's tokens (and on the shipped model's) go to disk
                     store.put((i, "ref"), logits(d, x.ref_ids))
@@ -334,7 +334,7 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
             if not quality_only(e):
                 lineage = getattr(e, "lineage", False)  # teacher / pruned-only: speed too, golden answers only for what ships
                 bar = tqdm(total=opts.bench_runs + 1 + (0 if lineage else len(GOLDEN)), unit="answer",
-                           desc=f"{e.name}: speed" + ("" if lineage else " + golden prompts"))
+                           desc=("speed" if lineage else "speed + golden prompts") + f" ({e.name})")
                 gen = Generator(tok, d)
                 t0 = time.perf_counter()
                 q |= speed(gen, bench_ids, opts.bench_tokens, opts.bench_runs, bar.update)

@@ -135,12 +135,7 @@ def convert(src: Path, dst: Path, k_scale: np.ndarray, v_scale: np.ndarray, io: 
         node.attribute.extend([helper.make_attribute("k_quant_type", "PER_CHANNEL"),
                                helper.make_attribute("v_quant_type", "PER_CHANNEL"),
                                helper.make_attribute("kv_cache_bit_width", 8)])
-    kv_names = set(io.past_names(len(gqa))) | set(io.present_names(len(gqa)))
-    for vi in list(g.input) + list(g.output):
-        if vi.name in kv_names:
-            vi.type.tensor_type.elem_type = TensorProto.INT8
-    dst.mkdir(parents=True, exist_ok=True)
-    gw.save(dst / "model.onnx")
+    _save_with_kv_type(gw, g, io, len(gqa), TensorProto.INT8, dst)
     return len(gqa)
 
 
@@ -185,9 +180,14 @@ def float_twin(src: Path, dst: Path, io: DecoderIO | None = None) -> None:
         keep = [a for a in node.attribute if a.name not in ("k_quant_type", "v_quant_type", "kv_cache_bit_width")]
         del node.attribute[:]
         node.attribute.extend(keep)
-    kv_names = set(io.past_names(len(gqa))) | set(io.present_names(len(gqa)))
+    _save_with_kv_type(gw, g, io, len(gqa), TensorProto.FLOAT, dst)
+
+
+def _save_with_kv_type(gw, g, io, layers: int, elem_type: int, dst: Path) -> None:
+    """The graph's past/present K/V inputs and outputs declared as `elem_type`, then saved into `dst`."""
+    kv_names = set(io.past_names(layers)) | set(io.present_names(layers))
     for vi in list(g.input) + list(g.output):
         if vi.name in kv_names:
-            vi.type.tensor_type.elem_type = TensorProto.FLOAT
+            vi.type.tensor_type.elem_type = elem_type
     dst.mkdir(parents=True, exist_ok=True)
     gw.save(dst / "model.onnx")

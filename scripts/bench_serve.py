@@ -79,7 +79,13 @@ def one_request(url: str, question: str, max_tokens: int, sampling: dict | None 
     t0 = time.perf_counter()
     first = None
     tokens = cached = chunks = 0
-    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+    request = client.build_request("POST", url + "/v1/chat/completions", json=body)
+    try:
+        r = client.send(request, stream=True)
+    except httpx.RemoteProtocolError:  # llama-server may close a kept connection between requests: send it again
+        t0 = time.perf_counter()
+        r = client.send(request, stream=True)
+    with r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":

@@ -145,18 +145,7 @@ def test_the_evaluate_stage_holds_one_engine_at_a_time_and_scores_as_all_in_memo
     from export import evaluate
     from export.load import chat_tokenizer, model_dims
 
-    alive, most = [0], [0]
-
-    class Counted(OrtDecoder):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            alive[0] += 1
-            most[0] = max(most[0], alive[0])
-
-        def __del__(self):
-            alive[0] -= 1
-
-    monkeypatch.setattr(evaluate, "OrtDecoder", Counted)
+    alive, most = _count_decoders(monkeypatch, evaluate)
     hf_dir, engines = _built_engines(tiny_bundle)
     opts = evaluate.EvalOptions(samples=3, max_context=256, prose_tokens=150, threads=1, bench_runs=1, bench_tokens=4,
                                 golden_tokens=4)
@@ -199,8 +188,18 @@ def test_the_evaluate_stage_holds_one_engine_at_a_time_and_scores_as_all_in_memo
 def test_edge_export_eval_holds_one_model_at_a_time(tiny_bundle, tmp_path, monkeypatch):
     import gc
 
-    from edge.backends.onnxruntime import OrtDecoder
     import edge.backends.onnxruntime as ort_backend
+
+    alive, most = _count_decoders(monkeypatch, ort_backend)
+    res = evaluate_bundle(EvalRequest(tiny_bundle.root, chats=2, prose_tokens=100, threads=1), work=tmp_path)
+    gc.collect()
+    assert most[0] == 1 and alive[0] == 0 and set(res["engines"]) == {e.name for e in tiny_bundle.manifest.engines}
+    assert not list(tmp_path.iterdir())  # the reference's logits are gone with the run
+
+
+def _count_decoders(monkeypatch, module) -> tuple[list[int], list[int]]:
+    """`module.OrtDecoder` replaced by one that counts the decoders alive now and at most: ([alive], [most])."""
+    from edge.backends.onnxruntime import OrtDecoder
 
     alive, most = [0], [0]
 
@@ -213,8 +212,5 @@ def test_edge_export_eval_holds_one_model_at_a_time(tiny_bundle, tmp_path, monke
         def __del__(self):
             alive[0] -= 1
 
-    monkeypatch.setattr(ort_backend, "OrtDecoder", Counted)
-    res = evaluate_bundle(EvalRequest(tiny_bundle.root, chats=2, prose_tokens=100, threads=1), work=tmp_path)
-    gc.collect()
-    assert most[0] == 1 and alive[0] == 0 and set(res["engines"]) == {e.name for e in tiny_bundle.manifest.engines}
-    assert not list(tmp_path.iterdir())  # the reference's logits are gone with the run
+    monkeypatch.setattr(module, "OrtDecoder", Counted)
+    return alive, most
