@@ -85,7 +85,7 @@ def one_request(url: str, question: str, max_tokens: int, sampling: dict | None 
     except httpx.RemoteProtocolError:  # llama-server may close a kept connection between requests: send it again
         t0 = time.perf_counter()
         r = client.send(request, stream=True)
-    with r:
+    try:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -97,6 +97,8 @@ def one_request(url: str, question: str, max_tokens: int, sampling: dict | None 
             elif chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
                 chunks += 1
                 first = first or time.perf_counter()
+    finally:
+        r.close()
     t1 = time.perf_counter()
     return {"ttft_s": (first or t1) - t0, "total_s": t1 - t0, "tokens": tokens or chunks, "cached": cached}
 
