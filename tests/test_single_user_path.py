@@ -252,3 +252,53 @@ def test_two_threads_stream_on_one_tensorrt_generator_at_once(fake_gpu, bundle_c
     assert not errors and got == want
 
 
+
+
+def test_two_threads_on_one_fused_decoder_each_read_their_own_logits(fused_generator, monkeypatch):
+    """The fused decoder keeps its IO binding and a logits buffer between calls (docs/speed.md): shared by every
+    thread, a second thread's call wrote its logits into the buffer the first had not yet copied out (this
+    file's two-thread test failed once in a full run: one answer took the other's token). Forced here: thread
+    A's call returns only after thread B's whole call; A must still read its own logits. They are kept per
+    thread now."""
+    import threading
+
+    import numpy as np
+
+    from edge.decode.cache import batch_cache
+
+    dec = fused_generator.decoder
+    prompts = {"A": fused_generator.tokenizer.encode("Hello there"), "B": fused_generator.tokenizer.encode("Japan")}
+    assert max(map(len, prompts.values())) <= dec.prefill_span(0)  # one call each: A's is the one it reads
+    alone = {k: batch_cache(dec, 1).prefill_rows([p]) for k, p in prompts.items()}
+    assert not np.array_equal(alone["A"], alone["B"])
+    a_ran, b_done = threading.Event(), threading.Event()
+    session = dec.session
+
+    class Interleaved:
+        def __getattr__(self, name):
+            return getattr(session, name)
+
+        def run_with_iobinding(self, binding, *a):
+            session.run_with_iobinding(binding, *a)
+            if threading.current_thread().name == "A":
+                a_ran.set()
+                b_done.wait(30)
+
+    monkeypatch.setattr(dec, "session", Interleaved())
+    got: dict = {}
+
+    def run(name: str) -> None:
+        if name == "B":
+            a_ran.wait(30)
+        try:
+            got[name] = batch_cache(dec, 1).prefill_rows([prompts[name]])
+        finally:
+            if name == "B":
+                b_done.set()
+
+    threads = [threading.Thread(target=run, args=(n,), name=n) for n in ("A", "B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert np.array_equal(got["A"], alone["A"]) and np.array_equal(got["B"], alone["B"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import threading
 
 import numpy as np
 
@@ -100,12 +101,13 @@ class OrtDecoder(Decoder):
         self._check_dims()
         past0 = next(i for i in self.session.get_inputs() if i.name == self.past_names[0])
         self._kv_dtype = kv_dtype(past0.type, self.name, io)
-        self._binding: tuple[list, object] | None = None  # (the K/V buffers bound, the binding): _fused_binding
+        # per calling thread (two threads may decode on one decoder: Generator.stream runs in its caller's): the
+        # kept binding (K/V buffers bound, binding: _fused_binding) and the logits buffers (_logits_buffer)
+        self._mine = threading.local()
         out0 = next((o for o in self.session.get_outputs() if o.name == self.io.logits), None)
         width = out0.shape[-1] if out0 is not None and out0.shape else None
         self._logits_width = width if isinstance(width, int) and out0.type in KV_DTYPES else None
         self._logits_dtype = KV_DTYPES.get(out0.type) if out0 is not None else None
-        self._logits_out: dict[tuple[int, int, int], tuple[np.ndarray, object]] = {}
 
     @classmethod
     def from_entry(cls, bundle: Bundle, entry: EngineEntry, threads: int | None = None,
@@ -238,14 +240,14 @@ class OrtDecoder(Decoder):
         """The IO binding of the last call when it bound these same K/V buffers (a decode step's usual case):
         binding a 30-layer model's 120 past/present names anew, and reading every output back, cost ~1 ms of a
         10 ms step (docs/speed.md). Only the small inputs and the logits are bound again."""
-        held = self._binding
+        held = getattr(self._mine, "binding", None)
         if held is not None and len(held[0]) == len(buffers) and all(map(operator.is_, held[0], buffers)):
             return held[1]
         b = self.session.io_binding()
         for past, present, val in zip(self.past_names, self.present_names, buffers):
             b.bind_ortvalue_input(past, val)
             b.bind_ortvalue_output(present, val)
-        self._binding = (list(buffers), b)
+        self._mine.binding = (list(buffers), b)
         return b
 
     def _logits_buffer(self, batch: int, positions: int) -> tuple[np.ndarray, object] | None:
@@ -254,12 +256,15 @@ class OrtDecoder(Decoder):
         if self._logits_width is None:
             return None
         shape = (batch, positions, self._logits_width)
-        held = self._logits_out.get(shape)
+        kept = getattr(self._mine, "logits", None)
+        if kept is None:
+            kept = self._mine.logits = {}
+        held = kept.get(shape)
         if held is None:
-            if len(self._logits_out) > 16:  # batch x positions shapes seen: a handful in practice
-                self._logits_out.clear()
+            if len(kept) > 16:  # batch x positions shapes seen: a handful in practice
+                kept.clear()
             arr = np.empty(shape, self._logits_dtype)
-            held = self._logits_out[shape] = (arr, _ort().OrtValue.ortvalue_from_numpy(arr))
+            held = kept[shape] = (arr, _ort().OrtValue.ortvalue_from_numpy(arr))
         return held
 
     def to_device(self, array: np.ndarray):
