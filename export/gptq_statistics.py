@@ -24,16 +24,18 @@ from typing import Callable
 import numpy as np
 
 from edge.errors import RecipeError
+from export.stages import code_fingerprint
 
 log = logging.getLogger("edgechat")
 PREFIX = "gptq-statistics-"
 
 
 def statistics_key(plain: Path, feeds: list[dict]) -> str:
-    """What the statistics depend on, hashed: the plain graph's weights, the calibration tokens, gptq.py's code."""
+    """What the statistics depend on, hashed: the plain graph's weights, the calibration tokens, the code that
+    collects them (export.stages.code_fingerprint, as stage reuse keys its code)."""
     files = [plain, plain.with_name(plain.name + ".data")]
     weights = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
-    code = hashlib.sha256(Path(__file__).with_name("gptq.py").read_bytes()).hexdigest()
+    code = code_fingerprint("export.gptq")  # gptq.py and the project modules it imports
     tokens = hashlib.sha256()
     for f in feeds:
         tokens.update(np.ascontiguousarray(f["input_ids"], np.int64).tobytes() + b"|")
