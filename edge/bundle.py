@@ -141,6 +141,12 @@ class TokenizerSpec:
     def __post_init__(self) -> None:
         if not self.eos_token_ids:
             raise ManifestError("tokenizer.eos_token_ids is empty: generation would never stop")
+        if not isinstance(self.add_bos, bool):
+            raise ManifestError(f"tokenizer.add_bos must be true or false, got {self.add_bos!r}: the manifest is "
+                                "damaged, re-export the bundle")
+        if self.add_bos and not isinstance(self.bos_token_id, int):
+            raise ManifestError("tokenizer.add_bos is true but tokenizer.bos_token_id names no token: the manifest "
+                                "is damaged, re-export the bundle")
 
 
 @dataclass(frozen=True)

@@ -180,3 +180,14 @@ def test_a_tokenizer_that_adds_bos_is_schema_8_and_raw_prompts_start_with_it_onc
     assert tokenizer_spec(hf).add_bos
     (hf / "tokenizer_config.json").write_text(json.dumps(cfg | {"add_bos_token": False}))
     assert not tokenizer_spec(hf).add_bos
+
+
+@pytest.mark.parametrize("bad", [{"add_bos": "no"}, {"add_bos": 1}, {"add_bos": None},
+                                 {"add_bos": True, "bos_token_id": None}])
+def test_a_damaged_add_bos_is_one_clear_manifest_error(tiny_bundle, bad):
+    """A string "no" is truthy: read as is, a damaged manifest would put BOS before every raw prompt."""
+    d = json.loads(json.dumps(tiny_bundle.manifest.to_dict()))
+    d["tokenizer"].update(bad)
+    d["schema_version"] = 8
+    with pytest.raises(ManifestError, match="add_bos"):
+        Manifest.from_dict(d)
