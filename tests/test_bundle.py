@@ -171,6 +171,7 @@ def test_a_tokenizer_that_adds_bos_is_schema_8_and_raw_prompts_start_with_it_onc
     assert ids == plain.encode("The capital of France is") and ids[:1] != [bos]
     assert with_bos.encode_text("The capital of France is") == [bos] + ids
     assert with_bos.encode_text(spec.bos_token + "The capital of France is") == [bos] + ids  # typed: still once
+    assert with_bos.encode_text("") == []  # an empty prompt stays one (refused by its callers), not BOS alone
 
     load = tiny_bundle.root.with_name(tiny_bundle.root.name + ".work") / "load"
     hf = tmp_path / "load"

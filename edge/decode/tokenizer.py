@@ -110,10 +110,11 @@ class ChatTokenizer:
 
     def encode_text(self, text: str) -> list[int]:
         """A raw prompt (text completion, `run --raw`) as the model was trained to see text: after the BOS token
-        where the bundle says so (Gemma degenerates without it), once, even if the text starts with it."""
+        where the bundle says so (Gemma degenerates without it), once, even if the text starts with it. Empty text
+        stays empty (callers refuse an empty prompt, BOS or not)."""
         ids = self.encode(text)
         bos = self.spec.bos_token_id
-        if self.spec.add_bos and bos is not None and ids[:1] != [bos]:
+        if ids and self.spec.add_bos and bos is not None and ids[:1] != [bos]:
             ids = [bos] + ids
         return ids
 
