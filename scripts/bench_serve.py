@@ -8,7 +8,7 @@ client (request sent -> first content chunk), so queueing and prefill are in it.
 runs one server per size, with and without the prompt cache, in the same run. Prints a table and writes JSON.
 
 `--rounds N` interleaves, per level and round: the server, the raw decoder (the same engine, prompts and threads
-without a server: `users` rows prefilled, then batched greedy steps) and, with `--llama-server GGUF`,
+without a server: `users` rows prefilled together, then batched greedy steps) and, with `--llama-server GGUF`,
 llama.cpp's server; the "server/raw" column is what the serving path costs (issue 46).
 
   .venv/bin/python scripts/bench_serve.py smollm2.bundle --engine int8-dynamic --prompt-cache-mb 64,0
@@ -164,11 +164,9 @@ def _raw_child(spec: dict) -> dict:
     def once(ps: list[list[int]]) -> tuple[float, float, float]:
         cache = batch_cache(gen.decoder, n)
         t0 = time.perf_counter()
-        toks = cache.prefill_rows(ps[:1]).argmax(-1).tolist()
-        first = time.perf_counter() - t0
-        if n > 1:
-            toks += cache.prefill_rows(ps[1:]).argmax(-1).tolist()
-        t1 = time.perf_counter()
+        toks = cache.prefill_rows(ps).argmax(-1).tolist()  # together, as the server admits users who arrive at once
+        first = t1 = time.perf_counter()
+        first -= t0  # every row's first token is known after this one call
         for _ in range(new - 1):
             toks = np.asarray(cache.step(toks)).argmax(-1).tolist()
         t2 = time.perf_counter()

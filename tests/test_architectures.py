@@ -114,16 +114,16 @@ def test_fused_runtime_features_on_the_family(case, built):
     assert_batched_steps_equal_alone(dec, [list(range(10, 13)), list(range(20, 47)), list(range(30, 35))],
                                      [40, 41, 42], capacity=64, atol=1e-5)
     # prompt cache: spans up to a prefill boundary are copied, the rest prefilled; bit for bit the uncached prefill
-    bc = SharedBatchCache(dec, slots=3, capacity=64, prompt_cache_bytes=1 << 22)
-    first = list(range(10, 50))
+    bc = SharedBatchCache(dec, slots=5, capacity=64, prompt_cache_bytes=1 << 22)
+    first = list(range(10, 110))
     bc.prefill_rows([first])
     bc.remember(0, first)
     bc.remove([0])
-    prompts = [first[:20] + [60, 61], first + [63]]
-    got = bc.prefill_rows(prompts)
-    assert bc.reused_rows == [16, 32] and bc.prompts.hits == 2
+    prompts = [first[:70] + [60, 61], first + [63], [5, 6, 7], list(range(200, 230))]  # 2 cached starts, 2 new
+    got = bc.prefill_rows(prompts)  # the two new prompts' first span in one batched call
+    assert bc.reused_rows == [64, 64, 0, 0] and bc.prompts.hits == 2
     for i, p in enumerate(prompts):
-        alone = dec.new_cache(capacity=64)
+        alone = dec.new_cache(capacity=128)
         np.testing.assert_array_equal(got[i], dec.prefill(p, alone)[0], err_msg=f"prompt {i}")
     # the scheduler: answers that share steps equal the single-user answers
     chats = ["Hello!", "What is the capital of Japan?", "Tell me a fun fact about octopuses and the ocean."]

@@ -161,12 +161,22 @@ def test_batched_step_logits_equal_single_row_logits(tiny_bundle, engine):
     assert_batched_steps_equal_alone(dec, prompts, [40, 41, 42], capacity=16, atol=1e-5)
 
 
-def test_requests_that_arrive_together_get_their_single_user_answers(fused_generator):
-    """Fused graphs: requests waiting together are prefilled one by one into their slots, each with the calls
-    it would run alone, and each answer equals its single-user answer."""
+def test_requests_that_arrive_together_get_their_single_user_answers(fused_generator, monkeypatch):
+    """Fused graphs: requests waiting together share ONE batched call for their prompts' first prefill span (not
+    one call each in turn: the last to arrive waited for everyone's prefill), and each answer equals its
+    single-user answer."""
     gen = fused_generator
     cfgs = [gen.sampling(max_new_tokens=20 + 3 * i, ignore_eos=True) for i in range(4)]
     alone = [gen.complete(_ids(gen, p), c)[1].token_ids for p, c in zip(PROMPTS, cfgs)]
+    prefill_calls: list[tuple[int, int]] = []
+    real = gen.decoder.run_fused
+
+    def spy(ids, *a, **kw):
+        if ids.shape[1] > 1:
+            prefill_calls.append(ids.shape)
+        return real(ids, *a, **kw)
+
+    monkeypatch.setattr(gen.decoder, "run_fused", spy)
     s = Scheduler(gen, max_batch=4, max_queue=8).start()
     try:
         with s._cv:  # hold the loop off so all four are waiting when it looks
@@ -175,6 +185,42 @@ def test_requests_that_arrive_together_get_their_single_user_answers(fused_gener
     finally:
         s.stop()
     assert got == alone
+    assert all(len(_ids(gen, p)) <= 64 for p in PROMPTS)  # each prompt fits the first span: one call in all
+    assert [b for b, _ in prefill_calls] == [4], prefill_calls
+
+
+@pytest.mark.parametrize("engine", ["int8-dynamic", "int4-weight"])
+def test_prompts_prefilled_together_equal_each_prompt_alone(tiny_bundle, engine):
+    """admit_together: new prompts' first prefill span in one batched, right-padded call, the rest of each alone:
+    every row's logits and K/V equal its prefill alone, bit for bit where the engine is batch invariant on this
+    CPU (edge.backends.determinism), else within the batched decode step's tolerance; a failed call admits
+    nobody."""
+    from edge.backends.determinism import batch_invariance
+    from edge.bundle import Bundle
+    from edge.decode.generate import Generator
+
+    dec = Generator.from_bundle(Bundle.open(tiny_bundle.root), engine=engine, threads=1).decoder
+    exact = batch_invariance(engine, "CPUExecutionProvider").guaranteed
+    prompts = [list(range(10, 13)), list(range(20, 90)), list(range(30, 94)), [7], list(range(5, 135))]
+    bc = SharedBatchCache(dec, slots=7, capacity=16)
+    got = bc.admit_together(prompts)
+    assert bc.lengths == [3, 70, 64, 1, 130] and bc.reused == 0
+    for i, p in enumerate(prompts):
+        alone = dec.new_cache(capacity=256)
+        want = dec.prefill(p, alone)[0]
+        if exact:
+            np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}")
+            for a, b in zip(bc.buffers.arrays, alone.arrays):
+                np.testing.assert_array_equal(a[i, :, :len(p)], b[0, :, :len(p)], err_msg=f"row {i}")
+        else:
+            np.testing.assert_allclose(got[i], want, atol=1e-5, rtol=0, err_msg=f"row {i}")
+    steps = bc.step([40, 41, 42, 43, 44])  # and the rows decode on together
+    assert steps.shape[0] == 5
+    with pytest.raises(Exception, match="do not fit"):
+        bc.admit_together([[1], [2], [3]])
+    with pytest.raises(Exception, match="out of|bounds|indices"):
+        bc.admit_together([[1], [10**9]])  # a token id past the vocabulary: the call fails, nobody is admitted
+    assert len(bc) == 5
 
 
 def test_shared_cache_prefill_is_bitwise_the_single_user_prefill(fused_generator):
@@ -281,29 +327,29 @@ def test_prompt_cache_reuses_prefilled_spans_and_gives_the_same_numbers(fused_ge
     answer cannot depend on the cache); only prefilled spans are kept; an entry a later turn extends is
     replaced; the byte bound holds."""
     dec = fused_generator.decoder
-    bc = SharedBatchCache(dec, slots=5, capacity=16, prompt_cache_bytes=1 << 22)
-    first = list(range(10, 50))  # 40 tokens: prefilled as 0-16, 16-32, 32-40
+    bc = SharedBatchCache(dec, slots=5, capacity=16, prompt_cache_bytes=1 << 23)
+    first = list(range(10, 110))  # 100 tokens: prefilled as 0-64, 64-100
     bc.prefill_rows([first])
     bc.step([40]), bc.step([41])
     bc.remember(0, first)
     bc.remove([0])
-    assert [len(t) for t, _ in bc.prompts.entries] == [32]  # the spans up to its last boundary, no answer tokens
-    prompts = [first[:20] + [60, 61, 62], first + [63, 64], list(range(70, 74)), first[:33], first[:32]]
+    assert [len(t) for t, _ in bc.prompts.entries] == [64]  # the spans up to its last boundary, no answer tokens
+    prompts = [first[:70] + [160, 161, 162], first + [163, 164], list(range(170, 174)), first[:65], first[:64]]
     got = bc.prefill_rows(prompts)
-    assert bc.reused_rows == [16, 32, 0, 32, 16]  # never the last prompt token, always at a boundary
-    assert bc.prompts.hits == 4 and bc.prompts.tokens_reused == 16 + 32 + 32 + 16
+    assert bc.reused_rows == [64, 64, 0, 64, 0]  # never the last prompt token, always at a boundary
+    assert bc.prompts.hits == 3 and bc.prompts.tokens_reused == 3 * 64
     for i, p in enumerate(prompts):
-        c = dec.new_cache(capacity=64)
+        c = dec.new_cache(capacity=256)
         np.testing.assert_array_equal(got[i], dec.prefill(p, c)[0], err_msg=f"prompt {i}")
         for a, b in zip(bc.buffers.arrays, c.arrays):
             np.testing.assert_array_equal(a[i, :, :len(p)], b[0, :, :len(p)])
-    longer = first + list(range(100, 130))  # 70 tokens: its entry (64) replaces the 32-token one it extends
+    longer = first + [(7 * i) % 300 + 20 for i in range(100)]  # 200 tokens: its entry (128) replaces the 64 one
     bc.remove([0, 1, 2, 3, 4])
     bc.prefill_rows([longer])
     bc.remember(0, longer)
-    assert [len(t) for t, _ in bc.prompts.entries] == [64]
+    assert [len(t) for t, _ in bc.prompts.entries] == [128]
     bc.remember(0, first)  # what an entry already holds is not copied again
-    assert [len(t) for t, _ in bc.prompts.entries] == [64]
+    assert [len(t) for t, _ in bc.prompts.entries] == [128]
     bc.prompts.max_bytes = bc.prompts.nbytes - 1  # a conversation larger than the whole cache is not kept
     kept = [t.tolist() for t, _ in bc.prompts.entries]
     bc.remember(0, longer + [1] * 10)
@@ -321,7 +367,7 @@ def test_scheduler_reuses_a_conversation_on_its_next_turn(fused_generator, monke
 
     gen = fused_generator
     cfg = gen.sampling(max_new_tokens=12, ignore_eos=True)
-    turn1 = [{"role": "user", "content": "Hello! Tell me about the ocean."}]
+    turn1 = [{"role": "user", "content": "Hello! Tell me about the ocean, its waves and the fish in it."}]  # > 64 tokens
     if long:  # the second turn goes through the side slot, a chunk at a time
         monkeypatch.setattr(batching, "ADMISSION", batching.Admission(long_prompt=len(gen.tokenizer.encode_chat(turn1)) + 2))
     s = Scheduler(gen, max_batch=2, max_queue=4, metrics=Metrics()).start()
@@ -440,23 +486,23 @@ def wide_fused_generator(tmp_path_factory):
 
 def test_a_repeated_prompt_from_the_cache_gets_the_uncached_logits_bit_for_bit(wide_fused_generator):
     dec = wide_fused_generator.decoder
-    prompt = list(range(10, 53))
-    fresh = dec.new_cache(capacity=64)
+    prompt = list(range(10, 110))
+    fresh = dec.new_cache(capacity=128)
     want = dec.prefill(prompt, fresh)[0]
     # the hazard is real on this model: the old cache reused all but the last token and ran it alone
-    old = dec.new_cache(capacity=64)
+    old = dec.new_cache(capacity=128)
     dec.forward(np.asarray(prompt[:-1]), old)
     assert not np.array_equal(dec.forward(np.asarray(prompt[-1:]), old)[0], want)
-    bc = SharedBatchCache(dec, slots=3, capacity=64, prompt_cache_bytes=1 << 22)
+    bc = SharedBatchCache(dec, slots=3, capacity=128, prompt_cache_bytes=1 << 22)
     bc.prefill_rows([prompt])
     for t in (5, 6, 7):  # the answer's decode steps: never reused
         bc.step([t])
     bc.remember(0, prompt)
-    again = bc.prefill_rows([prompt, prompt[:40] + [99, 98, 97, 96, 95]])
-    assert bc.reused_rows == [32, 32]
+    again = bc.prefill_rows([prompt, prompt[:70] + [99, 98, 97, 96, 95]])
+    assert bc.reused_rows == [64, 64]
     np.testing.assert_array_equal(again[0], want)
-    np.testing.assert_array_equal(again[1], dec.prefill(prompt[:40] + [99, 98, 97, 96, 95],
-                                                        dec.new_cache(capacity=64))[0])
+    np.testing.assert_array_equal(again[1], dec.prefill(prompt[:70] + [99, 98, 97, 96, 95],
+                                                        dec.new_cache(capacity=128))[0])
 
 
 def test_a_dead_scheduler_thread_is_started_again_by_the_next_request(fused_generator, monkeypatch):

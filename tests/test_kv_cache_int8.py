@@ -186,17 +186,17 @@ def test_prompt_cache_gives_the_uncached_numbers_bit_for_bit(kv8_gen):
     """A prompt whose start comes from the prompt cache (int8 K/V copied into its slot) gets the logits and the
     int8 K/V of an uncached prefill, bit for bit."""
     dec = kv8_gen.decoder
-    bc = SharedBatchCache(dec, slots=3, capacity=16, prompt_cache_bytes=1 << 20)
-    first = list(range(10, 50))
+    bc = SharedBatchCache(dec, slots=5, capacity=16, prompt_cache_bytes=1 << 20)
+    first = list(range(10, 110))
     bc.prefill_rows([first])
     bc.remember(0, first)
     bc.remove([0])
     assert bc.prompts.entries and bc.prompts.entries[0][1][0].dtype == np.int8
-    prompts = [first + [63, 64], first[:20] + [60]]
+    prompts = [first + [63, 64], first[:70] + [60], [5, 6, 7], list(range(200, 230))]  # the new two: one batched call
     got = bc.prefill_rows(prompts)
-    assert bc.reused_rows == [32, 16]
+    assert bc.reused_rows == [64, 64, 0, 0]
     for i, p in enumerate(prompts):
-        c = dec.new_cache(capacity=64)
+        c = dec.new_cache(capacity=128)
         np.testing.assert_array_equal(got[i], dec.prefill(p, c)[0])
         for a, b in zip(bc.buffers.arrays, c.arrays):
             np.testing.assert_array_equal(a[i, :, :len(p)], b[0, :, :len(p)])

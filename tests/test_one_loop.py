@@ -136,7 +136,7 @@ def test_scoring_a_prompt_runs_the_calls_of_its_prefill(fused_generator, monkeyp
     from edge.serve.openai_answers import score_steps
 
     dec = fused_generator.decoder
-    ids = (fused_generator.tokenizer.encode_chat([{"role": "user", "content": PROMPT}]) * 4)[:40]  # past 16 and 32
+    ids = (fused_generator.tokenizer.encode_chat([{"role": "user", "content": PROMPT}]) * 8)[:150]  # past 64 and 128
     calls: list[tuple[int, int]] = []
     real = dec.forward
 
@@ -155,7 +155,7 @@ def test_scoring_a_prompt_runs_the_calls_of_its_prefill(fused_generator, monkeyp
             taken += 1
     except StopIteration as done:
         scored = done.value[0]
-    assert prefill_calls == [(0, 16), (16, 16), (32, 8)] and calls == prefill_calls and taken == len(calls)
+    assert prefill_calls == [(0, 64), (64, 64), (128, 22)] and calls == prefill_calls and taken == len(calls)
     assert len(scored) == len(ids) and [s.token for s in scored] == ids
     every = dec.prefill(ids, dec.new_cache(capacity=len(ids) + 1), last_only=False)
     assert every.shape[:2] == (1, len(ids))

@@ -210,8 +210,9 @@ def test_usage_reports_prompt_tokens_taken_from_the_prompt_cache(tiny_bundle):
     s = ServerProcess(tiny_bundle.root, "--engine", "int8-dynamic", "--max-users", "2", "--no-ui")
     try:
         client = _client(s)
-        turn = [{"role": "user", "content": "Tell me a fun fact."}]
+        turn = [{"role": "user", "content": "Tell me a fun fact about the ocean, its waves and the fish in it."}]
         first = client.chat.completions.create(model="x", messages=turn, max_tokens=8, temperature=0)
+        assert first.usage.prompt_tokens > 64  # past the first prefill boundary: there is a start to reuse
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         nxt = turn + [{"role": "assistant", "content": first.choices[0].message.content},
                       {"role": "user", "content": "Another one?"}]

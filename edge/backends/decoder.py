@@ -23,12 +23,14 @@ from edge.bundle import EngineEntry, ModelDims
 from edge.errors import ContextOverflowError
 from edge.io_contract import DecoderIO
 
-# Fused graphs prefill in calls that start and end at fixed absolute positions (16, 32, 64, 128, then every
-# 128), and the prompt cache reuses K/V only up to one of them: a prompt whose start came from the cache then
-# runs exactly the calls (same kernels, same shapes, same past) it would have run without it, so its answer
-# does not depend on what was asked before. Small steps first so a short shared start (a system prompt) is
-# reusable; 128 after that so a long prompt does not pay a weight read per handful of tokens.
-PREFILL_BOUNDARY_FIRST, PREFILL_BOUNDARY_STEP = 16, 128
+# Fused graphs prefill in calls that start and end at fixed absolute positions (64, then every 128), and the
+# prompt cache reuses K/V only up to one of them: a prompt whose start came from the cache then runs exactly the
+# calls (same kernels, same past) it would have run without it, so its answer does not depend on what was asked
+# before. The first span is 64 so a short chat prompt (SmolLM2's system prompt and a question: ~43 tokens) is one
+# call, and users who arrive together share it (SharedBatchCache.admit_together); it was 16 (16, 32, 64, 128),
+# which made such a prompt three calls, each paying a read of every weight (docs/speed.md). 128 after that so a
+# long prompt does not pay a weight read per handful of tokens.
+PREFILL_BOUNDARY_FIRST, PREFILL_BOUNDARY_STEP = 64, 128
 
 
 def next_boundary(pos: int) -> int:

@@ -26,7 +26,7 @@ import numpy as np
 from typing import Protocol
 
 from edge.errors import EdgeChatError
-from edge.backends.decoder import Decoder, KVCache, boundary_at_or_below
+from edge.backends.decoder import Decoder, KVCache, boundary_at_or_below, next_boundary
 
 class RowCache(Protocol):
     """What the scheduler asks of a batch cache (every kind below implements it)."""
@@ -34,9 +34,12 @@ class RowCache(Protocol):
     lengths: list[int]  # tokens cached per row, in the scheduler's row order
     reused: int  # prompt tokens the last admitted row took from the prompt cache
     can_verify: bool  # `verify` and `rollback` work here (speculative decoding checks drafts on this cache)
+    prefills_together: bool  # `admit_together` runs new prompts' first prefill span in one batched call
 
     def __len__(self) -> int: ...
     def admit(self, prompt: list[int]) -> np.ndarray: ...
+    def admit_together(self, prompts: list[list[int]]) -> np.ndarray: ...
+    def cached_start(self, prompt: list[int]) -> int: ...
     def step(self, tokens: list[int]) -> np.ndarray: ...
     def remove(self, rows: list[int]) -> None: ...
     def remember(self, row: int, ids: list[int]) -> None: ...
@@ -52,9 +55,22 @@ class RowCache(Protocol):
 
 class _NoVerify:
     """A cache that cannot check drafts: its `verify` and `rollback` refuse, saying why (`can_verify` is False,
-    so the scheduler never calls them)."""
+    so the scheduler never calls them). Nor does it prefill prompts together (`prefills_together` is False):
+    `admit_together` admits them one at a time."""
 
     can_verify = False
+    prefills_together = False
+
+    def admit_together(self, prompts: list[list[int]]) -> np.ndarray:
+        n = len(self)
+        try:
+            return np.stack([self.admit(p) for p in prompts])  # type: ignore[attr-defined]
+        except BaseException:
+            self.remove(list(range(n, len(self))))  # type: ignore[attr-defined]
+            raise
+
+    def cached_start(self, prompt: list[int]) -> int:
+        return 0
 
     def verify(self, tokens: list[int]) -> np.ndarray:
         raise EdgeChatError(f"{type(self).__name__} cannot verify drafts (speculative steps run on a fused graph on "
@@ -178,9 +194,9 @@ class PromptCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for _, kv in self.entries for a in kv)
 
-    def match(self, ids: list[int]) -> tuple[list[np.ndarray] | None, int]:
+    def match(self, ids: list[int], touch: bool = True) -> tuple[list[np.ndarray] | None, int]:
         """(K/V of the entry sharing the most leading tokens with `ids`, how many); (None, 0) if none.
-        The entry becomes the most recently used."""
+        The entry becomes the most recently used (unless `touch` is False: a look that takes nothing)."""
         best, best_n = -1, 0
         q = np.asarray(ids, dtype=np.int64)
         for i, (toks, _) in enumerate(self.entries):
@@ -191,14 +207,16 @@ class PromptCache:
                 best, best_n = i, n
         if best < 0:
             return None, 0
+        if not touch:
+            return self.entries[best][1], best_n
         self.entries.append(self.entries.pop(best))
         return self.entries[-1][1], best_n
 
-    def start(self, prompt: list[int]) -> tuple[list[np.ndarray] | None, int]:
+    def start(self, prompt: list[int], touch: bool = True) -> tuple[list[np.ndarray] | None, int]:
         """(K/V, how many of the prompt's first tokens to take from them): the last prefill boundary within the
         shared start (so the rest runs the calls an uncached prefill would, see edge.backends.decoder.next_boundary),
         and never the prompt's last token, since a prefill needs one token to run for the next-token logits."""
-        kv, n = self.match(prompt)
+        kv, n = self.match(prompt, touch)
         return kv, boundary_at_or_below(min(n, len(prompt) - 1))
 
     def covers(self, ids: list[int]) -> bool:
@@ -225,6 +243,7 @@ class SharedBatchCache:
     """
 
     can_verify = True  # a rejected draft is forgotten by setting the row's length back (see rollback)
+    prefills_together = True  # new prompts' first prefill span in one call (see admit_together)
 
     def __init__(self, decoder: Decoder, slots: int, capacity: int = 256, prompt_cache_bytes: int = 0) -> None:
         if decoder.device != "cpu":
@@ -296,20 +315,85 @@ class SharedBatchCache:
             raise
 
     def prefill_rows(self, prompts: list[list[int]]) -> np.ndarray:
-        """`admit` several prompts in order, all or none (tests and benchmarks): their next-token logits
-        [len(prompts), vocab]; `reused_rows` says how many tokens each took from the prompt cache."""
+        """Admit several prompts as the scheduler admits requests that arrive together, all or none (tests and
+        benchmarks): the ones the prompt cache has nothing for together (`admit_together`), the others one at a
+        time; their next-token logits [len(prompts), vocab] in the order given; `reused_rows` says how many tokens
+        each took from the prompt cache."""
         n, k = len(self.lengths), len(prompts)
         if k > self.free:
             raise EdgeChatError(f"{k} new rows do not fit: {self.free} of {self.slots} batch slots are free")
-        out, self.reused_rows = [], []
+        fresh = [i for i, p in enumerate(prompts) if self.cached_start(p) == 0] if k > 1 else []
+        rest = [i for i in range(k) if i not in fresh]
+        out: dict[int, np.ndarray] = {}
+        reused = {i: 0 for i in fresh}
         try:
-            for p in prompts:
-                out.append(self.admit(p))
-                self.reused_rows.append(self.reused)
+            for i in rest:
+                out[i] = self.admit(prompts[i])
+                reused[i] = self.reused
+            if fresh:
+                out.update(zip(fresh, self.admit_together([prompts[i] for i in fresh])))
         except BaseException:
             self.truncate(n)
             raise
-        return np.stack(out)
+        order = rest + fresh  # the rows' order in the cache: put it back in the order given
+        if order != list(range(k)):
+            self._permute(n, order)
+        self.reused_rows = [reused[i] for i in range(k)]
+        return np.stack([out[i] for i in range(k)])
+
+    def _permute(self, n: int, order: list[int]) -> None:
+        """Rows n.. hold prompts[order[0]], prompts[order[1]], ...: move them so row n + i holds prompts[i]."""
+        slot_of = {p: n + j for j, p in enumerate(order)}
+        lengths = self.lengths[:n] + [self.lengths[slot_of[i]] for i in range(len(order))]
+        for a in self.buffers.arrays:
+            a[n:n + len(order)] = a[[slot_of[i] for i in range(len(order))]]
+        self.lengths = lengths
+        self._views = None
+
+    def cached_start(self, prompt: list[int]) -> int:
+        """How many of the prompt's first tokens `admit` would take from the prompt cache (0: none)."""
+        if self.prompts is None:
+            return 0
+        return self.prompts.start(prompt, touch=False)[1]
+
+    def admit_together(self, prompts: list[list[int]]) -> np.ndarray:
+        """Prefill new prompts (none taking anything from the prompt cache) as rows n.., all or none: their first
+        prefill span (up to the first boundary, edge.backends.decoder.next_boundary) in ONE call of batch k, each
+        row padded to the longest (ONNX Runtime's GroupQueryAttention runs several tokens per row in a batch only
+        with no past: a first call), then the rest of each prompt as `admit` runs it. A short chat
+        prompt fits the first span whole, so k users arriving together wait for one call instead of k in a row.
+        Each row's logits and K/V equal its prefill alone where the engine's kernels are batch invariant
+        (edge.backends.determinism; tests/test_batching.py checks it per engine)."""
+        n, k = len(self.lengths), len(prompts)
+        if k > self.free:
+            raise EdgeChatError(f"{k} new rows do not fit: {self.free} of {self.slots} batch slots are free")
+        first = np.asarray([min(len(p), next_boundary(0)) for p in prompts], np.int64)
+        span = int(first.max())
+        # a shorter row is padded after its end with its last token, and the call runs every row as `span` tokens
+        # long: causal attention keeps the padding out of the row's own positions, and the padding's K/V, past the
+        # row's length, are never read (the next call writes over them). Not GroupQueryAttention's right padding
+        # by seqlens_k: graphs that rotate Q/K outside the op (Qwen3's norms, partial rotary) would place a
+        # padded row's tokens at negative positions.
+        ids = np.empty((k, span), np.int64)
+        for i, p in enumerate(prompts):
+            ids[i, :first[i]] = p[:first[i]]
+            ids[i, first[i]:] = p[first[i] - 1]
+        self._reserve(max(max(len(p) for p in prompts), span) + 1)
+        try:
+            logits = self.decoder.run_fused(ids, np.full(k, span - 1, np.int32), span, self._slots(n, n + k)[1],
+                                            (first - 1)[:, None])[:, 0]
+            for i, p in enumerate(prompts):
+                if len(p) > first[i]:  # the rest of a prompt longer than the first span: alone, as admit runs it
+                    arrays, values = self._slots(n + i, n + i + 1)
+                    row = KVCache(values, length=int(first[i]), capacity=self.buffers.capacity, arrays=arrays)
+                    logits[i] = self.decoder.prefill(p[first[i]:], row)[0]
+                self.lengths.append(len(p))
+        except BaseException:
+            self.truncate(n)
+            raise
+        self._views = None
+        self.reused = 0
+        return logits
 
     def _prefill_one(self, slot: int, prompt: list[int], kv: list[np.ndarray] | None, cached: int) -> np.ndarray:
         """One prompt into `slot` (the next free one), its first `cached` tokens' K/V copied from `kv`."""

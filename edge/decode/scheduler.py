@@ -3,9 +3,10 @@
 Continuous batching: many conversations share one decode step. Each active request owns a row of one
 batched KV cache (edge.decode.cache). A single-user generation (the CLI, the REPL, the export's evaluation)
 is this same loop with one row, run in the caller's thread (`Scheduler.generate`); the server runs it
-on its own thread. New requests are prefilled one at a time, the same calls a single user's prefill runs (so an answer does not
-depend on who arrived with it or on what the prompt cache held), and join the batch between
-steps. On a fused graph a long prompt is prefilled a span at a time into the last slot, one span
+on its own thread. New requests join the batch between steps; requests that arrive together share one batched
+call for their prompts' first prefill span (a short chat prompt's whole prefill), each row computing what its
+prefill alone computes (the calls are fixed by position, so an answer does not depend on who arrived with it or
+on what the prompt cache held, where the engine is batch invariant: edge.backends.determinism). On a fused graph a long prompt is prefilled a span at a time into the last slot, one span
 between decode steps, so the answers already streaming keep streaming instead of freezing for the
 whole prefill; it then joins the batch. A finished, cancelled or timed-out request leaves at once and
 its slot is free for the next step; on a fused graph its prompt's K/V go into the prompt cache.
@@ -411,9 +412,43 @@ class Scheduler:
             for req, row in batch:
                 if self._long(req):  # _take hands out at most one, and only while none is in progress
                     self._start_prefill(req, row)
-                else:
-                    self._prefill(req, row)
+            self._prefill_group([(req, row) for req, row in batch if not self._long(req)])
         return took
+
+    def _prefill_group(self, group: list[tuple[Request, _Row]]) -> None:
+        """Short prompts taken together: those the prompt cache has nothing for are prefilled in one batched
+        first call (`cache.admit_together`: users who arrive together wait for one call, not for each other's
+        prefill in turn), the others one at a time from their cached start. If the batched call fails, each is
+        tried alone, so a failure stays with the request that causes it."""
+        together = []
+        if len(group) > 1 and self.cache.prefills_together:
+            together = [g for g in group if self.cache.cached_start(g[0].prompt_ids) == 0]
+        if len(together) < 2:
+            together = []
+        for req, row in group:
+            if not any(req is r for r, _ in together):
+                self._prefill(req, row)
+        if not together:
+            return
+        try:
+            logits = self.cache.admit_together([req.prompt_ids for req, _ in together])
+        except Exception:
+            log.debug("a batched prefill of %d prompts failed; prefilling them one at a time", len(together),
+                      exc_info=True)
+            for req, row in together:
+                self._prefill(req, row)
+            return
+        start = len(self.rows)
+        for _, row in together:
+            row.text.cached_tokens = 0
+            self.rows.append(row)
+        finished = [start + i for i, (req, row) in enumerate(together)
+                    if not self._accept(row, logits[i], len(req.prompt_ids))]
+        if self.metrics is not None:
+            for req, _ in together:
+                self.metrics.observe_prompt(len(req.prompt_ids), cached=0)
+        if finished:
+            self._leave(finished)
 
     def _take(self, free: int) -> list[tuple[Request, _Row]]:
         """Up to `free` waiting requests (cancelled ones are closed here), oldest first. A long prompt
