@@ -288,18 +288,25 @@ def test_a_tool_call_round_trip(long_server):
                                            temperature=0, max_tokens=20)
     assert final.choices[0].message.tool_calls is None
     assert final.choices[0].message.content and final.choices[0].finish_reason in ("stop", "length")
-    # a named function, streamed: the call arrives as a tool_calls delta and finishes with "tool_calls"
-    calls, finish = {}, None
-    for ch in client.chat.completions.create(model="x", messages=messages[:1], tools=[WEATHER, ADD], temperature=0.8,
-                                             seed=5, tool_choice={"type": "function", "function": {"name": "add"}},
-                                             max_tokens=100, stream=True):
+    # a named function, streamed: the call's id and name arrive once its name is written, then its arguments in
+    # pieces as they are written (as OpenAI streams a call), and the answer finishes with "tool_calls"
+    calls, finish, pieces, ids = {}, None, [], []
+    forced = {"type": "function", "function": {"name": "add"}}
+    for ch in client.chat.completions.create(model="x", messages=messages[:1], tools=[WEATHER, ADD], temperature=0,
+                                             tool_choice=forced, max_tokens=100, stream=True):
         for d in ch.choices[0].delta.tool_calls or []:
             c = calls.setdefault(d.index, {"name": "", "arguments": ""})
             c["name"] += d.function.name or ""
             c["arguments"] += d.function.arguments or ""
+            pieces += [d.function.arguments] if d.function.arguments else []
+            ids += [d.id] if d.id else []
         finish = ch.choices[0].finish_reason or finish
-    assert finish == "tool_calls" and calls[0]["name"] == "add"
+    assert finish == "tool_calls" and calls[0]["name"] == "add" and len(ids) == 1 and ids[0].startswith("call_")
     jsonschema.validate(json.loads(calls[0]["arguments"]), ADD["function"]["parameters"])
+    assert len(pieces) > 2, pieces  # streamed as written, not one piece at the end
+    whole = client.chat.completions.create(model="x", messages=messages[:1], tools=[WEATHER, ADD], temperature=0,
+                                           tool_choice=forced, max_tokens=100).choices[0].message.tool_calls[0]
+    assert json.loads(whole.function.arguments) == json.loads(calls[0]["arguments"])
 
 
 def test_unsupported_fields_are_a_400_saying_so(server):

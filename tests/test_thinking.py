@@ -349,15 +349,16 @@ def test_json_and_tool_calls_apply_to_the_content_after_the_think_block(server):
     m = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and m.reasoning_content, r
     assert m.tool_calls[0].function.name == "add" and set(json.loads(m.tool_calls[0].function.arguments)) == {"a"}
-    reasoning, calls, finish = "", [], None
+    reasoning, calls, finish = "", {}, None
     for chunk in c.chat.completions.create(stream=True, **ask):  # streamed: the same thinking, the same call
         d = chunk.choices[0].delta
         reasoning += getattr(d, "reasoning_content", None) or ""
-        calls += d.tool_calls or []
+        for k in d.tool_calls or []:  # a call's name, then its arguments in pieces, by index (as OpenAI streams)
+            name, args = calls.get(k.index, ("", ""))
+            calls[k.index] = (name + (k.function.name or ""), args + (k.function.arguments or ""))
         finish = chunk.choices[0].finish_reason or finish
     assert reasoning == m.reasoning_content and finish == "tool_calls"
-    assert [(k.function.name, k.function.arguments) for k in calls] == \
-        [(k.function.name, k.function.arguments) for k in m.tool_calls]
+    assert [calls[i] for i in sorted(calls)] == [(k.function.name, k.function.arguments) for k in m.tool_calls]
 
 
 # -- the CLI and the page -----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ hands it the rows' results."""
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any, AsyncIterator, Protocol
 
 from edge.serve import openai_answers as api_answers
@@ -110,8 +111,10 @@ def error_event(service: Service, ev: StreamEvent) -> str:
 
 async def chat_sse(service: Service, cid: str, created: int, events: AsyncIterator[tuple[int, StreamEvent]], n: int,
                     rows, table, include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
-    """Chat chunks for n rows. With tools, a row's text is held while it may still be a call; a call goes out
-    as one tool_calls delta (id, name, arguments) when its answer ends, with finish_reason "tool_calls"."""
+    """Chat chunks for n rows. With tools, a row's text is held while it may still be a call; a call in the
+    shape the call grammar writes goes out as it is written, as OpenAI streams one: a tool_calls delta with its
+    id and name once the name is written, then its arguments' text in pieces (edge.decode.tools.calls_so_far);
+    a call in another shape goes out whole when the answer ends; finish_reason "tool_calls"."""
     def chunk(i: int, delta: dict, finish: str | None = None, usage: dict | None = None, choices: bool = True,
               lps: list | None = None, extra: dict | None = None) -> str:
         logprobs = {"content": api_answers.chat_logprobs(table, lps or [])} if table is not None and choices else None
@@ -129,6 +132,21 @@ async def chat_sse(service: Service, cid: str, created: int, events: AsyncIterat
     split = [thinking.Splitter(rows.think, rows.opened) for _ in range(n)]  # reasoning | content, per row
     unsent: list[list] = [[] for _ in range(n)]  # logprobs of text the splitter still holds
     lasts: list[Any] = []
+    sent: list[list[int]] = [[] for _ in range(n)]  # per row, per call streamed so far: its arguments' text sent
+
+    def call_deltas(i: int, so_far: list[toolfmt.CallSoFar]) -> list[dict]:
+        """The tool_calls delta entries for what row i's calls wrote since the last look."""
+        out = []
+        for k, c in enumerate(so_far):
+            if k == len(sent[i]):
+                out.append({"index": k, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                            "function": {"name": c.name, "arguments": ""}})
+                sent[i].append(0)
+            if len(c.arguments) > sent[i][k]:
+                out.append({"index": k, "function": {"arguments": c.arguments[sent[i][k]:]}})
+                sent[i][k] = len(c.arguments)
+        return out
+
     try:
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""}, extra=context_shift(rows) if i == 0 else None)
@@ -151,6 +169,11 @@ async def chat_sse(service: Service, cid: str, created: int, events: AsyncIterat
                     if not toolfmt.may_be_call(held[i]):  # plain text after all: let it flow
                         plain[i] = True
                         yield chunk(i, {"content": held[i]}, lps=held_lps[i])
+                    else:
+                        pieces = call_deltas(i, toolfmt.calls_so_far(held[i]))
+                        if pieces:
+                            yield chunk(i, {"tool_calls": pieces}, lps=held_lps[i])
+                            held_lps[i] = []
             if ev.finish_reason:
                 if ev.finish_reason in ("error", "timeout"):
                     yield error_event(service, ev)
@@ -158,7 +181,16 @@ async def chat_sse(service: Service, cid: str, created: int, events: AsyncIterat
                 reason = finish(ev.finish_reason)
                 if not plain[i]:
                     parsed = toolfmt.parse_calls(held[i])
-                    if parsed.tool_calls:
+                    streamed = len(sent[i])
+                    if streamed:  # calls streamed as they were written; one cut short by max_tokens ends as it is
+                        rest = call_deltas(i, toolfmt.calls_so_far(held[i]))
+                        streamed = len(sent[i])
+                        more = [{"index": streamed + k, **c} for k, c in enumerate(parsed.tool_calls[streamed:])]
+                        if rest or more:
+                            yield chunk(i, {"tool_calls": rest + more}, lps=held_lps[i])
+                            held_lps[i] = []
+                        reason = "tool_calls" if reason == "stop" else reason
+                    elif parsed.tool_calls:
                         delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(parsed.tool_calls)]}
                         if parsed.content:
                             delta["content"] = parsed.content
