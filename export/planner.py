@@ -16,7 +16,7 @@ from edge.errors import RecipeError
 from edge.io_contract import KV_BYTES, KV_INT8, DecoderIO
 from edge.precisions import BF16, FP8, FP16, FP32, INT4_QDQ, INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
 from edge.device.profiles import DeviceProfile
-from edge.backends.tensorrt.settings import TENSORRT_BUILD_RAM_FACTOR
+from edge.backends.tensorrt.settings import build_ram, swap_allowed
 
 GB = 1e9
 # bytes per weight. MatMulNBits (int8-dynamic, int4-weight) stores one fp32 scale per block and, at 4 bits,
@@ -107,13 +107,14 @@ class Plan:
     total_gb: float
     usable_gb: float
     fits_memory: bool
-    build_ram_gb: float | None  # TensorRT engine build peak host RAM, None if no build
+    build_ram_gb: float | None  # TensorRT engine build's peak memory (edge/backends/tensorrt/settings.py), None if no build
     host_ram_gb: float
-    fits_build: bool
+    fits_build: bool  # in the host's RAM, or on a Jetson with swap for the weights' copies (build_swap_gb)
     decode_tok_s: float  # roofline upper bound
     prefill_s: float
     answer_s: float  # prompt + answer_tokens
     int4_layout: Int4Layout | None = None  # int4-weight: the layout planned
+    build_swap_gb: float = 0.0  # swap the engine build needs on top of host_ram_gb (a Jetson's NVMe swap file)
 
     @property
     def fits(self) -> bool:
@@ -191,8 +192,11 @@ def _plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOpt
     total = weights + kv + activations + overhead
     usable = profile.usable_memory_gb * GB
     needs_build = bool(profile.tensorrt_versions) and precisions.get(precision).tensorrt and precision != FP32
-    build = weights * TENSORRT_BUILD_RAM_FACTOR if needs_build else None
+    # from the ONNX graph it is built from (its own precision's, the first of trt_sources)
+    build = build_ram(weights, profile, weight_bytes(dims, precisions.get(precision).trt_sources[0], layout)) \
+        if needs_build else None
     host = profile.host_ram_gb * GB
+    swap = build.swap_needed_gb(profile.host_ram_gb) if build is not None and swap_allowed(profile) else 0.0
     # Roofline: each decoded token reads every weight once plus the whole KV cache so far (worst case: full).
     bytes_per_token = weights + kv
     decode = profile.memory_bandwidth_gbs * GB / bytes_per_token
@@ -200,9 +204,9 @@ def _plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOpt
     return Plan(
         precision=precision, weights_gb=weights / GB, kv_cache_gb=kv / GB, activations_gb=activations / GB,
         overhead_gb=overhead / GB, total_gb=total / GB, usable_gb=usable / GB, fits_memory=total <= usable,
-        build_ram_gb=None if build is None else build / GB, host_ram_gb=host / GB,
-        fits_build=build is None or build <= host, decode_tok_s=decode, prefill_s=prefill,
-        answer_s=prefill + opts.answer_tokens / decode, int4_layout=layout,
+        build_ram_gb=None if build is None else build.total_gb, host_ram_gb=host / GB,
+        fits_build=build is None or build.fits(profile.host_ram_gb, swap), decode_tok_s=decode, prefill_s=prefill,
+        answer_s=prefill + opts.answer_tokens / decode, int4_layout=layout, build_swap_gb=swap,
     )
 
 
@@ -291,11 +295,14 @@ def bundle_quality(manifest) -> tuple[dict[str, Expected], set[str]]:
     return quality, have | (set(TENSORRT_FROM_FP32) if FP32 in have else set())
 
 
+KL_INT4_LAYOUT = Int4Layout(64, 8)  # the layout DEFAULT_KL's int4-weight figure was measured in (--int4-block 64)
+
+
 def _layout_note(p: Plan) -> str:
-    """Expected KL figures are measured on the default int4 layout: say so when the plan takes another."""
-    if p.int4_layout is None or p.int4_layout == Int4Layout():
+    """The expected int4 KL figure is measured in one layout: say so when the plan takes another."""
+    if p.int4_layout is None or p.int4_layout == KL_INT4_LAYOUT:
         return ""
-    return f" (its expected KL was measured in {Int4Layout().describe()}, not in {p.int4_layout.describe()})"
+    return f" (its expected KL was measured in {KL_INT4_LAYOUT.describe()}, not in {p.int4_layout.describe()})"
 
 
 @dataclass(frozen=True)

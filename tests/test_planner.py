@@ -53,7 +53,8 @@ def test_smollm2_on_orin_nano_fp16_by_hand():
     assert p.kv_cache_gb * GB == pytest.approx(kv)
     assert p.decode_tok_s == pytest.approx(68e9 / (weights + kv))
     assert p.overhead_gb == pytest.approx(0.9)
-    assert p.build_ram_gb == pytest.approx(3.5 * weights / GB)
+    # on the device: two copies of the weights, the CUDA context and runtime, the builder's workspace (1459 MiB)
+    assert p.build_ram_gb == pytest.approx((2 * weights + 0.9e9 + 1459 * 2**20) / GB) and p.build_swap_gb == 0
     assert p.fits
 
 
@@ -112,6 +113,23 @@ def test_llama3_8b_fits_orin_nano_at_int4_with_2048_tokens():
     assert out.returncode == 0, out.stderr
     assert "recommended: int4-weight at context 2048" in out.stdout
     assert "edge-export build --precision int4-weight --int4-block 64" in out.stdout
+
+
+def test_llama3_8b_int4_qdq_fits_orin_nano_and_its_build_needs_swap_not_a_bigger_board():
+    """int4-qdq (6.17 of 6.6 GB at 2k) used to read 'fits NO' from a 3.5x-weights build RAM nobody had sourced.
+    TensorRT's guide: a build holds two copies of the weights (pageable), plus the workspace and the CUDA runtime
+    (resident on a Jetson's one memory). On the Orin Nano the copies go to an NVMe swap file; a T4's host must
+    hold them in RAM."""
+    d, nano = KNOWN_SIZES["llama-3-8b"], load_profile("orin-nano-8gb")
+    p = plan(d, nano, "int4-qdq", PlanOptions(context=2048))
+    resident = 0.9e9 + 1459 * 2**20
+    assert p.fits_memory and p.total_gb <= 6.6
+    assert p.build_ram_gb == pytest.approx((2 * p.weights_gb * GB + resident) / GB)
+    assert p.fits_build and p.fits and p.build_swap_gb == pytest.approx(p.build_ram_gb - 6.6)
+    assert 4.5 < p.build_swap_gb < 6.0
+    assert not plan(d, load_profile("orin-nano-8gb@desktop"), "int4-qdq", PlanOptions(context=2048)).fits
+    t4 = plan(KNOWN_SIZES["smollm2-135m"], load_profile("t4"), "fp16")
+    assert t4.build_swap_gb == 0 and t4.fits_build
 
 
 def test_recommend_fastest_within_the_kl_bound():
@@ -316,7 +334,8 @@ def test_int4_layout_edges_found_in_review():
     none_fit = plan(d, tiny_dev, "int4-weight")
     assert not none_fit.fits and none_fit.total_gb == min(plan(d, tiny_dev, "int4-weight", PlanOptions(int4_layout=lay)).total_gb
                                                           for lay in INT4_LAYOUTS)
-    rec = recommend(KNOWN_SIZES["llama-3-8b"], load_profile("orin-nano-8gb"), PlanOptions(int4_layout=Int4Layout(16, 8)))
+    rec = recommend(KNOWN_SIZES["llama-3-8b"], load_profile("orin-nano-8gb"), PlanOptions(int4_layout=Int4Layout(16, 8)),
+                    precisions=["fp16", "int8-dynamic", "int4-weight"])  # int4-qdq fits (its build with swap)
     assert rec.plan is None and "without the pin int4-weight fits at context 2048" in rec.reason and "--int4-block 64" in rec.reason
 
 
