@@ -101,6 +101,9 @@ class QuantizeOptions:
     # the domains GPTQ's texts come from (export/calibration_texts.py: chat, news, literature, code, docs); chat takes
     # gptq_chat_share of them, the others split the rest evenly
     gptq_domains: tuple[str, ...] = ("chat", "news")
+    # GPTQ's damping (of the mean diagonal of X^T X) for the 4-bit weights of both int4 engines (int4-weight and
+    # int4-qdq): more damping trusts the calibration text less (docs/quality.md, "INT4 off its calibration's domain")
+    int4_gptq_damp: float = 0.003
     # int8-dynamic (MatMulNBits kernel): "gptq" (symmetric GPTQ, every 8-bit MatMul and the head; SmolLM2-135M,
     # held-out KL to fp32 chats 0.0044 / prose 0.0036 against min-max's 0.0063 / 0.0047, docs/quality.md) or
     # "minmax" (ONNX Runtime's round to nearest)
@@ -131,6 +134,8 @@ class QuantizeOptions:
         from export.calibration_texts import check_domains
 
         check_domains(tuple(self.gptq_domains))
+        if not 0 < self.int4_gptq_damp <= 1:
+            raise RecipeError(f"int4_gptq_damp must be in (0, 1] (a share of X^T X's mean diagonal), got {self.int4_gptq_damp}")
         if self.gptq_samples < 1 or self.gptq_tokens < 8:
             raise RecipeError(f"gptq_samples must be >= 1 and gptq_tokens >= 8, got {self.gptq_samples} and {self.gptq_tokens}")
         if self.int4_budget_mb is not None and self.int4_budget_mb <= 0 or self.int4_extra_ratio < 0:
@@ -313,6 +318,7 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
     code = hashlib.sha256(Path(__file__).with_name("gptq.py").read_bytes()).hexdigest()[:16] if gptq else None
     rounding = [opts.int4_rounding] + ([opts.gptq_samples, opts.gptq_tokens, opts.gptq_chat_share, opts.calibration, code]
                                        + ([list(opts.gptq_domains)] if tuple(opts.gptq_domains) != ("chat", "news") else [])
+                                       + ([opts.int4_gptq_damp] if opts.int4_gptq_damp != 0.003 else [])
                                        if gptq else [])
     key = hashlib.sha256(json.dumps([str(plain.resolve()), plain.stat().st_mtime_ns, graph_bytes(plain), rounding, opts.int4_block_size,
                                      sorted(cost), [f["input_ids"].tolist() for f in feeds]]).encode()).hexdigest()[:16]
@@ -326,7 +332,8 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
                 from export.gptq import gptq_block_quant
 
                 def quant(node: str, w: np.ndarray) -> np.ndarray:
-                    return dequantize(*gptq_block_quant(w, hessian(node), 4, opts.int4_block_size), k=w.shape[0])
+                    return dequantize(*gptq_block_quant(w, hessian(node), 4, opts.int4_block_size, damp=opts.int4_gptq_damp),
+                                      k=w.shape[0])
             else:
                 def quant(node: str, w: np.ndarray) -> np.ndarray:
                     return fake_quant(w, 4, opts.int4_block_size, opts.int4_rounding)
@@ -397,7 +404,7 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
             metrics |= _int4_mixed(gw, fp32_dir, hf_dir, dst, opts, dims, special, hessian)
             special |= {name: (8, promoted_block(gw.shape(_weight_of(gw, name))[0], opts)) for name in metrics["int4_8bit_matmuls"]}
         _nbits(gw, bits=4, symmetric=opts.int4_symmetric, special=special, rounding=opts.int4_rounding,
-               block_size=opts.int4_block_size, hessian=hessian)
+               block_size=opts.int4_block_size, hessian=hessian, gptq_damp4=opts.int4_gptq_damp)
         metrics["lm_head_bits"] = opts.int4_lm_head_bits if head else None
         metrics["int4_rounding"] = opts.int4_rounding
         metrics["int4_block_size"] = opts.int4_block_size
@@ -431,7 +438,8 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
         g = GraphWeights(fp32_dir / "model.onnx")
         untie_lm_head(g)
         _nbits(g, bits=4, symmetric=opts.int4_symmetric, rounding=opts.int4_rounding, block_size=opts.int4_block_size,
-               special={n: b for n, b in special.items() if n not in promoted or n in chosen}, hessian=hessian)
+               special={n: b for n, b in special.items() if n not in promoted or n in chosen}, hessian=hessian,
+               gptq_damp4=opts.int4_gptq_damp)
         quantize_embedding(g)
         g.save(out)
         metrics["int4_8bit_matmuls"] = list(chosen)
