@@ -71,7 +71,8 @@ def main() -> None:
     io_engine = next((e for e in m.engines if e.name == a.options.get("mode")),
                      next((e for e in m.engines if e.name != fp32.name), fp32))
     ref = _onnx_logits(b.path(fp32.file), m.model, m.engine_io(fp32), None)
-    probe = _onnx_logits(dst / "model.onnx", m.model, m.engine_io(io_engine), None)
+    # the precision sets its session options: a Q/DQ graph runs as written (edge/precisions.py), as `eval` runs it
+    probe = _onnx_logits(dst / "model.onnx", m.model, m.engine_io(io_engine), None, precision=a.options["mode"])
     out = {"name": a.name, "options": a.options, "size_mb": metrics["size_bytes"] / 1e6,
            "int4_8bit_matmuls": len(metrics.get("int4_8bit_matmuls", [])), "quantize_seconds": round(seconds)}
     for kind, seqs in sets.items():

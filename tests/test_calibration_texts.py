@@ -114,3 +114,27 @@ def test_five_domain_feeds_hold_each_domain(load_dir):
     code = tok.encode(ct.domain_texts("code", "train")[0])[:32]
     assert any(np.array_equal(f["input_ids"][0], code) for f in feeds)
     assert gptq_chats(QuantizeOptions(mode="int4-weight", gptq_samples=8, gptq_domains=domains)) == 4  # half, by default
+
+
+def test_gptq_domains_flag_and_recipe_key_reach_both_int4_engines(tmp_path):
+    """--gptq-domains (recipe key gptq_domains) gives the quantize stage its domains, split evenly; the default
+    leaves the stage's options as they were (no rebuild of existing work folders for it)."""
+    from export.cli import make_parser
+    from export.recipe import BuildOptions, _quantize_options
+
+    def parse(*flags: str) -> BuildOptions:
+        return BuildOptions.from_cli(make_parser().parse_args(["build", "-o", str(tmp_path / "x.bundle"), "--precision",
+                                                               "int4-weight", "--precision", "int4-qdq", *flags]))
+
+    opts = parse("--gptq-domains", "chat,news,literature")
+    for p in ("int4-weight", "int4-qdq", "int8-dynamic"):
+        q = _quantize_options(opts, p)
+        assert q.gptq_domains == ("chat", "news", "literature") and q.gptq_chat_share == pytest.approx(1 / 3)
+    q = _quantize_options(parse(), "int4-weight")
+    assert q.gptq_domains == ("chat", "news") and q.gptq_chat_share == 0.5
+    with pytest.raises(RecipeError, match="gptq_domains must be distinct names"):
+        parse("--gptq-domains", "chat,fortunes")
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('precisions = ["int4-weight"]\ngptq_domains = ["news", "code"]\n')
+    r = BuildOptions.from_toml(recipe, output=tmp_path / "y.bundle")
+    assert _quantize_options(r, "int4-weight").gptq_domains == ("news", "code")
