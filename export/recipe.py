@@ -33,9 +33,10 @@ from export.prune import PruneOptions
 
 BUILD_PRECISIONS = precisions.EXPORTED
 # why the default int4-weight build is not the engine docs/quality.md measures against llama.cpp's Q4_K_M
-INT4_DEFAULT_NOTE = ("all 4-bit, no size budget: the engine at or below llama.cpp Q4_K_M's KL at its size (also on text "
-                     "outside its calibration, docs/quality.md) is --int4-block 64 --int4-budget-mb <that GGUF's MB>, "
-                     "not the default because the budget is per model and its sensitivity pass costs minutes more")
+INT4_DEFAULT_NOTE = ("all 4-bit, no size budget: the engine measured against llama.cpp's Q4_K_M at its size is "
+                     "--int4-block 64 --int4-budget-mb <that GGUF's MB> (below its KL on chats, at parity on news prose, "
+                     "above it on text unlike its calibration: docs/quality.md); not the default, as the budget is per "
+                     "model and its sensitivity pass costs minutes more")
 FROM_FUSED = tuple(p for p in precisions.QUANTIZED if precisions.get(p).variant == "fused")  # quantized from the fused graph when there is one
 
 
