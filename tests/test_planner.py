@@ -81,10 +81,13 @@ def test_7b_int8_4k_fits_t4_not_orin_nano():
     assert not nano.fits_memory and nano.total_gb > 6.6
     # Llama-2-7B's KV cache (32 KV heads) is 1 GB per 2048 tokens in fp16: at 4096 nothing fits the Nano's
     # 6.6 GB, so the plan offers the longest context that does, at int4
-    rec = recommend(d, load_profile("orin-nano-8gb"), o)
+    rec = recommend(d, load_profile("orin-nano-8gb"), o)  # int4-qdq: the smallest, and within the KL bound
+    assert rec.plan.precision == "int4-qdq" and rec.context == 2048 and "(not 4096)" in rec.reason
+    rec = recommend(d, load_profile("orin-nano-8gb"), o, precisions=["fp16", "int8-dynamic", "int4-weight"])
     assert rec.plan.precision == "int4-weight" and rec.context == 2048 and "(not 4096)" in rec.reason
     # with the desktop running (5.2 GB) not even that: the plan says so and what to do
-    rec = recommend(d, load_profile("orin-nano-8gb@desktop"), PlanOptions(context=4096, answer_tokens=100))
+    rec = recommend(d, load_profile("orin-nano-8gb@desktop"), PlanOptions(context=4096, answer_tokens=100),
+                    precisions=["fp16", "int8-dynamic", "int4-weight"])
     assert rec.plan.precision == "int4-weight" and rec.context < 2048
     rec = recommend(KNOWN_SIZES["13b"], load_profile("orin-nano-8gb"), o)
     assert rec.plan is None and re.search("even int4-(weight|qdq) needs", rec.reason) and "--prune" in rec.reason
@@ -105,13 +108,16 @@ def test_llama3_8b_fits_orin_nano_at_int4_with_2048_tokens():
     assert p.fits and p.int4_layout == Int4Layout(64, 8) and p.total_gb <= 6.6
     assert not plan(d, nano, "int4-weight", PlanOptions(context=2048, int4_layout=Int4Layout(32, 8))).fits  # the default layout does not
     assert plan(d, nano, "int4-weight", PlanOptions(context=8192)).int4_layout == Int4Layout(128, 4)  # none fits: the smallest
-    rec = recommend(d, nano, PlanOptions(context=2048))
+    rec = recommend(d, nano, PlanOptions(context=2048), precisions=["fp16", "int8-dynamic", "int4-weight"])
     assert rec.plan.precision == "int4-weight" and rec.context == 2048
     assert not plan(d, load_profile("orin-nano-8gb@desktop"), "int4-weight", PlanOptions(context=2048)).fits
+    # with every format: TensorRT's int4-qdq (W4A16), its expected KL from a measured build (issue 39)
+    rec = recommend(d, nano, PlanOptions(context=2048))
+    assert rec.plan.precision == "int4-qdq" and rec.context == 2048 and "KL 0.045" in rec.reason
     out = subprocess.run([sys.executable, "-m", "export.cli", "plan", "--model", "llama-3-8b", "--target", "orin-nano-8gb"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "recommended: int4-weight at context 2048" in out.stdout
+    assert "recommended: int4-qdq at context 2048" in out.stdout and "at least 6 GB of swap on the NVMe" in out.stdout
     assert "edge-export build --precision int4-weight --int4-block 64" in out.stdout
 
 
@@ -179,9 +185,10 @@ def test_default_kl_figures_are_the_measured_builds():
     import json
     from pathlib import Path
 
-    from export.planner import DEFAULT_KL, SMOLLM2_EVAL, SMOLLM2_TRT_EVAL
+    from export.planner import DEFAULT_KL, SMOLLM2_EVAL, SMOLLM2_INT4_EVAL, SMOLLM2_TRT_EVAL
 
-    for path, names in ((SMOLLM2_EVAL, ("int8-dynamic", "int4-weight")), (SMOLLM2_TRT_EVAL, ("fp8-qdq",))):
+    for path, names in ((SMOLLM2_EVAL, ("int8-dynamic", "int4-weight")), (SMOLLM2_TRT_EVAL, ("fp8-qdq",)),
+                        (SMOLLM2_INT4_EVAL, ("int4-qdq",))):
         measured = json.loads((Path(__file__).parents[1] / path).read_text())["engines"]
         for p in names:
             kl, source = DEFAULT_KL[p]
@@ -341,7 +348,8 @@ def test_int4_layout_edges_found_in_review():
 
 def test_int4_flags_need_the_int4_engine_and_json_carries_the_layout():
     env_run = lambda *a: subprocess.run([sys.executable, "-m", "export.cli", *a], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    r = env_run("plan", "--model", "llama-3-8b", "--target", "orin-nano-8gb", "--json")
+    r = env_run("plan", "--model", "llama-3-8b", "--target", "orin-nano-8gb", "--json", "--precision", "fp16",
+                "--precision", "int4-weight")
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout)["recommendation"]
     assert rec["int4_layout"] == {"block": 64, "head_bits": 8} and rec["build_flags"] == "--int4-block 64"
