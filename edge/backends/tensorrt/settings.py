@@ -262,11 +262,14 @@ def check_build_ram(weight_bytes: int, available_gb: float | None, profile: Devi
     have = available_gb if available_gb is not None else profile.host_ram_gb
     swap = swap_gb if swap_allowed(profile) else 0.0
     if not need.fits(have, swap):
-        more = need.swap_needed_gb(have) - swap
-        hint = (f"add {max(1, int(more + 0.999))} GB or more of swap on the NVMe (sudo fallocate -l "
-                f"{max(1, int(more + 0.999))}G /ssd/swapfile && sudo mkswap /ssd/swapfile && sudo swapon /ssd/swapfile), "
-                "stop the desktop (sudo systemctl isolate multi-user.target)"
-                if swap_allowed(profile) and need.resident / 1e9 <= have else "build on a machine with more RAM")
+        hint = "build on a machine with more RAM"
+        if swap_allowed(profile):  # a Jetson's engine is built on the Jetson: make room there
+            gb = max(1, int(need.swap_needed_gb(have) - swap + 0.999))
+            hint = ((f"add {gb} GB or more of swap on the NVMe (sudo fallocate -l {gb}G /ssd/swapfile && sudo mkswap "
+                     "/ssd/swapfile && sudo swapon /ssd/swapfile), " if need.total_gb > have + swap else "")
+                    + "stop the desktop (sudo systemctl isolate multi-user.target)"
+                    + (" and other GPU processes: the workspace and CUDA runtime must fit in RAM"
+                       if need.resident / 1e9 > have else ""))
         raise InsufficientMemoryError(
             f"building this engine needs about {need.total_gb:.1f} GB ({TENSORRT_BUILD_WEIGHT_COPIES} copies of the "
             f"{weight_bytes / 1e9:.2f} GB of weights, as TensorRT's guide says a build holds, and "
