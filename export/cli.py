@@ -79,7 +79,8 @@ def _plan(args: argparse.Namespace) -> int:
             "decode tok/s≤", "prefill", "100-tok answer", "expected KL"]
     rows = []
     for p in plans:
-        build = "-" if p.build_ram_gb is None else f"{p.build_ram_gb:.2f} GB" + ("" if p.fits_build else " (!)")
+        build = "-" if p.build_ram_gb is None else f"{p.build_ram_gb:.2f} GB" + (
+            " (!)" if not p.fits_build else f" (swap {p.build_swap_gb:.1f})" if p.build_swap_gb > 0 else "")
         kl = quality[p.precision].kl
         rows.append([p.precision, f"{p.weights_gb:.3f} GB", f"{p.kv_cache_gb:.3f} GB", f"{p.activations_gb:.3f} GB",
                      f"{p.overhead_gb:.2f} GB", f"{p.total_gb:.2f} GB", f"{p.usable_gb:.1f} GB", build,
@@ -96,6 +97,11 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"\nrecommended: {best.precision + ' at context ' + str(rec.context) if best else 'none'} — {rec.reason}")
     if best and best.int4_layout and best.int4_layout.flags:
         print(f"             build it with  edge-export build --precision {best.precision} {best.int4_layout.flags}")
+    if best and best.build_swap_gb > 0:
+        gb = max(1, int(best.build_swap_gb + 0.999))
+        print(f"             its TensorRT engine is built on the device (edge-chat build-engine), which holds ~{best.build_ram_gb:.1f} "
+              f"GB: {best.host_ram_gb:.1f} GB of RAM and at least {gb} GB of swap on the NVMe (sudo fallocate -l {gb}G "
+              "/ssd/swapfile && sudo mkswap /ssd/swapfile && sudo swapon /ssd/swapfile)")
     if rec.runner_up:
         print(f"runner-up:   {rec.runner_up.precision} — {rec.runner_up_reason}")
     ram = machine_ram_bytes()
@@ -110,7 +116,9 @@ def _plan(args: argparse.Namespace) -> int:
           + (f": it builds on a {smallest} GB workstation" if smallest else "")
           + (f"; this machine has {ram / GB:.1f} GB" if ram else ""))
     print("decode tok/s≤ is the memory-bandwidth roofline (bandwidth ÷ bytes read per token at full context); "
-          "prefill uses dense peak FLOP/s. Real numbers are lower. Expected KL: mean per-token KL to fp32 "
+          "prefill uses dense peak FLOP/s. Real numbers are lower. build RAM: the on-device TensorRT build's peak (two copies "
+          "of the weights, as TensorRT's developer guide says a build holds, plus workspace and runtime; swap: what a Jetson "
+          "must add on its NVMe). Expected KL: mean per-token KL to fp32 "
           + ("measured in the bundle where it has the engine, else " if args.bundle else "")
           + "measured on SmolLM2-135M (? = not measured); --max-kl sets the bound, --json has the sources.")
     return 0
@@ -237,6 +245,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "blocks store fewer scales: `edge-export plan` says which fits; recipe key int4_block_size)")
     b.add_argument("--int4-head-bits", type=int, choices=(4, 8),
                    help="int4-weight: the LM head's bits (default 8; recipe key int4_lm_head_bits)")
+    b.add_argument("--gptq-domains", metavar="D,D,...",
+                   help="the text GPTQ rounds on, split evenly: of chat, news, literature, code, docs (default chat,news; "
+                        "literature needs Debian's r-cran-janeaustenr; recipe key gptq_domains; docs/quality.md)")
     b.add_argument("--int4-rounding", choices=("gptq", "minmax", "kquant"),
                    help="int4-weight: how 4-bit weights are rounded (default gptq: each weight knowing the calibration "
                         "inputs, ~1 min more on a 135M model; minmax: round to nearest; recipe key int4_rounding)")

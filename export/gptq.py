@@ -380,9 +380,33 @@ def _upper_inverse_cholesky(H, damp: float):
                      "diagonal (is it X^T X of real inputs?); use int4_rounding = 'minmax'")
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread for the rounding of one MatMul: its ops are a row, a block's range search or a K x K
+    factorisation, where thread hand-offs cost more than they give, and far more on a shared machine (a 576 x 1536
+    MatMul: 6.8 s on 2 threads, 0.52 s on 1, at load 10 on 2 cores; the Cholesky alone 1.4 s, the range search 1.7 s)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def gptq_block_quant(w: np.ndarray, h: np.ndarray, bits: int, block: int, damp: float = 0.003,
                      lazy: int = 128, act_order: bool = True, search: int = 20,
                      symmetric: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """w [K, N] fp32, h [K, K] -> (q [N, k_blocks, block] uint8, scales [N, k_blocks] fp32, zero points
+    [N, k_blocks] uint8): `_gptq_block_quant` on one torch thread (`_one_thread`)."""
+    with _one_thread():
+        return _gptq_block_quant(w, h, bits, block, damp, lazy, act_order, search, symmetric)
+
+
+def _gptq_block_quant(w: np.ndarray, h: np.ndarray, bits: int, block: int, damp: float = 0.003,
+                      lazy: int = 128, act_order: bool = True, search: int = 20,
+                      symmetric: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """w [K, N] fp32, h [K, K] -> (q [N, k_blocks, block] uint8, scales [N, k_blocks] fp32, zero points
     [N, k_blocks] uint8), the layout of export.int4.block_quant: w ≈ (q - zp) * scale per block.
 

@@ -16,7 +16,7 @@ from edge.errors import RecipeError
 from edge.io_contract import KV_BYTES, KV_INT8, DecoderIO
 from edge.precisions import BF16, FP8, FP16, FP32, INT4_QDQ, INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
 from edge.device.profiles import DeviceProfile
-from edge.backends.tensorrt.settings import TENSORRT_BUILD_RAM_FACTOR
+from edge.backends.tensorrt.settings import build_ram, swap_allowed
 
 GB = 1e9
 # bytes per weight. MatMulNBits (int8-dynamic, int4-weight) stores one fp32 scale per block and, at 4 bits,
@@ -107,13 +107,14 @@ class Plan:
     total_gb: float
     usable_gb: float
     fits_memory: bool
-    build_ram_gb: float | None  # TensorRT engine build peak host RAM, None if no build
+    build_ram_gb: float | None  # TensorRT engine build's peak memory (edge/backends/tensorrt/settings.py), None if no build
     host_ram_gb: float
-    fits_build: bool
+    fits_build: bool  # in the host's RAM, or on a Jetson with swap for the weights' copies (build_swap_gb)
     decode_tok_s: float  # roofline upper bound
     prefill_s: float
     answer_s: float  # prompt + answer_tokens
     int4_layout: Int4Layout | None = None  # int4-weight: the layout planned
+    build_swap_gb: float = 0.0  # swap the engine build needs on top of host_ram_gb (a Jetson's NVMe swap file)
 
     @property
     def fits(self) -> bool:
@@ -191,8 +192,11 @@ def _plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOpt
     total = weights + kv + activations + overhead
     usable = profile.usable_memory_gb * GB
     needs_build = bool(profile.tensorrt_versions) and precisions.get(precision).tensorrt and precision != FP32
-    build = weights * TENSORRT_BUILD_RAM_FACTOR if needs_build else None
+    # from the ONNX graph it is built from (its own precision's, the first of trt_sources)
+    build = build_ram(weights, profile, weight_bytes(dims, precisions.get(precision).trt_sources[0], layout)) \
+        if needs_build else None
     host = profile.host_ram_gb * GB
+    swap = build.swap_needed_gb(profile.host_ram_gb) if build is not None and swap_allowed(profile) else 0.0
     # Roofline: each decoded token reads every weight once plus the whole KV cache so far (worst case: full).
     bytes_per_token = weights + kv
     decode = profile.memory_bandwidth_gbs * GB / bytes_per_token
@@ -200,9 +204,9 @@ def _plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOpt
     return Plan(
         precision=precision, weights_gb=weights / GB, kv_cache_gb=kv / GB, activations_gb=activations / GB,
         overhead_gb=overhead / GB, total_gb=total / GB, usable_gb=usable / GB, fits_memory=total <= usable,
-        build_ram_gb=None if build is None else build / GB, host_ram_gb=host / GB,
-        fits_build=build is None or build <= host, decode_tok_s=decode, prefill_s=prefill,
-        answer_s=prefill + opts.answer_tokens / decode, int4_layout=layout,
+        build_ram_gb=None if build is None else build.total_gb, host_ram_gb=host / GB,
+        fits_build=build is None or build.fits(profile.host_ram_gb, swap), decode_tok_s=decode, prefill_s=prefill,
+        answer_s=prefill + opts.answer_tokens / decode, int4_layout=layout, build_swap_gb=swap,
     )
 
 
@@ -232,6 +236,12 @@ SMOLLM2_FINAL = (f"measured on SmolLM2-135M-Instruct, 32 held-out chats, KL to f
 SMOLLM2_TRT_EVAL = "docs/bench/quality-trt-formats-eval-2026-12-06.json"
 SMOLLM2_TRT = (f"measured on SmolLM2-135M-Instruct, 12 held-out chats, KL to fp32 on ONNX Runtime's CPU reference "
                f"kernels, not on a GPU ({SMOLLM2_TRT_EVAL}; docs/quality.md)")
+# int4-qdq at the int4 engine's size (`scripts/requantize_probe.py` on that export: --int4-block 64, the budget at the
+# int4-weight engine's 105.1 MB, 32 GPTQ texts, damping 0.03; 12 held-out chats as `edge-export eval --chats 12`; docs/
+# quality.md "INT4 off its calibration's domain"): checked against its JSON by tests/test_planner.py as above
+SMOLLM2_INT4_EVAL = "docs/bench/quality-int4-offdomain-engines-2026-12-06.json"
+SMOLLM2_INT4 = (f"measured on SmolLM2-135M-Instruct at the int4 engine's 105 MB, 12 held-out chats, KL to fp32 on ONNX "
+                f"Runtime's CPU reference kernels, not on a GPU ({SMOLLM2_INT4_EVAL}; docs/quality.md)")
 NO_GPU = "not measured: EdgeChat has not run TensorRT on a GPU yet"
 NO_MODEL = ("not measured on SmolLM2-135M yet (its graph is scored on ONNX Runtime's CPU reference kernels by the "
             "evaluate stage: a bundle's own figure replaces this)")
@@ -244,9 +254,10 @@ DEFAULT_KL: dict[str, tuple[float | None, str]] = {
     INT8_QDQ: (0.097, SMOLLM2 + "; SmoothQuant alpha 0.8"),
     # the budgeted layout (33 of 120 MatMuls at 8 bits, 105.2 MB); the default all-4-bit blocks of 32 measure more
     INT4_WEIGHT: (0.0532, SMOLLM2_FINAL + ", at --int4-block 64 --int4-budget-mb 105.4"),
-    INT4_QDQ: (None, NO_MODEL),  # its SmolLM2 build did not finish in the time it was measured (docs/quality.md)
+    # 104.9 MB, 101 of 210 MatMuls INT8 per channel within the int4-weight engine's 105.1 MB
+    INT4_QDQ: (0.0449, SMOLLM2_INT4),
 }
-DEFAULT_MAX_KL = 0.05  # on the defaults above: int8-dynamic is within it; int8-qdq, int4-weight (0.053), fp8-qdq (0.060) not
+DEFAULT_MAX_KL = 0.05  # on the defaults above: int8-dynamic and int4-qdq (0.045) are within it; int8-qdq, int4-weight (0.053), fp8-qdq (0.060) not
 GPU_FLOOR = (FP16, BF16)  # on a GPU the recommendation never goes below these for quality, nor to fp32 unasked
 TENSORRT_FROM_FP32 = tuple(p.name for p in precisions.TABLE if FP32 in p.trt_sources)  # built on the device from fp32
 
@@ -291,11 +302,14 @@ def bundle_quality(manifest) -> tuple[dict[str, Expected], set[str]]:
     return quality, have | (set(TENSORRT_FROM_FP32) if FP32 in have else set())
 
 
+KL_INT4_LAYOUT = Int4Layout(64, 8)  # the layout DEFAULT_KL's int4-weight figure was measured in (--int4-block 64)
+
+
 def _layout_note(p: Plan) -> str:
-    """Expected KL figures are measured on the default int4 layout: say so when the plan takes another."""
-    if p.int4_layout is None or p.int4_layout == Int4Layout():
+    """The expected int4 KL figure is measured in one layout: say so when the plan takes another."""
+    if p.int4_layout is None or p.int4_layout == KL_INT4_LAYOUT:
         return ""
-    return f" (its expected KL was measured in {Int4Layout().describe()}, not in {p.int4_layout.describe()})"
+    return f" (its expected KL was measured in {KL_INT4_LAYOUT.describe()}, not in {p.int4_layout.describe()})"
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,12 @@ class QuantizeOptions:
     # ...of which this share are calibration chats, the rest training prose. 0.25 traded chats for prose on the
     # 12-chat / 2048-token eval set (0.0631 / 0.0557 against 0.0559 / 0.0602) and lost on both on the next texts
     gptq_chat_share: float = 0.5
+    # the domains GPTQ's texts come from (export/calibration_texts.py: chat, news, literature, code, docs); chat takes
+    # gptq_chat_share of them, the others split the rest evenly
+    gptq_domains: tuple[str, ...] = ("chat", "news")
+    # GPTQ's damping (of the mean diagonal of X^T X) for the 4-bit weights of both int4 engines (int4-weight and
+    # int4-qdq): more damping trusts the calibration text less (docs/quality.md, "INT4 off its calibration's domain")
+    int4_gptq_damp: float = 0.003
     # int8-dynamic (MatMulNBits kernel): "gptq" (symmetric GPTQ, every 8-bit MatMul and the head; SmolLM2-135M,
     # held-out KL to fp32 chats 0.0044 / prose 0.0036 against min-max's 0.0063 / 0.0047, docs/quality.md) or
     # "minmax" (ONNX Runtime's round to nearest)
@@ -125,6 +131,11 @@ class QuantizeOptions:
                               f"got {self.int4_lm_head_block!r}")
         if not 0 <= self.gptq_chat_share <= 1:
             raise RecipeError(f"gptq_chat_share must be in [0, 1], got {self.gptq_chat_share}")
+        from export.calibration_texts import check_domains
+
+        check_domains(tuple(self.gptq_domains))
+        if not 0 < self.int4_gptq_damp <= 1:
+            raise RecipeError(f"int4_gptq_damp must be in (0, 1] (a share of X^T X's mean diagonal), got {self.int4_gptq_damp}")
         if self.gptq_samples < 1 or self.gptq_tokens < 8:
             raise RecipeError(f"gptq_samples must be >= 1 and gptq_tokens >= 8, got {self.gptq_samples} and {self.gptq_tokens}")
         if self.int4_budget_mb is not None and self.int4_budget_mb <= 0 or self.int4_extra_ratio < 0:
@@ -205,8 +216,37 @@ def sensitivity_feeds(hf_dir: Path, opts: QuantizeOptions, dims, skip: int = 0, 
 
 
 def gptq_chats(opts: QuantizeOptions) -> int:
-    """How many of GPTQ's calibration texts are chats (the rest is training prose)."""
-    return max(1, round(opts.gptq_samples * opts.gptq_chat_share))
+    """How many of GPTQ's calibration texts are chats (with ("chat", "news"), the rest is training prose)."""
+    from export.calibration_texts import shares
+
+    return max(shares(tuple(opts.gptq_domains), opts.gptq_samples, opts.gptq_chat_share).get("chat", 0), 1)
+
+
+def gptq_feeds(hf_dir: Path, opts: QuantizeOptions, dims) -> list[dict]:
+    """GPTQ's calibration texts as plain-graph prefill inputs: `gptq_samples` texts of `gptq_tokens` from
+    `gptq_domains` (export/calibration_texts.py). ("chat", "news") gives the texts it always gave: the first
+    calibration chats and the first training-prose documents."""
+    from export.calibration_texts import domain_texts, shares
+    from export.load import chat_tokenizer
+
+    counts = shares(tuple(opts.gptq_domains), opts.gptq_samples, opts.gptq_chat_share)
+    base = QuantizeOptions(mode=opts.mode, calibration=opts.calibration, samples=max(counts.get("chat", 0), 1),
+                           max_calibration_tokens=opts.gptq_tokens)
+    chats = calibration_feeds(hf_dir, base, dims.num_layers, dims.num_kv_heads, dims.head_dim)
+    feeds = chats[: counts.get("chat", 0)]
+    tok = chat_tokenizer(hf_dir)
+    for domain, n in counts.items():
+        if domain == "chat" or not n:
+            continue
+        texts = domain_texts(domain, "train")
+        if len(texts) < n:
+            raise RecipeError(f"GPTQ: the {domain} domain has {len(texts)} training documents, {n} asked for: lower "
+                              "gptq_samples or add domains")
+        for text in texts[:n]:
+            ids = tok.encode(text)[: opts.gptq_tokens]
+            feeds.append(chats[0] | {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64),
+                                     "position_ids": np.arange(len(ids), dtype=np.int64)[None]})
+    return feeds
 
 
 def promoted_block(k: int, opts: QuantizeOptions) -> int:
@@ -239,10 +279,7 @@ def _gptq_statistics(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOpti
     from export.gptq_statistics import gptq_statistics
 
     plain, fused = _plain_graph(fp32_dir)
-    feeds = sensitivity_feeds(hf_dir, QuantizeOptions(mode=opts.mode, calibration=opts.calibration,
-                                                      sensitivity_samples=opts.gptq_samples,
-                                                      sensitivity_tokens=opts.gptq_tokens), dims, chats=gptq_chats(opts))
-    return gptq_statistics(plain, fused, hf_dir, dst, feeds, shared)
+    return gptq_statistics(plain, fused, hf_dir, dst, gptq_feeds(hf_dir, opts, dims), shared)
 
 
 def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, dims,
@@ -280,6 +317,8 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
     # GPTQ's own code is part of the key: the cache lives in OUT.work/'s root and outlives the stage
     code = hashlib.sha256(Path(__file__).with_name("gptq.py").read_bytes()).hexdigest()[:16] if gptq else None
     rounding = [opts.int4_rounding] + ([opts.gptq_samples, opts.gptq_tokens, opts.gptq_chat_share, opts.calibration, code]
+                                       + ([list(opts.gptq_domains)] if tuple(opts.gptq_domains) != ("chat", "news") else [])
+                                       + ([opts.int4_gptq_damp] if opts.int4_gptq_damp != 0.003 else [])
                                        if gptq else [])
     key = hashlib.sha256(json.dumps([str(plain.resolve()), plain.stat().st_mtime_ns, graph_bytes(plain), rounding, opts.int4_block_size,
                                      sorted(cost), [f["input_ids"].tolist() for f in feeds]]).encode()).hexdigest()[:16]
@@ -293,7 +332,8 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
                 from export.gptq import gptq_block_quant
 
                 def quant(node: str, w: np.ndarray) -> np.ndarray:
-                    return dequantize(*gptq_block_quant(w, hessian(node), 4, opts.int4_block_size), k=w.shape[0])
+                    return dequantize(*gptq_block_quant(w, hessian(node), 4, opts.int4_block_size, damp=opts.int4_gptq_damp),
+                                      k=w.shape[0])
             else:
                 def quant(node: str, w: np.ndarray) -> np.ndarray:
                     return fake_quant(w, 4, opts.int4_block_size, opts.int4_rounding)
@@ -364,7 +404,7 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
             metrics |= _int4_mixed(gw, fp32_dir, hf_dir, dst, opts, dims, special, hessian)
             special |= {name: (8, promoted_block(gw.shape(_weight_of(gw, name))[0], opts)) for name in metrics["int4_8bit_matmuls"]}
         _nbits(gw, bits=4, symmetric=opts.int4_symmetric, special=special, rounding=opts.int4_rounding,
-               block_size=opts.int4_block_size, hessian=hessian)
+               block_size=opts.int4_block_size, hessian=hessian, gptq_damp4=opts.int4_gptq_damp)
         metrics["lm_head_bits"] = opts.int4_lm_head_bits if head else None
         metrics["int4_rounding"] = opts.int4_rounding
         metrics["int4_block_size"] = opts.int4_block_size
@@ -398,7 +438,8 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
         g = GraphWeights(fp32_dir / "model.onnx")
         untie_lm_head(g)
         _nbits(g, bits=4, symmetric=opts.int4_symmetric, rounding=opts.int4_rounding, block_size=opts.int4_block_size,
-               special={n: b for n, b in special.items() if n not in promoted or n in chosen}, hessian=hessian)
+               special={n: b for n, b in special.items() if n not in promoted or n in chosen}, hessian=hessian,
+               gptq_damp4=opts.int4_gptq_damp)
         quantize_embedding(g)
         g.save(out)
         metrics["int4_8bit_matmuls"] = list(chosen)

@@ -85,12 +85,12 @@ def _int8_channel(w: np.ndarray, h: np.ndarray | None) -> tuple[np.ndarray, np.n
     return np.clip(np.round(w / s), -127, 127).astype(np.int8), s.astype(np.float32)
 
 
-def _int4_blocks(w: np.ndarray, h: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+def _int4_blocks(w: np.ndarray, h: np.ndarray, block: int, damp: float) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric GPTQ INT4 blocks along K: (levels [K, N] in -8..7, scales [K / block, N] fp32)."""
     from export.gptq import gptq_block_quant
 
     k, _ = w.shape
-    q, s, _ = gptq_block_quant(w, h, 4, block, symmetric=True)  # q [N, K / block, block], zero point 8
+    q, s, _ = gptq_block_quant(w, h, 4, block, damp=damp, symmetric=True)  # q [N, K / block, block], zero point 8
     return np.ascontiguousarray((q.reshape(q.shape[0], k).astype(np.int8) - 8).T), np.ascontiguousarray(s.T)
 
 
@@ -136,7 +136,7 @@ def _finish(gw: GraphWeights, dst: Path) -> None:
 
 
 def write_int4_qdq(fp32_dir: Path, dst: Path, block: int, hessian, promoted: set[str],
-                   levels: dict | None = None) -> dict:
+                   levels: dict | None = None, damp: float = 0.003) -> dict:
     """The int4-qdq graph: every weight MatMul INT4 in blocks (GPTQ), the head and `promoted` INT8 per channel.
     `levels` (MatMul name -> its GPTQ result) is filled and read, so a second graph of the same weights (the
     budget's) rounds only what changed: GPTQ is most of the build's time (minutes per pass over 210 MatMuls)."""
@@ -159,7 +159,7 @@ def write_int4_qdq(fp32_dir: Path, dst: Path, block: int, hessian, promoted: set
             eight.append(node.name)
         else:
             if (node.name, 4) not in levels:
-                levels[node.name, 4] = _int4_blocks(w, hessian(node.name), b)
+                levels[node.name, 4] = _int4_blocks(w, hessian(node.name), b, damp)
             q4, s4 = levels[node.name, 4]
             _dequantize_weight(gw, node, q4.astype(_int4()), _fp16_scale(s4), axis=0, block=b)
             blocks[node.name] = b
@@ -177,7 +177,7 @@ def int4_qdq(fp32_dir: Path, dst: Path, opts, hessian, sensitivity_feeds: Callab
     from export.int4 import dequantize
 
     levels: dict = {}
-    metrics = write_int4_qdq(fp32_dir, dst, opts.int4_block_size, hessian, set(), levels)
+    metrics = write_int4_qdq(fp32_dir, dst, opts.int4_block_size, hessian, set(), levels, opts.int4_gptq_damp)
     base = graph_bytes(dst / "model.onnx")
     metrics |= {"int4_block_size": opts.int4_block_size, "int4_rounding": "gptq (symmetric)", "int4_all4_bytes": base}
     if opts.int4_budget_mb is None and opts.int4_extra_ratio <= 0:
@@ -197,7 +197,8 @@ def int4_qdq(fp32_dir: Path, dst: Path, opts, hessian, sensitivity_feeds: Callab
     try:
         def quant(node: str, w: np.ndarray) -> np.ndarray:
             b = block_for(w.shape[0], opts.int4_block_size)
-            return dequantize(*gptq_block_quant(w, hessian(node), 4, b, symmetric=True), k=w.shape[0])
+            return dequantize(*gptq_block_quant(w, hessian(node), 4, b, damp=opts.int4_gptq_damp, symmetric=True),
+                              k=w.shape[0])
 
         sens = sensitivity.measure(probe, quant, False, skip=lambda t: t not in cost)
     finally:
@@ -206,7 +207,7 @@ def int4_qdq(fp32_dir: Path, dst: Path, opts, hessian, sensitivity_feeds: Callab
             (dst / f).unlink(missing_ok=True)
     chosen = sensitivity.allocate(sens, cost, budget - base)
     while True:
-        metrics |= write_int4_qdq(fp32_dir, dst, opts.int4_block_size, hessian, set(chosen), levels)
+        metrics |= write_int4_qdq(fp32_dir, dst, opts.int4_block_size, hessian, set(chosen), levels, opts.int4_gptq_damp)
         if graph_bytes(dst / "model.onnx") <= budget or not chosen:
             break
         chosen.pop()  # the graph's own records grew past the plan: the least KL per byte goes back to 4 bits

@@ -31,6 +31,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("probes"))
     ap.add_argument("--chats", type=int, default=12)
     ap.add_argument("--prose-tokens", type=int, default=2048)
+    ap.add_argument("--data", action="append", default=[], metavar="FILE.txt",
+                    help="also score on this text (documents split at blank lines, --prose-tokens of it), as "
+                         "`edge-export eval --data FILE` does; repeatable (e.g. a domain no calibration text is from)")
+    ap.add_argument("--no-default-sets", action="store_true", help="score only on the --data files")
+    ap.add_argument("--score-only", action="store_true", help="score the graph an earlier run of this probe wrote")
     a = ap.parse_args()
 
     from edge.bundle import Bundle
@@ -52,19 +57,39 @@ def main() -> None:
     fused = work / "export" / "fused"
     dst = a.out / a.name
     dst.mkdir(parents=True, exist_ok=True)
+    from edge import precisions
+
+    # the graph the build quantizes for this mode: the fused one (int8-dynamic, int4-weight) where the export wrote
+    # one, else the plain fp32 graph (the Q/DQ formats)
+    variant = "fused" if fused.is_dir() and precisions.get(opts.mode).variant == "fused" else "plain"
     t = time.time()
-    metrics = run(fused if fused.is_dir() else work / "export", work / "load", dst, opts)
-    print(f"{a.name}: quantized in {time.time() - t:.0f} s, {metrics['size_bytes'] / 1e6:.2f} MB, "
+    if a.score_only:
+        from export.onnx_weights import graph_bytes
+
+        metrics = {"size_bytes": graph_bytes(dst / "model.onnx")} | json.loads((a.out / f"{a.name}.json").read_text()
+                                                                               if (a.out / f"{a.name}.json").is_file() else "{}")
+    else:
+        metrics = run(fused if variant == "fused" else work / "export", work / "load", dst, opts)
+    seconds = time.time() - t
+    print(f"{a.name}: {'scored the graph' if a.score_only else f'quantized in {seconds:.0f} s'}, {metrics['size_bytes'] / 1e6:.2f} MB, "
           f"{len(metrics.get('int4_8bit_matmuls', []))} MatMuls promoted to 8 bits", flush=True)
     tok = ChatTokenizer(b.path(m.tokenizer.file), m.tokenizer)
-    sets = eval_sets(tok, EvalRequest(bundle=b.root, chats=a.chats, prose_tokens=a.prose_tokens), m.model.max_context)
+    sets = {} if a.no_default_sets else eval_sets(tok, EvalRequest(bundle=b.root, chats=a.chats, prose_tokens=a.prose_tokens),
+                                                  m.model.max_context)
+    for f in a.data:
+        sets |= eval_sets(tok, EvalRequest(bundle=b.root, data=f, prose_tokens=a.prose_tokens), m.model.max_context)
     fp32 = m.engine("fp32")
-    # the probe's graph has the I/O of the bundle's engine of that mode, else of its other quantized (fused) engines
-    io_engine = next((e for e in m.engines if e.name == a.options.get("mode")),
-                     next((e for e in m.engines if e.name != fp32.name), fp32))
+    # the probe's graph has the I/O of the bundle's engine of that mode, else the I/O of the graph it was quantized
+    # from (the fused graph's where the work folder has one and the mode quantizes it: int8-dynamic, int4-weight)
+    from edge.io_contract import io_for_variant
+
+    same = next((e for e in m.engines if e.name == a.options.get("mode")), None)
+    io = m.engine_io(same) if same else io_for_variant(variant).to_dict()
     ref = _onnx_logits(b.path(fp32.file), m.model, m.engine_io(fp32), None)
-    probe = _onnx_logits(dst / "model.onnx", m.model, m.engine_io(io_engine), None)
-    out = {"name": a.name, "options": a.options, "size_mb": metrics["size_bytes"] / 1e6}
+    # the precision sets its session options: a Q/DQ graph runs as written (edge/precisions.py), as `eval` runs it
+    probe = _onnx_logits(dst / "model.onnx", m.model, io, None, precision=a.options["mode"])
+    out = {"name": a.name, "options": a.options, "size_mb": metrics["size_bytes"] / 1e6,
+           "int4_8bit_matmuls": metrics.get("int4_8bit_matmuls", []), "quantize_seconds": round(seconds)}
     for kind, seqs in sets.items():
         s = summarize([token_metrics(probe(ids), ref(ids), np.array(ids[1:])) for ids in seqs])
         out[kind] = s

@@ -53,7 +53,8 @@ def test_smollm2_on_orin_nano_fp16_by_hand():
     assert p.kv_cache_gb * GB == pytest.approx(kv)
     assert p.decode_tok_s == pytest.approx(68e9 / (weights + kv))
     assert p.overhead_gb == pytest.approx(0.9)
-    assert p.build_ram_gb == pytest.approx(3.5 * weights / GB)
+    # on the device: two copies of the weights, the CUDA context and runtime, the builder's workspace (1459 MiB)
+    assert p.build_ram_gb == pytest.approx((2 * weights + 0.9e9 + 1459 * 2**20) / GB) and p.build_swap_gb == 0
     assert p.fits
 
 
@@ -80,10 +81,13 @@ def test_7b_int8_4k_fits_t4_not_orin_nano():
     assert not nano.fits_memory and nano.total_gb > 6.6
     # Llama-2-7B's KV cache (32 KV heads) is 1 GB per 2048 tokens in fp16: at 4096 nothing fits the Nano's
     # 6.6 GB, so the plan offers the longest context that does, at int4
-    rec = recommend(d, load_profile("orin-nano-8gb"), o)
+    rec = recommend(d, load_profile("orin-nano-8gb"), o)  # int4-qdq: the smallest, and within the KL bound
+    assert rec.plan.precision == "int4-qdq" and rec.context == 2048 and "(not 4096)" in rec.reason
+    rec = recommend(d, load_profile("orin-nano-8gb"), o, precisions=["fp16", "int8-dynamic", "int4-weight"])
     assert rec.plan.precision == "int4-weight" and rec.context == 2048 and "(not 4096)" in rec.reason
     # with the desktop running (5.2 GB) not even that: the plan says so and what to do
-    rec = recommend(d, load_profile("orin-nano-8gb@desktop"), PlanOptions(context=4096, answer_tokens=100))
+    rec = recommend(d, load_profile("orin-nano-8gb@desktop"), PlanOptions(context=4096, answer_tokens=100),
+                    precisions=["fp16", "int8-dynamic", "int4-weight"])
     assert rec.plan.precision == "int4-weight" and rec.context < 2048
     rec = recommend(KNOWN_SIZES["13b"], load_profile("orin-nano-8gb"), o)
     assert rec.plan is None and re.search("even int4-(weight|qdq) needs", rec.reason) and "--prune" in rec.reason
@@ -104,14 +108,34 @@ def test_llama3_8b_fits_orin_nano_at_int4_with_2048_tokens():
     assert p.fits and p.int4_layout == Int4Layout(64, 8) and p.total_gb <= 6.6
     assert not plan(d, nano, "int4-weight", PlanOptions(context=2048, int4_layout=Int4Layout(32, 8))).fits  # the default layout does not
     assert plan(d, nano, "int4-weight", PlanOptions(context=8192)).int4_layout == Int4Layout(128, 4)  # none fits: the smallest
-    rec = recommend(d, nano, PlanOptions(context=2048))
+    rec = recommend(d, nano, PlanOptions(context=2048), precisions=["fp16", "int8-dynamic", "int4-weight"])
     assert rec.plan.precision == "int4-weight" and rec.context == 2048
     assert not plan(d, load_profile("orin-nano-8gb@desktop"), "int4-weight", PlanOptions(context=2048)).fits
+    # with every format: TensorRT's int4-qdq (W4A16), its expected KL from a measured build (issue 39)
+    rec = recommend(d, nano, PlanOptions(context=2048))
+    assert rec.plan.precision == "int4-qdq" and rec.context == 2048 and "KL 0.045" in rec.reason
     out = subprocess.run([sys.executable, "-m", "export.cli", "plan", "--model", "llama-3-8b", "--target", "orin-nano-8gb"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "recommended: int4-weight at context 2048" in out.stdout
+    assert "recommended: int4-qdq at context 2048" in out.stdout and "at least 6 GB of swap on the NVMe" in out.stdout
     assert "edge-export build --precision int4-weight --int4-block 64" in out.stdout
+
+
+def test_llama3_8b_int4_qdq_fits_orin_nano_and_its_build_needs_swap_not_a_bigger_board():
+    """int4-qdq (6.17 of 6.6 GB at 2k) used to read 'fits NO' from a 3.5x-weights build RAM nobody had sourced.
+    TensorRT's guide: a build holds two copies of the weights (pageable), plus the workspace and the CUDA runtime
+    (resident on a Jetson's one memory). On the Orin Nano the copies go to an NVMe swap file; a T4's host must
+    hold them in RAM."""
+    d, nano = KNOWN_SIZES["llama-3-8b"], load_profile("orin-nano-8gb")
+    p = plan(d, nano, "int4-qdq", PlanOptions(context=2048))
+    resident = 0.9e9 + 1459 * 2**20
+    assert p.fits_memory and p.total_gb <= 6.6
+    assert p.build_ram_gb == pytest.approx((2 * p.weights_gb * GB + resident) / GB)
+    assert p.fits_build and p.fits and p.build_swap_gb == pytest.approx(p.build_ram_gb - 6.6)
+    assert 4.5 < p.build_swap_gb < 6.0
+    assert not plan(d, load_profile("orin-nano-8gb@desktop"), "int4-qdq", PlanOptions(context=2048)).fits
+    t4 = plan(KNOWN_SIZES["smollm2-135m"], load_profile("t4"), "fp16")
+    assert t4.build_swap_gb == 0 and t4.fits_build
 
 
 def test_recommend_fastest_within_the_kl_bound():
@@ -161,9 +185,10 @@ def test_default_kl_figures_are_the_measured_builds():
     import json
     from pathlib import Path
 
-    from export.planner import DEFAULT_KL, SMOLLM2_EVAL, SMOLLM2_TRT_EVAL
+    from export.planner import DEFAULT_KL, SMOLLM2_EVAL, SMOLLM2_INT4_EVAL, SMOLLM2_TRT_EVAL
 
-    for path, names in ((SMOLLM2_EVAL, ("int8-dynamic", "int4-weight")), (SMOLLM2_TRT_EVAL, ("fp8-qdq",))):
+    for path, names in ((SMOLLM2_EVAL, ("int8-dynamic", "int4-weight")), (SMOLLM2_TRT_EVAL, ("fp8-qdq",)),
+                        (SMOLLM2_INT4_EVAL, ("int4-qdq",))):
         measured = json.loads((Path(__file__).parents[1] / path).read_text())["engines"]
         for p in names:
             kl, source = DEFAULT_KL[p]
@@ -316,13 +341,15 @@ def test_int4_layout_edges_found_in_review():
     none_fit = plan(d, tiny_dev, "int4-weight")
     assert not none_fit.fits and none_fit.total_gb == min(plan(d, tiny_dev, "int4-weight", PlanOptions(int4_layout=lay)).total_gb
                                                           for lay in INT4_LAYOUTS)
-    rec = recommend(KNOWN_SIZES["llama-3-8b"], load_profile("orin-nano-8gb"), PlanOptions(int4_layout=Int4Layout(16, 8)))
+    rec = recommend(KNOWN_SIZES["llama-3-8b"], load_profile("orin-nano-8gb"), PlanOptions(int4_layout=Int4Layout(16, 8)),
+                    precisions=["fp16", "int8-dynamic", "int4-weight"])  # int4-qdq fits (its build with swap)
     assert rec.plan is None and "without the pin int4-weight fits at context 2048" in rec.reason and "--int4-block 64" in rec.reason
 
 
 def test_int4_flags_need_the_int4_engine_and_json_carries_the_layout():
     env_run = lambda *a: subprocess.run([sys.executable, "-m", "export.cli", *a], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    r = env_run("plan", "--model", "llama-3-8b", "--target", "orin-nano-8gb", "--json")
+    r = env_run("plan", "--model", "llama-3-8b", "--target", "orin-nano-8gb", "--json", "--precision", "fp16",
+                "--precision", "int4-weight")
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout)["recommendation"]
     assert rec["int4_layout"] == {"block": 64, "head_bits": 8} and rec["build_flags"] == "--int4-block 64"

@@ -95,19 +95,38 @@ def test_flags_by_tensorrt_version():
     assert vc.flags == ("VERSION_COMPATIBLE",) and vc.version_compatible
 
 
+def test_build_ram_is_what_tensorrts_guide_says_a_build_holds():
+    """Two copies of the weights (the parsed network's and the engine's: TensorRT's "How TensorRT Works" > Memory >
+    The Build Phase), the CUDA context and libraries, and on a Jetson's unified memory the builder's workspace too;
+    the copies are pageable, so a Jetson's swap counts for them, never for the resident part."""
+    from edge.backends.tensorrt.settings import build_ram, workspace_bytes
+
+    nano, t4 = load_profile("orin-nano-8gb"), load_profile("t4")
+    ws = workspace_bytes(nano)
+    assert ws == 1459 * 2**20  # a quarter of 6.6 - 0.9 GB
+    need = build_ram(500_000_000, nano)
+    assert need.pageable == 1e9 and need.resident == pytest.approx(0.9e9 + ws)
+    assert build_ram(500_000_000, t4).resident == pytest.approx(t4.facts["runtime_overhead_gb"] * 1e9)  # own VRAM
+    assert build_ram(500_000_000, nano, source_bytes=2e9).pageable == 2.5e9  # fp16 engine from the fp32 graph
+    assert check_build_ram(500_000_000, 5.0, nano, 4096) == pytest.approx(need.total_gb)
+    big = build_ram(4_759_000_000, nano)  # Llama-3-8B int4-qdq: 9.5 GB of copies, 2.4 GB resident
+    assert not big.fits(6.6) and big.fits(6.6, swap_gb=6.0) and not big.fits(2.0, swap_gb=50.0)
+    assert big.swap_needed_gb(6.6) == pytest.approx(big.total_gb - 6.6)
+
+
 def test_build_ram_refusal_names_the_fix():
     nano, t4 = load_profile("orin-nano-8gb"), load_profile("t4")
-    assert check_build_ram(500_000_000, 5.0, nano, 4096) == pytest.approx(1.75)
-    with pytest.raises(InsufficientMemoryError, match=r"about 8.8 GB .* 6.6 GB is available: add swap"):
+    with pytest.raises(InsufficientMemoryError, match=r"about 7.4 GB .* 6.6 GB of RAM is available: add 1 GB or more of swap"):
         check_build_ram(2_500_000_000, None, nano, 4096)  # None: the profile's host RAM
+    assert check_build_ram(2_500_000_000, None, nano, 4096, swap_gb=2.0) == pytest.approx(7.4, abs=0.05)  # with swap
     with pytest.raises(InsufficientMemoryError, match="build on a machine with more RAM.*lower --max-context"):
-        check_build_ram(16_000_000_000, 32.0, t4, 4096)
+        check_build_ram(16_000_000_000, 32.0, t4, 4096, swap_gb=64.0)  # a workstation GPU's swap does not count
 
 
 def test_plan_refuses_a_build_that_would_run_out_of_ram(tiny_bundle):
     from edge.backends.tensorrt.builder import plan_build
 
-    with pytest.raises(InsufficientMemoryError, match="add swap"):
+    with pytest.raises(InsufficientMemoryError, match=r"add 3 GB or more of swap .* CUDA runtime must fit in RAM"):
         plan_build(tiny_bundle, "orin-nano-8gb", "fp16", available_gb=0.0001)
     plan = plan_build(tiny_bundle, "orin-nano-8gb", "int8-qdq", available_gb=4.0)
     assert plan.source.name == "int8-qdq" and plan.engine_name == "trt-int8-qdq-sm87"

@@ -9,6 +9,7 @@ import pytest
 from onnx import numpy_helper
 
 from conftest import make_tiny_model
+from edge.errors import RecipeError
 
 
 @pytest.fixture(scope="module")
@@ -318,3 +319,21 @@ def test_int4_qdq_budget_promotes_matmuls_to_int8_within_it(formats, tmp_path, m
     # 15 for the all-4-bit graph (14 + the head), one per MatMul the sensitivity measures, and only the promoted
     # ones again for the budget's graph (without the reuse: all 15 again)
     assert len(promoted) < 14 and len(calls) < 2 * 15 + len(m["int4_sensitivity"]), (len(calls), len(promoted))
+
+
+@pytest.mark.parametrize("mode", ["int4-weight", "int4-qdq"])
+def test_both_int4_engines_round_4_bit_weights_with_the_chosen_gptq_damping(formats, tmp_path, monkeypatch, mode):
+    """int4_gptq_damp reaches every 4-bit GPTQ call of both int4 engines (the budget's sensitivity too); the
+    8-bit ones keep GPTQ's default."""
+    from export import gptq, quantize
+
+    seen: list[tuple[int, float | None]] = []
+    real = gptq.gptq_block_quant
+    monkeypatch.setattr(gptq, "gptq_block_quant",
+                        lambda w, h, bits, *a, **k: seen.append((bits, k.get("damp"))) or real(w, h, bits, *a, **k))
+    quantize.run(formats["fp32"], formats["hf"], tmp_path, quantize.QuantizeOptions(
+        mode=mode, samples=8, gptq_samples=8, int4_gptq_damp=0.05, int4_extra_ratio=0.1))
+    assert {d for b, d in seen if b == 4} == {0.05} and {d for b, d in seen if b == 8} == {None}
+    assert sum(b == 4 for b, _ in seen) >= 14  # the 14 body MatMuls at least once
+    with pytest.raises(RecipeError, match="int4_gptq_damp must be in"):
+        quantize.QuantizeOptions(mode=mode, int4_gptq_damp=0)

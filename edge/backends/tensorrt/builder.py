@@ -25,7 +25,8 @@ from edge.io_contract import DecoderIO
 from edge.device.machine import Machine
 from edge.precisions import FP16
 from edge.device.profiles import DeviceProfile, load_profile
-from edge.backends.tensorrt.settings import BuilderSettings, builder_settings, check_build_ram, mem_available_gb
+from edge.backends.tensorrt.settings import (BuilderSettings, builder_settings, check_build_ram, mem_available_gb,
+                                             swap_free_gb)
 
 if TYPE_CHECKING:  # mypy checks the TensorRT calls against tensorrt-stubs (scripts/typecheck.sh)
     import tensorrt as trt
@@ -93,7 +94,8 @@ def plan_build(bundle: Bundle, profile: DeviceProfile | str, precision: str = FP
                                 max_batch=max_batch, max_context=max_context, optimization_level=optimization_level,
                                 version_compatible=version_compatible)
     have = available_gb if available_gb is not None else mem_available_gb()
-    need = check_build_ram(_weight_bytes(bundle, source), have, prof, settings.max_context)
+    need = check_build_ram(_weight_bytes(bundle, source), have, prof, settings.max_context,
+                           swap_gb=swap_free_gb() if available_gb is None else 0.0)
     return BuildPlan(bundle, prof, source, settings, trt, need, have)
 
 

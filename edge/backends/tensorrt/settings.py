@@ -21,7 +21,18 @@ from edge.io_contract import DecoderIO
 from edge.precisions import BF16, FP16, FP32
 from edge.device.profiles import DeviceProfile
 
-TENSORRT_BUILD_RAM_FACTOR = 3.5  # TensorRT's builder peaks at ~3-4x the weights in host RAM
+# What an engine build holds in memory, from NVIDIA's account of it (TensorRT Developer Guide, "How TensorRT Works" >
+# "Memory" > "The Build Phase", docs.nvidia.com/deeplearning/tensorrt/latest/architecture/how-trt-works.html):
+# "there will typically be at least two copies of the weights in host memory: those from the original network and
+# those included as part of the engine as it is built", more only where TensorRT combines weights (a convolution
+# with its batch norm: these decoder graphs have none). The original network's copy is the ONNX graph the parser
+# read, the engine's is the engine's weights: both ordinary pageable host memory, which swap can hold. The builder
+# also allocates device memory to time kernels (its workspace pool, `workspace_bytes`) and loads the CUDA context and
+# TensorRT's libraries (the profile's runtime_overhead_gb); on a Jetson CPU and GPU share one memory, so both come
+# out of the same RAM and stay resident. TensorRT engines for a Jetson are built on the Jetson (engines are not
+# portable across platforms or GPU models: TensorRT support matrix, "Engine Portability"; the profile's
+# build_on_device), so these are the device's numbers, not the workstation's.
+TENSORRT_BUILD_WEIGHT_COPIES = 2
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -189,8 +200,39 @@ def builder_settings(profile: DeviceProfile, dims: ModelDims, io: DecoderIO, pre
         gpu_sm=sm)
 
 
-def build_ram_gb(weight_bytes: int) -> float:
-    return weight_bytes * TENSORRT_BUILD_RAM_FACTOR / 1e9
+@dataclass(frozen=True)
+class BuildRam:
+    """An engine build's peak memory (bytes): the weights' copies (pageable: swap can hold them) and what must stay
+    resident (the CUDA context and libraries; on unified memory also the builder's workspace)."""
+
+    pageable: float
+    resident: float
+
+    @property
+    def total_gb(self) -> float:
+        return (self.pageable + self.resident) / 1e9
+
+    def fits(self, ram_gb: float, swap_gb: float = 0.0) -> bool:
+        return self.resident / 1e9 <= ram_gb and self.total_gb <= ram_gb + swap_gb
+
+    def swap_needed_gb(self, ram_gb: float) -> float:
+        """Swap that lets it build in `ram_gb` (0 when it fits in RAM alone)."""
+        return max(0.0, self.total_gb - ram_gb)
+
+
+def build_ram(weight_bytes: float, profile: DeviceProfile, source_bytes: float | None = None) -> BuildRam:
+    """The build's memory for an engine of `weight_bytes` from an ONNX graph of `source_bytes` (default the same)."""
+    source = weight_bytes if source_bytes is None else source_bytes
+    resident = profile.facts.get("runtime_overhead_gb", 0.0) * 1e9
+    if profile.facts.get("unified_memory"):
+        resident += workspace_bytes(profile)
+    return BuildRam(pageable=source + (TENSORRT_BUILD_WEIGHT_COPIES - 1) * weight_bytes, resident=resident)
+
+
+def swap_allowed(profile: DeviceProfile) -> bool:
+    """Whether the build may lean on swap: a Jetson's weights copies can go to a swap file on its NVMe (and the
+    build is only possible there); a workstation GPU's host is expected to have the RAM."""
+    return profile.facts.get("kind") == "jetson"
 
 
 def mem_available_gb(meminfo: str | os.PathLike = "/proc/meminfo") -> float | None:
@@ -203,16 +245,35 @@ def mem_available_gb(meminfo: str | os.PathLike = "/proc/meminfo") -> float | No
     return None
 
 
-def check_build_ram(weight_bytes: int, available_gb: float | None, profile: DeviceProfile, context: int) -> float:
-    """Refuse a build that would run out of host RAM; returns the estimate (GB)."""
-    need = build_ram_gb(weight_bytes)
+def swap_free_gb(meminfo: str | os.PathLike = "/proc/meminfo") -> float:
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("SwapFree:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        return 0.0
+    return 0.0
+
+
+def check_build_ram(weight_bytes: int, available_gb: float | None, profile: DeviceProfile, context: int,
+                    swap_gb: float = 0.0) -> float:
+    """Refuse a build that would run out of memory (RAM, plus free swap on a Jetson); returns the estimate (GB)."""
+    need = build_ram(weight_bytes, profile)
     have = available_gb if available_gb is not None else profile.host_ram_gb
-    if need > have:
-        hint = ("add swap on the NVMe (sudo fallocate -l 16G /ssd/swapfile && sudo mkswap /ssd/swapfile && "
-                "sudo swapon /ssd/swapfile), stop the desktop (sudo systemctl isolate multi-user.target)"
-                if profile.facts.get("kind") == "jetson" else "build on a machine with more RAM")
+    swap = swap_gb if swap_allowed(profile) else 0.0
+    if not need.fits(have, swap):
+        hint = "build on a machine with more RAM"
+        if swap_allowed(profile):  # a Jetson's engine is built on the Jetson: make room there
+            gb = max(1, int(need.swap_needed_gb(have) - swap + 0.999))
+            hint = ((f"add {gb} GB or more of swap on the NVMe (sudo fallocate -l {gb}G /ssd/swapfile && sudo mkswap "
+                     "/ssd/swapfile && sudo swapon /ssd/swapfile), " if need.total_gb > have + swap else "")
+                    + "stop the desktop (sudo systemctl isolate multi-user.target)"
+                    + (" and other GPU processes: the workspace and CUDA runtime must fit in RAM"
+                       if need.resident / 1e9 > have else ""))
         raise InsufficientMemoryError(
-            f"building this engine needs about {need:.1f} GB of host RAM ({TENSORRT_BUILD_RAM_FACTOR}x the "
-            f"{weight_bytes / 1e9:.2f} GB of weights) but {have:.1f} GB is available: {hint}, "
-            f"or build a smaller engine (lower --max-context than {context}, or the int8-qdq graph)")
-    return need
+            f"building this engine needs about {need.total_gb:.1f} GB ({TENSORRT_BUILD_WEIGHT_COPIES} copies of the "
+            f"{weight_bytes / 1e9:.2f} GB of weights, as TensorRT's guide says a build holds, and "
+            f"{need.resident / 1e9:.1f} GB of workspace and runtime) but {have:.1f} GB of RAM"
+            + (f" and {swap:.1f} GB of swap are" if swap else " is") + f" available: {hint}, "
+            f"or build a smaller engine (lower --max-context than {context}, or a smaller precision)")
+    return need.total_gb
