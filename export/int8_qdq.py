@@ -168,12 +168,14 @@ def activation_stats(hf_dir: Path, graph: Path, feeds: list[dict]) -> tuple[dict
 
 
 def int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts, feeds: list[dict], skip: set[str], ablation: Path,
-             hessian=None) -> dict:
+             hessian=None, sensitivity_feeds=None) -> dict:
     """The int8-qdq graph of the untied fp32 graph `gw` into `dst` (and the no-SmoothQuant ablation into the
     folder `ablation`), calibrated on `feeds`; the weight MatMuls named in `skip` stay float. `opts`: the
     quantize stage's options (export/quantize.py QuantizeOptions). `hessian` (MatMul name -> the fp32 inputs'
     X^T X, export/gptq_statistics.py): the INT8 weights are GPTQ-rounded on the smoothed inputs' statistics
-    instead of ONNX Runtime's round to nearest."""
+    instead of ONNX Runtime's round to nearest. `sensitivity_feeds` (a callable: texts no calibration used) with
+    `opts.qdq_float_ratio` > 0: the activations whose INT8 form hurts most per byte are left float within that
+    budget (export/int8_search.py `float_groups`)."""
     from onnxruntime.quantization import CalibrationDataReader
 
     from export.int8_search import ALPHAS, Search
@@ -208,12 +210,26 @@ def int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts, feeds: list[dict],
     _qdq(pre, dst, Reader(), nodes, ranges)
     if hessian is not None:
         gptq_weights(dst, gw, nodes, scales, hessian)
+    budget: dict = {}
+    if search is not None and sensitivity_feeds is not None and opts.qdq_float_ratio > 0:
+        from export.int8_search import float_groups
+
+        input_of = {n.name: n.input[0] for n in weight_matmuls(gw.model)}
+        groups = {x: [n for n in nodes if input_of[n] == x] for x in inputs}
+        chosen, sens = float_groups(pre, work, groups, ranges, dequantized_weights(dst, nodes), sensitivity_feeds(),
+                                    opts.qdq_float_ratio)
+        kept = [n for x in chosen for n in groups[x]]
+        unquantize(dst, gw, kept)
+        nodes = [n for n in nodes if n not in set(kept)]
+        budget = {"qdq_float_ratio": opts.qdq_float_ratio, "qdq_float_activations": chosen,
+                  "qdq_sensitivity": dict(sorted(sens.items(), key=lambda kv: -kv[1]))}
     float_nodes = [n.name for n in weight_matmuls(gw.model) if n.name not in set(nodes)]
     metrics = {"smoothquant_groups": len(scales), "calibration_samples": len(feeds), "quantized_matmuls": len(nodes),
                "lm_head_float": opts.keep_lm_head_float, "float_matmuls": float_nodes,
                "activation_ranges": "by block (torch)" if amax is not None else "whole graph (onnxruntime)",
                "int8_rounding": "gptq" if hessian is not None else "minmax",
                "qdq_range": opts.qdq_range if search is not None else "max"}
+    metrics |= budget
     if search is not None:
         chosen = search.chosen
         alphas = [c["alpha"] for c in chosen.values() if "alpha" in c]
@@ -226,6 +242,58 @@ def int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts, feeds: list[dict],
         _qdq(plain, ablation / "model.onnx", Reader(), nodes,
              None if amax is None else {x: float(np.max(amax[x])) for x in inputs})
     return metrics
+
+
+def _weight_dq(g: GraphWeights, nodes: list[str]) -> dict[str, object]:
+    """MatMul name -> the DequantizeLinear that feeds it its INT8 weight, in ONNX Runtime's Q/DQ graph."""
+    producers = {o: n for n in g.model.graph.node for o in n.output}
+    out = {}
+    for node in g.model.graph.node:
+        if node.name in nodes:
+            dq = producers.get(node.input[1])
+            if dq is None or dq.op_type != "DequantizeLinear":
+                raise ValueError(f"int8-qdq: ONNX Runtime wrote no DequantizeLinear weight for {node.name}")
+            out[node.name] = dq
+    return out
+
+
+def dequantized_weights(dst: Path, nodes: list[str]) -> dict[str, np.ndarray]:
+    """MatMul name -> its INT8 weight as the Q/DQ graph at `dst` computes it (levels x per-channel scales)."""
+    g = GraphWeights(dst)
+    return {n: (g.array(dq.input[0]).astype(np.float32) * g.array(dq.input[1]).astype(np.float32)[None, :])
+            for n, dq in _weight_dq(g, nodes).items()}
+
+
+def unquantize(dst: Path, smoothed: GraphWeights, names: list[str]) -> None:
+    """Leave the MatMuls `names` of the Q/DQ graph at `dst` float: their smoothed fp32 weights back, their input
+    read before its Q/DQ, and the Q/DQ nodes nothing reads any more removed."""
+    if not names:
+        return
+    g = GraphWeights(dst)
+    producers = {o: n for n in g.model.graph.node for o in n.output}
+    weight_of = {n.name: n.input[1] for n in weight_matmuls(smoothed.model)}
+    dqs = _weight_dq(g, names)
+    for node in g.model.graph.node:
+        if node.name not in dqs:
+            continue
+        g.set(weight_of[node.name], smoothed.array(weight_of[node.name]).astype(np.float32))
+        node.input[1] = weight_of[node.name]
+        dq = producers.get(node.input[0])
+        if dq is not None and dq.op_type == "DequantizeLinear":
+            q = producers.get(dq.input[0])
+            if q is not None and q.op_type == "QuantizeLinear":
+                node.input[0] = q.input[0]
+    graph = g.model.graph
+    while True:  # Q/DQ pairs (and weight DQs) whose outputs nothing reads
+        used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+        dead = [n for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+                and not any(o in used for o in n.output)]
+        if not dead:
+            break
+        for n in dead:
+            graph.node.remove(n)
+    g.drop_unused()
+    g.save(dst)
 
 
 def gptq_weights(dst: Path, smoothed: GraphWeights, nodes: list[str], scales: dict[str, np.ndarray], hessian) -> None:

@@ -127,3 +127,94 @@ class Search:
         best = min(errors, key=errors.get)
         self.chosen.setdefault(act, {})["clip"] = best
         return top * best
+
+
+# ----------------------------------------------------------------------------- which activations stay float
+
+
+class QdqProbe:
+    """The smoothed fp32 graph with each quantized activation behind Where(flag, Q/DQ(x), x) (a bool graph input per
+    activation) and the quantized MatMuls' weights as graph inputs: one session measures what INT8 on any one
+    activation group (its Q/DQ and its MatMuls' INT8 weights) does to the logits, nothing rebuilt per group."""
+
+    def __init__(self, smoothed: Path, work: Path, groups: dict[str, list[str]], ranges: dict[str, float],
+                 feeds: list[dict]) -> None:
+        import onnx
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        from export.onnx_weights import GraphWeights, weight_matmuls
+        from export.sensitivity import _log_softmax32
+
+        gw = GraphWeights(smoothed)
+        model = gw.model
+        by_name = {n.name: n for n in weight_matmuls(model)}
+        self.groups = groups
+        self.weights = {n: np.ascontiguousarray(gw.array(by_name[n].input[1]), np.float32)
+                        for ns in groups.values() for n in ns}
+        self.weight_input = {n: by_name[n].input[1] for n in self.weights}
+        names = set(self.weight_input.values())
+        keep = [i for i in model.graph.initializer if i.name not in names]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(keep)
+        for n, w in self.weights.items():
+            model.graph.input.append(helper.make_tensor_value_info(self.weight_input[n], TensorProto.FLOAT, list(w.shape)))
+        self.flag = {}
+        nodes = list(model.graph.node)
+        for k, (x, ns) in enumerate(groups.items()):
+            flag, scale, zero = f"qdq_probe/{k}/on", f"qdq_probe/{k}/scale", f"qdq_probe/{k}/zero"
+            self.flag[x] = flag
+            model.graph.input.append(helper.make_tensor_value_info(flag, TensorProto.BOOL, []))
+            model.graph.initializer.extend([helper.make_tensor(scale, TensorProto.FLOAT, [], [max(ranges[x], 1e-12) / 127.0]),
+                                            helper.make_tensor(zero, TensorProto.INT8, [], [0])])
+            extra = [helper.make_node("QuantizeLinear", [x, scale, zero], [f"qdq_probe/{k}/q"]),
+                     helper.make_node("DequantizeLinear", [f"qdq_probe/{k}/q", scale, zero], [f"qdq_probe/{k}/dq"]),
+                     helper.make_node("Where", [flag, f"qdq_probe/{k}/dq", x], [f"qdq_probe/{k}/x"])]
+            for n in ns:
+                by_name[n].input[0] = f"qdq_probe/{k}/x"
+            at = min(nodes.index(by_name[n]) for n in ns)
+            nodes[at:at] = extra
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        path = gw.path.parent / "qdq-probe.onnx"  # beside the weights it names
+        onnx.save_model(model, str(path))
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.add_session_config_entry("session.disable_quant_qdq", "1")  # the Q/DQ arithmetic as written
+        try:
+            self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        finally:
+            path.unlink()
+        self.feeds = feeds
+        self.tokens = sum(f["input_ids"].shape[1] for f in feeds)
+        self.ref = [_log_softmax32(lo[0]) for lo in self.logits(None, {})]
+
+    def logits(self, on: str | None, swap: dict[str, np.ndarray]) -> list[np.ndarray]:
+        flags = {f: np.array(x == on) for x, f in self.flag.items()}
+        weights = {self.weight_input[n]: swap.get(n, w) for n, w in self.weights.items()}
+        return [self.session.run(["logits"], f | flags | weights)[0] for f in self.feeds]
+
+    def kl(self, x: str, dequantized: dict[str, np.ndarray]) -> float:
+        """Mean KL(float || this) per token with only activation `x` and its MatMuls' weights in INT8."""
+        from export.sensitivity import _kl
+
+        lo = self.logits(x, {n: dequantized[n] for n in self.groups[x]})
+        return sum(_kl(r, o[0]) for r, o in zip(self.ref, lo)) / self.tokens
+
+
+def float_groups(smoothed: Path, work: Path, groups: dict[str, list[str]], ranges: dict[str, float],
+                 dequantized: dict[str, np.ndarray], feeds: list[dict], ratio: float) -> tuple[list[str], dict[str, float]]:
+    """The activation groups to leave float: the ones whose INT8 form moves KL to the float graph most per extra
+    byte (fp16 instead of INT8 weights in TensorRT: K x N bytes per MatMul), while the extra bytes stay within
+    `ratio` of the INT8 weights' bytes (export/sensitivity.py `allocate`, the int4 budget's rule). Returns the
+    chosen activations and every group's measured KL."""
+    from tqdm import tqdm
+
+    from export.sensitivity import allocate
+
+    probe = QdqProbe(smoothed, work, groups, ranges, feeds)
+    sens = {x: probe.kl(x, dequantized) for x in tqdm(groups, desc="int8-qdq sensitivity (KL per activation)",
+                                                      unit="activation")}
+    del probe
+    cost = {x: sum(int(dequantized[n].size) for n in ns) for x, ns in groups.items()}
+    return allocate(sens, cost, int(ratio * sum(cost.values()))), sens

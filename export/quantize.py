@@ -81,6 +81,10 @@ class QuantizeOptions:
     # Default: the same two down_proj. SmolLM2-135M, alpha 0.8, 64 held-out chats: +3.82% -> +1.90% perplexity,
     # KL 0.123 -> 0.097, top-1 81.0% -> 83.3%, for 2 of 211 weight MatMuls (~3.5 MB at FP16) unquantized.
     qdq_float_nodes: tuple[str, ...] = ("layers.0/mlp/down_proj/", "layers.{last}/mlp/down_proj/")
+    # int8-qdq: beyond those, the activations whose INT8 form (its Q/DQ and its MatMuls' INT8 weights) moves KL to
+    # fp32 most per byte, measured one at a time (export/int8_search.py), stay float while their fp16 weights add at
+    # most this share of the INT8 weights' bytes to the TensorRT engine (as the int4 budget, export/sensitivity.py)
+    qdq_float_ratio: float = 0.05
     int4_symmetric: bool = False  # int4-weight: False = per-block zero points (asymmetric), see the module docstring
     int4_lm_head_bits: int = 8  # int4-weight: the LM head (and the tied embedding that shares it) at 8 bits
     # ...in symmetric blocks of this many weights (of 32, 16 where the hidden width is no multiple of it: the tied
@@ -123,6 +127,8 @@ class QuantizeOptions:
             raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
         if self.int8_rounding not in INT8_ROUNDINGS:
             raise RecipeError(f"int8_rounding must be 'gptq' or 'minmax', got {self.int8_rounding!r}")
+        if not 0 <= self.qdq_float_ratio < 1:
+            raise RecipeError(f"qdq_float_ratio must be in [0, 1), got {self.qdq_float_ratio}")
         if self.qdq_range not in ("max", "mse"):
             raise RecipeError(f"qdq_range must be 'max' or 'mse', got {self.qdq_range!r}")
         if self.mode == INT4_WEIGHT and self.int4_rounding == "gptq" and self.int4_symmetric:
@@ -384,7 +390,9 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
 
         feeds = calibration_feeds(hf_dir, opts, dims.num_layers, dims.num_kv_heads, dims.head_dim)
         skip = set(matching_matmuls(gw.model, tuple(opts.qdq_float_nodes), dims.num_layers))
-        metrics |= int8_qdq(gw, out, hf_dir, opts, feeds, skip, dst / ABLATION, hessian)
+        fitted = max(gptq_chats(opts), opts.gptq_samples - gptq_chats(opts)) if hessian else 0
+        metrics |= int8_qdq(gw, out, hf_dir, opts, feeds, skip, dst / ABLATION, hessian,
+                            lambda: sensitivity_feeds(hf_dir, opts, dims, skip=fitted))
     # the embedding table: INT8 (shared with the LM head's INT8 weight where they are tied). Graphs ONNX
     # Runtime's quantizers wrote are read back from disk; ours is still in memory, saved once here.
     ort_wrote = opts.mode == INT8_QDQ or opts.int8_kernel != "nbits" and opts.mode == INT8_DYNAMIC
