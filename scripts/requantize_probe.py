@@ -77,6 +77,7 @@ def main() -> None:
     m = b.manifest
     work = a.bundle.with_name(a.bundle.name + ".work")
     fused = work / "export" / "fused"
+    _reuse_between_probes()
     if a.dump_feeds:
         dump_feeds(work, a.dump_feeds, pairs[0][2] if pairs else QuantizeOptions(mode="int8-qdq", samples=32))
         return
@@ -125,6 +126,47 @@ def main() -> None:
             import shutil
 
             shutil.rmtree(dst, ignore_errors=True)
+
+
+def _reuse_between_probes() -> None:
+    """Probes of one run that differ only in later choices re-use the earlier steps' results (in memory, this
+    process only): int8-qdq's activation statistics (same graph and feeds), GPTQ's INT8 levels (same weight and
+    statistics) and the float budget's sensitivity (same groups and ranges: only the allocation is redone)."""
+    import hashlib
+
+    from export import int8_qdq, int8_search, sensitivity, trt_formats
+
+    def digest(*arrays) -> str:
+        h = hashlib.sha1()
+        for x in arrays:
+            h.update(np.ascontiguousarray(x).tobytes())
+        return h.hexdigest()
+
+    memo: dict = {}
+    stats, channel, groups = int8_qdq.activation_stats, trt_formats.int8_channel, int8_search.float_groups
+
+    def activation_stats(hf_dir, graph, feeds):
+        key = ("stats", str(hf_dir), digest(*[f["input_ids"] for f in feeds]))
+        if key not in memo:
+            memo[key] = stats(hf_dir, graph, feeds)
+        return memo[key]
+
+    def int8_channel(w, h):
+        key = ("gptq8", digest(w, h) if h is not None else digest(w))
+        if key not in memo:
+            memo[key] = channel(w, h)
+        return memo[key]
+
+    def float_groups(smoothed, work, grp, ranges, dequantized, feeds, ratio):
+        key = ("sens", repr(sorted(grp.items())), repr(sorted(ranges.items())),
+               digest(*[dequantized[n] for ns in grp.values() for n in ns]))
+        if key not in memo:
+            memo[key] = groups(smoothed, work, grp, ranges, dequantized, feeds, ratio)[1]
+        sens = memo[key]
+        cost = {x: sum(int(dequantized[n].size) for n in ns) for x, ns in grp.items()}
+        return sensitivity.allocate(sens, cost, int(ratio * sum(cost.values()))), sens
+
+    int8_qdq.activation_stats, trt_formats.int8_channel, int8_search.float_groups = activation_stats, int8_channel, float_groups
 
 
 def dump_feeds(work: Path, out: Path, opts) -> None:
