@@ -10,6 +10,12 @@ scales s come from the same numbers, and the smoothed graph's range of an input 
 the same range (within float rounding) ONNX Runtime's MinMax calibrator measures on the smoothed graph, handed
 to `quantize_static` as its calibration cache, so it never runs the model. A model whose blocks cannot run
 alone (or an ONNX Runtime without the cache) falls back to the whole-graph calibration, as before.
+
+The same pass keeps a sample of each input's rows, on which export/int8_search.py measures each activation's
+SmoothQuant alpha and range (max, or clipped where that reproduces the MatMuls' outputs better). ONNX Runtime
+writes the Q/DQ graph; its round-to-nearest INT8 weights are then replaced by GPTQ's (`gptq_weights`), and the
+activations whose INT8 form moves KL most per byte are put back to float within `qdq_float_ratio`
+(`unquantize`). Measured on SmolLM2-135M in docs/quality.md ("int8-qdq, measured per layer").
 """
 
 from __future__ import annotations

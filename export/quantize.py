@@ -7,7 +7,9 @@
   tensor) placed only on the weight MatMuls, calibrated on chat prefill steps.
   Masks, softmax and RoPE are never quantized (a whole-graph quantize_static
   gives infinite scales on the attention-mask nodes). export/int8_qdq.py: its
-  ranges come from the model one block at a time.
+  ranges come from the model one block at a time; each activation's alpha and
+  range, GPTQ-rounded weights and the float budget by measurement
+  (export/int8_search.py).
 - GPTQ rounding (int8-dynamic, int4-weight) reads statistics collected once per
   build and shared by its engines (export/gptq_statistics.py).
 - int4-weight: MatMulNBits 4-bit, blocks of int4_block_size (32 by default), asymmetric (per-block zero points), the LM head at
