@@ -18,16 +18,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from export.int8_qdq import ActivationAbsMax
+from export.gptq import LayerHessians
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # candidates per activation, beside "not smoothed"
 CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)  # range candidates as a share of max |x| ("mse")
 RANGE_METHODS = ("max", "mse")
 
 
-class ActivationSample(ActivationAbsMax):
-    """Per weight-MatMul input: max |x| per channel over every calibration row, and `rows_per_text` rows of each
-    text (evenly spaced, the first token included) for measuring output errors."""
+class ActivationSample(LayerHessians):
+    """Per weight-MatMul input, the model run one block at a time (export/int8_qdq.py `ActivationAbsMax`): max |x|
+    per channel over every calibration row, and `rows_per_text` rows of each text (evenly spaced, the first token
+    included) for measuring output errors."""
+
+    method = "by block (torch)"
 
     def __init__(self, *args, rows_per_text: int = 16, **kw) -> None:
         self.rows_per_text = rows_per_text
