@@ -57,7 +57,7 @@ def main() -> None:
     from export.evaluate import summarize, token_metrics
     from export.quantize import QuantizeOptions, run
 
-    if a.dump_feeds and a.probes[0:1] == ["-"]:
+    if a.probes == ["-"]:  # no probes: --dump-feeds, or only --graph
         a.probes = []
     if len(a.probes) % 2:
         ap.error("probes come in NAME OPTIONS pairs")
