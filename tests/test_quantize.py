@@ -20,8 +20,8 @@ def test_int8_graphs_are_smaller_and_run(tiny_bundle):
     q = tiny_bundle.manifest
     fp32 = q.engine_bytes("fp32")  # graphs and their external weights
     # tiny model: graph constants dominate; int8-qdq keeps the LM head float by design, and with 2 layers
-    # its float first-and-last down_proj are all of them
-    for name, bound in (("int8-dynamic", 0.6), ("int8-qdq", 0.85)):
+    # its float first-and-last down_proj are all of them; its float budget (qdq_float_ratio) keeps one more fp32
+    for name, bound in (("int8-dynamic", 0.6), ("int8-qdq", 0.9)):
         assert q.engine_bytes(name) < bound * fp32
         assert q.engine(name).quality["top1_agreement"] > 0.5
         assert np.isfinite(q.engine(name).quality["perplexity"])
