@@ -10,6 +10,12 @@ scales s come from the same numbers, and the smoothed graph's range of an input 
 the same range (within float rounding) ONNX Runtime's MinMax calibrator measures on the smoothed graph, handed
 to `quantize_static` as its calibration cache, so it never runs the model. A model whose blocks cannot run
 alone (or an ONNX Runtime without the cache) falls back to the whole-graph calibration, as before.
+
+The same pass keeps a sample of each input's rows, on which export/int8_search.py measures each activation's
+SmoothQuant alpha and range (max, or clipped where that reproduces the MatMuls' outputs better). ONNX Runtime
+writes the Q/DQ graph; its round-to-nearest INT8 weights are then replaced by GPTQ's (`gptq_weights`), and the
+activations whose INT8 form moves KL most per byte are put back to float within `qdq_float_ratio`
+(`unquantize`). Measured on SmolLM2-135M in docs/quality.md ("int8-qdq, measured per layer").
 """
 
 from __future__ import annotations
@@ -47,19 +53,8 @@ class ActivationAbsMax(LayerHessians):
         return out
 
 
-def activation_amax(hf_dir: Path, graph: Path, feeds: list[dict]) -> dict[str, np.ndarray] | None:
-    """`ActivationAbsMax.all()` for the plain graph at `graph`, or None where its blocks cannot run alone."""
-    try:
-        with ActivationAbsMax(hf_dir, graph, feeds) as stats:
-            return stats.all()
-    except (ValueError, TypeError, RuntimeError) as e:  # names that do not map, blocks that cannot run alone
-        log.warning("int8-qdq activation ranges block by block are not possible here (%s): ONNX Runtime calibrates "
-                    "on the whole graph", e)
-        return None
-
-
 def smooth(gw: GraphWeights, feeds: list[dict], alpha: float, workdir: Path,
-           amax: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+           amax: dict[str, np.ndarray] | None = None, search=None) -> dict[str, np.ndarray]:
     """SmoothQuant: scale weight-MatMul input channels by s and fold 1/s into what produced them.
 
     Two exact folds: into the RMSNorm scale when the activation is Mul(x, 1-D constant)
@@ -67,8 +62,9 @@ def smooth(gw: GraphWeights, feeds: list[dict], alpha: float, workdir: Path,
     (down_proj). Only where the activation feeds nothing but weight MatMuls (and Shape).
     The activation statistics (max |x| per channel over the calibration tokens) are `amax` where given
     (`activation_amax`: the model block by block), else from an ONNX Runtime session over the graph as saved
-    in `workdir`; the scaled weights are computed on save. Returns each smoothed activation's s (its
-    MatMuls now read x / s).
+    in `workdir`; the scaled weights are computed on save. `search` (export/int8_search.py `Search`): each
+    activation's s chosen by its measured output error instead of the one `alpha`. Returns each smoothed
+    activation's s (its MatMuls now read x / s).
     """
     model = gw.model
     inits = gw.names()
@@ -111,9 +107,12 @@ def smooth(gw: GraphWeights, feeds: list[dict], alpha: float, workdir: Path,
         amax = _graph_amax(gw, list(groups), feeds, workdir)
     scales = {}
     for act, (fold, mms) in groups.items():
-        wmax = np.max([np.abs(gw.array(m.input[1])).max(axis=1) for m in mms], axis=0)  # one weight at a time
-        s = np.power(np.maximum(amax[act], 1e-5), alpha) / np.power(np.maximum(wmax, 1e-5), 1 - alpha)
-        s = scales[act] = np.clip(s, 1e-2, 1e2).astype(np.float32)
+        if search is not None:
+            s = scales[act] = search.smoothing(act, [gw.array(m.input[1]) for m in mms])
+        else:
+            wmax = np.max([np.abs(gw.array(m.input[1])).max(axis=1) for m in mms], axis=0)  # one weight at a time
+            s = np.power(np.maximum(amax[act], 1e-5), alpha) / np.power(np.maximum(wmax, 1e-5), 1 - alpha)
+            s = scales[act] = np.clip(s, 1e-2, 1e2).astype(np.float32)
         if fold[0] == "norm":
             _, mul, slot, vec = fold
             private = (mul.name or act) + ".smoothed_weight"  # never modify a vector another node shares
@@ -160,22 +159,50 @@ def _graph_amax(gw: GraphWeights, names: list[str], feeds: list[dict], workdir: 
     return amax
 
 
-def int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts, feeds: list[dict], skip: set[str], ablation: Path) -> dict:
+def activation_stats(hf_dir: Path, graph: Path, feeds: list[dict]) -> tuple[dict, dict] | None:
+    """(max |x| per channel, sample rows) of every weight MatMul's input (export/int8_search.py
+    `ActivationSample`), or None where the model's blocks cannot run alone."""
+    from export.int8_search import ActivationSample
+
+    try:
+        with ActivationSample(hf_dir, graph, feeds) as stats:
+            return stats.all()
+    except (ValueError, TypeError, RuntimeError) as e:  # names that do not map, blocks that cannot run alone
+        log.warning("int8-qdq activation ranges block by block are not possible here (%s): ONNX Runtime calibrates "
+                    "on the whole graph with one SmoothQuant alpha", e)
+        return None
+
+
+def int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts, feeds: list[dict], skip: set[str], ablation: Path,
+             hessian=None, sensitivity_feeds=None) -> dict:
     """The int8-qdq graph of the untied fp32 graph `gw` into `dst` (and the no-SmoothQuant ablation into the
     folder `ablation`), calibrated on `feeds`; the weight MatMuls named in `skip` stay float. `opts`: the
-    quantize stage's options (export/quantize.py QuantizeOptions)."""
+    quantize stage's options (export/quantize.py QuantizeOptions). `hessian` (MatMul name -> the fp32 inputs'
+    X^T X, export/gptq_statistics.py): the INT8 weights are GPTQ-rounded on the smoothed inputs' statistics
+    instead of ONNX Runtime's round to nearest. `sensitivity_feeds` (a callable: texts no calibration used) with
+    `opts.qdq_float_ratio` > 0: the activations whose INT8 form hurts most per byte are left float within that
+    budget (export/int8_search.py `float_groups`)."""
     from onnxruntime.quantization import CalibrationDataReader
+
+    from export.int8_search import ALPHAS, Search
 
     work = dst.parent
     plain = work / "prepared.onnx"
     gw.save(plain)  # untied, unsmoothed: the ablation's source and the statistics' graph
-    amax = activation_amax(hf_dir, plain, feeds) if _takes_ranges() else None
-    scales = smooth(gw, feeds, opts.smoothquant_alpha, work, amax) if opts.smoothquant_alpha > 0 else {}
+    stats = activation_stats(hf_dir, plain, feeds) if _takes_ranges() else None
+    amax = stats[0] if stats else None
+    search = None if stats is None else Search(stats[0], stats[1], alpha=opts.smoothquant_alpha, range_method=opts.qdq_range,
+                                               alphas=ALPHAS if opts.qdq_alpha_search else ())
+    scales = smooth(gw, feeds, opts.smoothquant_alpha, work, amax, search) if opts.smoothquant_alpha > 0 else {}
     pre = work / "smoothed.onnx"
     gw.save(pre)
     nodes = [n.name for n in weight_matmuls(gw.model)
              if not (opts.keep_lm_head_float and n.input[1].endswith(".lm_head_T")) and n.name not in skip]
-    inputs = sorted({n.input[0] for n in weight_matmuls(gw.model) if n.name in set(nodes)})
+    readers: dict[str, list[str]] = {}  # quantized input -> the weights of the MatMuls that read it
+    for n in weight_matmuls(gw.model):
+        if n.name in set(nodes):
+            readers.setdefault(n.input[0], []).append(n.input[1])
+    inputs = sorted(readers)
 
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
@@ -184,17 +211,123 @@ def int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts, feeds: list[dict],
         def get_next(self):
             return next(self.it, None)
 
-    ranges = None if amax is None else {x: float(np.max(amax[x] / scales.get(x, 1.0))) for x in inputs}
+    ranges = None if search is None else {x: search.range(x, [gw.array(w) for w in readers[x]], scales.get(x))
+                                          for x in inputs}
     _qdq(pre, dst, Reader(), nodes, ranges)
+    if hessian is not None:
+        gptq_weights(dst, gw, nodes, scales, hessian)
+    budget: dict = {}
+    if search is not None and sensitivity_feeds is not None and opts.qdq_float_ratio > 0:
+        from export.int8_search import float_groups
+
+        input_of = {n.name: n.input[0] for n in weight_matmuls(gw.model)}
+        groups = {x: [n for n in nodes if input_of[n] == x] for x in inputs}
+        chosen, sens = float_groups(pre, work, groups, ranges, dequantized_weights(dst, nodes), sensitivity_feeds(),
+                                    opts.qdq_float_ratio)
+        kept = [n for x in chosen for n in groups[x]]
+        unquantize(dst, gw, kept)
+        nodes = [n for n in nodes if n not in set(kept)]
+        budget = {"qdq_float_ratio": opts.qdq_float_ratio, "qdq_float_activations": chosen,
+                  "qdq_sensitivity": dict(sorted(sens.items(), key=lambda kv: -kv[1]))}
     float_nodes = [n.name for n in weight_matmuls(gw.model) if n.name not in set(nodes)]
     metrics = {"smoothquant_groups": len(scales), "calibration_samples": len(feeds), "quantized_matmuls": len(nodes),
                "lm_head_float": opts.keep_lm_head_float, "float_matmuls": float_nodes,
-               "activation_ranges": "by block (torch)" if amax is not None else "whole graph (onnxruntime)"}
+               "activation_ranges": "by block (torch)" if amax is not None else "whole graph (onnxruntime)",
+               "int8_rounding": "gptq" if hessian is not None else "minmax",
+               "qdq_range": opts.qdq_range if search is not None else "max"}
+    metrics |= budget
+    if search is not None:
+        chosen = search.chosen
+        alphas = [c["alpha"] for c in chosen.values() if "alpha" in c]
+        metrics |= {"smoothquant_alphas": {str(a): alphas.count(a) for a in sorted(set(alphas), key=lambda a: -1 if a is None else a)},
+                    "activation_clips": {str(c): sum(1 for v in chosen.values() if v.get("clip") == c)
+                                         for c in sorted({v["clip"] for v in chosen.values() if "clip" in v})},
+                    "activation_choices": chosen}
     if opts.smoothquant_ablation and opts.smoothquant_alpha > 0:
         ablation.mkdir(exist_ok=True)
         _qdq(plain, ablation / "model.onnx", Reader(), nodes,
              None if amax is None else {x: float(np.max(amax[x])) for x in inputs})
     return metrics
+
+
+def _weight_dq(g: GraphWeights, nodes: list[str]) -> dict[str, object]:
+    """MatMul name -> the DequantizeLinear that feeds it its INT8 weight, in ONNX Runtime's Q/DQ graph."""
+    producers = {o: n for n in g.model.graph.node for o in n.output}
+    out = {}
+    for node in g.model.graph.node:
+        if node.name in nodes:
+            dq = producers.get(node.input[1])
+            if dq is None or dq.op_type != "DequantizeLinear":
+                raise ValueError(f"int8-qdq: ONNX Runtime wrote no DequantizeLinear weight for {node.name}")
+            out[node.name] = dq
+    return out
+
+
+def dequantized_weights(dst: Path, nodes: list[str]) -> dict[str, np.ndarray]:
+    """MatMul name -> its INT8 weight as the Q/DQ graph at `dst` computes it (levels x per-channel scales)."""
+    g = GraphWeights(dst)
+    return {n: (g.array(dq.input[0]).astype(np.float32) * g.array(dq.input[1]).astype(np.float32)[None, :])
+            for n, dq in _weight_dq(g, nodes).items()}
+
+
+def unquantize(dst: Path, smoothed: GraphWeights, names: list[str]) -> None:
+    """Leave the MatMuls `names` of the Q/DQ graph at `dst` float: their smoothed fp32 weights back, their input
+    read before its Q/DQ, and the Q/DQ nodes nothing reads any more removed."""
+    if not names:
+        return
+    g = GraphWeights(dst)
+    producers = {o: n for n in g.model.graph.node for o in n.output}
+    weight_of = {n.name: n.input[1] for n in weight_matmuls(smoothed.model)}
+    dqs = _weight_dq(g, names)
+    for node in g.model.graph.node:
+        if node.name not in dqs:
+            continue
+        g.set(weight_of[node.name], smoothed.array(weight_of[node.name]).astype(np.float32))
+        node.input[1] = weight_of[node.name]
+        dq = producers.get(node.input[0])
+        if dq is not None and dq.op_type == "DequantizeLinear":
+            q = producers.get(dq.input[0])
+            if q is not None and q.op_type == "QuantizeLinear":
+                node.input[0] = q.input[0]
+    graph = g.model.graph
+    while True:  # Q/DQ pairs (and weight DQs) whose outputs nothing reads
+        used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+        dead = [n for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+                and not any(o in used for o in n.output)]
+        if not dead:
+            break
+        for n in dead:
+            graph.node.remove(n)
+    g.drop_unused()
+    g.save(dst)
+
+
+def gptq_weights(dst: Path, smoothed: GraphWeights, nodes: list[str], scales: dict[str, np.ndarray], hessian) -> None:
+    """Replace the INT8 weights ONNX Runtime rounded to nearest in the Q/DQ graph at `dst` by GPTQ's (symmetric,
+    per output channel, the same scales' layout), each rounded on its smoothed input's statistics: the fp32
+    inputs' X^T X divided by s s^T (the MatMul reads x / s)."""
+    from export.trt_formats import int8_channel
+
+    g = GraphWeights(dst)
+    producers = {o: n for n in g.model.graph.node for o in n.output}
+    weight_of = {n.name: (n.input[0], n.input[1]) for n in weight_matmuls(smoothed.model)}
+    for node in g.model.graph.node:
+        if node.name not in nodes:
+            continue
+        dq = producers.get(node.input[1])
+        if dq is None or dq.op_type != "DequantizeLinear":
+            raise ValueError(f"int8-qdq: ONNX Runtime wrote no DequantizeLinear weight for {node.name}")
+        x, w = weight_of[node.name]
+        h = hessian(node.name)
+        if x in scales:
+            s = scales[x].astype(np.float64)
+            h = h / np.outer(s, s)
+        q, sc = int8_channel(smoothed.array(w).astype(np.float32), h)
+        if q.shape != tuple(g.shape(dq.input[0])):
+            raise ValueError(f"int8-qdq: GPTQ's levels of {node.name} are {q.shape}, the graph's {g.shape(dq.input[0])}")
+        g.set(dq.input[0], q)
+        g.set(dq.input[1], sc.astype(g.array(dq.input[1]).dtype))
+    g.save(dst)
 
 
 def _takes_ranges() -> bool:

@@ -7,7 +7,9 @@
   tensor) placed only on the weight MatMuls, calibrated on chat prefill steps.
   Masks, softmax and RoPE are never quantized (a whole-graph quantize_static
   gives infinite scales on the attention-mask nodes). export/int8_qdq.py: its
-  ranges come from the model one block at a time.
+  ranges come from the model one block at a time; each activation's alpha and
+  range, GPTQ-rounded weights and the float budget by measurement
+  (export/int8_search.py).
 - GPTQ rounding (int8-dynamic, int4-weight) reads statistics collected once per
   build and shared by its engines (export/gptq_statistics.py).
 - int4-weight: MatMulNBits 4-bit, blocks of int4_block_size (32 by default), asymmetric (per-block zero points), the LM head at
@@ -51,6 +53,12 @@ class QuantizeOptions:
     calibration: str | None = None  # user JSONL; default chitchat-dataset calibration split
     samples: int = 64
     smoothquant_alpha: float = 0.5  # 0 disables SmoothQuant
+    # int8-qdq: each smoothed activation's alpha chosen by measurement (export/int8_search.py: the least output
+    # error of its quantized MatMuls on calibration rows, "not smoothed" a candidate); False: smoothquant_alpha
+    qdq_alpha_search: bool = True
+    # int8-qdq and fp8-qdq: each activation's range: "max" (max |x| over the calibration tokens, TensorRT's max
+    # calibration) or "mse" (max |x| times the clip factor whose quantized output error is least)
+    qdq_range: str = "mse"
     # nbits = MatMulNBits 8-bit, block 32 (per-block scales): measured on SmolLM2-135M, 2-core EPYC:
     # +0.5% perplexity, 97% top-1 agreement, 74 tok/s. matmulinteger (per-tensor dynamic uint8
     # activations) was +29% perplexity, 56% agreement, 73 tok/s: activation outliers ruin it.
@@ -71,10 +79,16 @@ class QuantizeOptions:
     keep_lm_head_float: bool = True
     # int8-qdq: also write the same graph without SmoothQuant, so the report can show what it buys
     smoothquant_ablation: bool = True
-    # int8-qdq: weight MatMuls left in float (TensorRT runs them in FP16), by name pattern as block16_nodes.
+    # int8-qdq and fp8-qdq: weight MatMuls left in float (TensorRT runs them in FP16), by name pattern as block16_nodes.
     # Default: the same two down_proj. SmolLM2-135M, alpha 0.8, 64 held-out chats: +3.82% -> +1.90% perplexity,
     # KL 0.123 -> 0.097, top-1 81.0% -> 83.3%, for 2 of 211 weight MatMuls (~3.5 MB at FP16) unquantized.
     qdq_float_nodes: tuple[str, ...] = ("layers.0/mlp/down_proj/", "layers.{last}/mlp/down_proj/")
+    # int8-qdq: beyond those, the activations whose INT8 form (its Q/DQ and its MatMuls' INT8 weights) moves KL to
+    # fp32 most per byte, measured one at a time (export/int8_search.py), stay float while their fp16 weights add at
+    # most this share of the INT8 weights' bytes to the TensorRT engine (as the int4 budget, export/sensitivity.py).
+    # SmolLM2-135M (32 calibration chats, held-out prose, docs/quality.md): 0.1 kept 12 down_proj float, +6.4%
+    # perplexity, KL 0.071; 0.2 kept 24 (every pick a down_proj input), +1.4%, KL 0.022, 315 MB against 257 MB
+    qdq_float_ratio: float = 0.2
     int4_symmetric: bool = False  # int4-weight: False = per-block zero points (asymmetric), see the module docstring
     int4_lm_head_bits: int = 8  # int4-weight: the LM head (and the tied embedding that shares it) at 8 bits
     # ...in symmetric blocks of this many weights (of 32, 16 where the hidden width is no multiple of it: the tied
@@ -104,9 +118,9 @@ class QuantizeOptions:
     # GPTQ's damping (of the mean diagonal of X^T X) for the 4-bit weights of both int4 engines (int4-weight and
     # int4-qdq): more damping trusts the calibration text less (docs/quality.md, "INT4 off its calibration's domain")
     int4_gptq_damp: float = 0.003
-    # int8-dynamic (MatMulNBits kernel): "gptq" (symmetric GPTQ, every 8-bit MatMul and the head; SmolLM2-135M,
-    # held-out KL to fp32 chats 0.0044 / prose 0.0036 against min-max's 0.0063 / 0.0047, docs/quality.md) or
-    # "minmax" (ONNX Runtime's round to nearest)
+    # int8-dynamic (MatMulNBits kernel) and int8-qdq: "gptq" (symmetric GPTQ, every 8-bit MatMul and the head;
+    # SmolLM2-135M int8-dynamic, held-out KL to fp32 chats 0.0044 / prose 0.0036 against min-max's 0.0063 / 0.0047,
+    # docs/quality.md; int8-qdq: on the smoothed inputs' statistics) or "minmax" (ONNX Runtime's round to nearest)
     int8_rounding: str = "gptq"
     int4_budget_mb: float | None = None  # int4-weight: the engine's size in MB (1e6) at most; None: int4_extra_ratio
     int4_extra_ratio: float = 0.0  # ...else this share of the all-4-bit size spent on 8-bit MatMuls
@@ -123,6 +137,10 @@ class QuantizeOptions:
             raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
         if self.int8_rounding not in INT8_ROUNDINGS:
             raise RecipeError(f"int8_rounding must be 'gptq' or 'minmax', got {self.int8_rounding!r}")
+        if not 0 <= self.qdq_float_ratio < 1:
+            raise RecipeError(f"qdq_float_ratio must be in [0, 1), got {self.qdq_float_ratio}")
+        if self.qdq_range not in ("max", "mse"):
+            raise RecipeError(f"qdq_range must be 'max' or 'mse', got {self.qdq_range!r}")
         if self.mode == INT4_WEIGHT and self.int4_rounding == "gptq" and self.int4_symmetric:
             raise RecipeError("int4_rounding 'gptq' writes asymmetric blocks (a zero point each): set int4_rounding = "
                               "'minmax' for symmetric int4")
@@ -359,7 +377,8 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
 
     hess = None
     if (opts.mode == INT4_WEIGHT and opts.int4_rounding == "gptq" or opts.mode == INT4_QDQ
-            or opts.mode == INT8_DYNAMIC and opts.int8_kernel == "nbits" and opts.int8_rounding == "gptq"):
+            or opts.mode == INT8_DYNAMIC and opts.int8_kernel == "nbits" and opts.int8_rounding == "gptq"
+            or opts.mode == INT8_QDQ and opts.int8_rounding == "gptq"):
         hess, hessian = _gptq_statistics(fp32_dir, hf_dir, dst, opts, model_dims(hf_dir))  # shared by the build's engines
     try:
         metrics = _run(fp32_dir, hf_dir, dst, opts, hessian if hess else None)
@@ -381,10 +400,12 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
         from export import trt_formats
 
         fitted = max(gptq_chats(opts), opts.gptq_samples - gptq_chats(opts))  # GPTQ's texts: not measured on
+        keep = set(matching_matmuls(GraphWeights(fp32_dir / "model.onnx").model, tuple(opts.qdq_float_nodes),
+                                    dims.num_layers)) if opts.mode == FP8 else set()
         metrics = {"mode": opts.mode} | trt_formats.run(
             fp32_dir, dst, opts, hessian,
             lambda: calibration_feeds(hf_dir, opts, dims.num_layers, dims.num_kv_heads, dims.head_dim),
-            lambda: sensitivity_feeds(hf_dir, opts, dims, skip=fitted))
+            lambda: sensitivity_feeds(hf_dir, opts, dims, skip=fitted), keep)
         return metrics | {"size_bytes": graph_bytes(dst / "model.onnx"),
                           "fp32_size_bytes": graph_bytes(fp32_dir / "model.onnx"),
                           "size_ratio": graph_bytes(dst / "model.onnx") / graph_bytes(fp32_dir / "model.onnx")}
@@ -413,7 +434,9 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
 
         feeds = calibration_feeds(hf_dir, opts, dims.num_layers, dims.num_kv_heads, dims.head_dim)
         skip = set(matching_matmuls(gw.model, tuple(opts.qdq_float_nodes), dims.num_layers))
-        metrics |= int8_qdq(gw, out, hf_dir, opts, feeds, skip, dst / ABLATION)
+        fitted = max(gptq_chats(opts), opts.gptq_samples - gptq_chats(opts)) if hessian else 0
+        metrics |= int8_qdq(gw, out, hf_dir, opts, feeds, skip, dst / ABLATION, hessian,
+                            lambda: sensitivity_feeds(hf_dir, opts, dims, skip=fitted))
     # the embedding table: INT8 (shared with the LM head's INT8 weight where they are tied). Graphs ONNX
     # Runtime's quantizers wrote are read back from disk; ours is still in memory, saved once here.
     ort_wrote = opts.mode == INT8_QDQ or opts.int8_kernel != "nbits" and opts.mode == INT8_DYNAMIC

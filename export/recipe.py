@@ -25,7 +25,7 @@ from edge.bundle import Bundle, StageRecord
 from edge import precisions
 from edge.decode.cache import cache_kind
 from edge.errors import RecipeError
-from edge.precisions import FP16, FP32, INT4_QDQ, INT4_WEIGHT, INT8_DYNAMIC
+from edge.precisions import FP16, FP32, INT4_QDQ, INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
 from export.console import fmt_bytes
 from export.distill import DistillOptions
 from export.draft import DraftOptions
@@ -70,7 +70,7 @@ class BuildOptions:
     gptq_samples: int = 96  # gptq rounding: calibration texts (half chats, half training prose) of 512 tokens
     # ...from these domains (export/calibration_texts.py: chat, news, literature, code, docs), split evenly
     gptq_domains: tuple[str, ...] = ("chat", "news")
-    int8_rounding: str = "gptq"  # int8-dynamic: "gptq" or "minmax" (export/quantize.py)
+    int8_rounding: str = "gptq"  # int8-dynamic and int8-qdq: "gptq" or "minmax" (export/quantize.py)
     int4_block_size: int = 32  # int4-weight and int4-qdq: 4-bit block size (edge-export plan says which fits)
     int4_lm_head_bits: int = 8
     eval_samples: int = 64
@@ -462,7 +462,7 @@ def _quantize_options(opts: BuildOptions, precision: str, nearest: bool = False)
     elif precision == INT4_QDQ:  # GPTQ always (export/trt_formats.py); the int4 engine's block size and budget
         extra = {"int4_block_size": opts.int4_block_size, "int4_budget_mb": opts.int4_budget_mb,
                  "int4_extra_ratio": opts.int4_extra_ratio}
-    elif precision == INT8_DYNAMIC:
+    elif precision in (INT8_DYNAMIC, INT8_QDQ):  # int8-qdq: GPTQ-rounded on the smoothed inputs too
         extra = {"int8_rounding": "minmax" if nearest else opts.int8_rounding}
     if not nearest:
         extra["gptq_samples"] = opts.gptq_samples

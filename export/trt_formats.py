@@ -73,7 +73,7 @@ def _set_opset(gw: GraphWeights, opset: int) -> None:
     gw.model.ir_version = max(gw.model.ir_version, 10 if opset >= 21 else 9)
 
 
-def _int8_channel(w: np.ndarray, h: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+def int8_channel(w: np.ndarray, h: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric INT8 per output channel: (q [K, N] int8, scales [N] fp32), GPTQ-rounded when `h` is given."""
     k, n = w.shape
     if h is not None:
@@ -153,7 +153,7 @@ def write_int4_qdq(fp32_dir: Path, dst: Path, block: int, hessian, promoted: set
         b = block_for(k, block)
         if node is head or node.name in promoted or not b or n % 2:
             if (node.name, 8) not in levels:
-                levels[node.name, 8] = _int8_channel(w, hessian(node.name))
+                levels[node.name, 8] = int8_channel(w, hessian(node.name))
             q8, s8 = levels[node.name, 8]
             _dequantize_weight(gw, node, q8, _fp16_scale(s8), axis=1, zero_point=node is head)
             eight.append(node.name)
@@ -218,8 +218,11 @@ def int4_qdq(fp32_dir: Path, dst: Path, opts, hessian, sensitivity_feeds: Callab
 # ----------------------------------------------------------------------------- fp8-qdq
 
 
-def activation_ranges(plain: Path, work: Path, feeds: list[dict], names: list[str]) -> dict[str, float]:
-    """max |x| of each named weight MatMul's input over the calibration feeds, on the plain fp32 graph."""
+def activation_ranges(plain: Path, work: Path, feeds: list[dict], names: list[str],
+                      rows_per_text: int = 0) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """max |x| of each named weight MatMul's input over the calibration feeds, on the plain fp32 graph; with
+    `rows_per_text`, also that many rows of each text's input (evenly spaced, the first included) by MatMul name,
+    for measuring what a range does to the MatMul's output."""
     import onnx
     import onnxruntime as ort
 
@@ -235,6 +238,7 @@ def activation_ranges(plain: Path, work: Path, feeds: list[dict], names: list[st
     gw.save(work / "ranges.onnx")
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    rows: dict[str, list[np.ndarray]] = {}
     try:
         sess = ort.InferenceSession(str(work / "ranges.onnx"), so, providers=["CPUExecutionProvider"])
         tensors = sorted(set(inputs.values()))
@@ -242,15 +246,46 @@ def activation_ranges(plain: Path, work: Path, feeds: list[dict], names: list[st
         for f in feeds:
             for t, v in zip(tensors, sess.run(tensors, f)):
                 amax[t] = max(amax[t], float(np.abs(v).max()))
+                if rows_per_text:
+                    v = v.reshape(-1, v.shape[-1])
+                    rows.setdefault(t, []).append(v[np.unique(np.linspace(0, len(v) - 1, min(rows_per_text, len(v))).astype(int))])
     finally:
         for f in ("ranges.onnx", "ranges.onnx.data"):
             (work / f).unlink(missing_ok=True)
-    return {name: amax[t] for name, t in inputs.items()}
+    return ({name: amax[t] for name, t in inputs.items()},
+            {name: np.concatenate(rows[t]).astype(np.float32) for name, t in inputs.items() if t in rows})
 
 
-def fp8_qdq(fp32_dir: Path, dst: Path, calibration_feeds: Callable[[], list[dict]]) -> dict:
-    """quantize.run's fp8-qdq: FP8 E4M3 weights per output channel and FP8 activations per tensor (calibrated)
-    on every weight MatMul but the LM head."""
+FP8_CLIPS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)  # range candidates as a share of max |x| ("mse")
+
+
+def fake_fp8(x: np.ndarray, scale: np.ndarray | float) -> np.ndarray:
+    """x through FP8 E4M3 Q/DQ with `scale` (saturating, as QuantizeLinear's default)."""
+    import ml_dtypes
+
+    q = np.clip(x / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q.astype(np.float32) * scale
+
+
+def fp8_clip(x: np.ndarray, weights: list[np.ndarray], top: float) -> float:
+    """The share of max |x| (`top`) whose FP8 range reproduces x W best, summed over the MatMuls reading x
+    (`weights` [K, N] fp32), their weights in FP8 per output channel as the graph has them."""
+    wq = [fake_fp8(w, np.maximum(np.abs(w).max(axis=0), 1e-8) / FP8_MAX) for w in weights]
+    refs = [x @ w for w in weights]
+
+    def error(c: float) -> float:
+        xq = fake_fp8(x, max(top * c, 1e-12) / FP8_MAX)
+        return float(sum(np.square(xq @ q - r, dtype=np.float32).sum(dtype=np.float64) for q, r in zip(wq, refs)))
+
+    errors = {c: error(c) for c in FP8_CLIPS}
+    return min(errors, key=errors.get)
+
+
+def fp8_qdq(fp32_dir: Path, dst: Path, calibration_feeds: Callable[[], list[dict]], range_method: str = "max",
+            keep_float: set[str] = frozenset()) -> dict:
+    """quantize.run's fp8-qdq: FP8 E4M3 weights per output channel and FP8 activations per tensor (calibrated:
+    `range_method` "max", or "mse": max |x| times the clip factor whose quantized output error on calibration rows
+    is least) on every weight MatMul but the LM head and those in `keep_float` (fp16)."""
     import ml_dtypes
     from onnx import helper
 
@@ -258,9 +293,22 @@ def fp8_qdq(fp32_dir: Path, dst: Path, calibration_feeds: Callable[[], list[dict
     gw = fp16_graph(fp32_dir, work)
     _set_opset(gw, FP8_OPSET)
     head = head_matmul(gw.model)
-    nodes = [n for n in weight_matmuls(gw.model) if n is not head]
+    nodes = [n for n in weight_matmuls(gw.model) if n is not head and n.name not in keep_float]
     feeds = calibration_feeds()
-    amax = activation_ranges(fp32_dir / "model.onnx", dst, feeds, [n.name for n in nodes])
+    amax, rows = activation_ranges(fp32_dir / "model.onnx", dst, feeds, [n.name for n in nodes],
+                                   rows_per_text=16 if range_method == "mse" else 0)
+    clips: dict[str, float] = {}
+    if range_method == "mse":  # one range per input tensor: q, k and v (gate and up) share theirs
+        readers: dict[str, list] = {}
+        for n in nodes:
+            readers.setdefault(n.input[0], []).append(n)
+        for x, ns in readers.items():
+            top = max(amax[n.name] for n in ns)
+            c = fp8_clip(rows[ns[0].name], [gw.array(n.input[1]).astype(np.float32) for n in ns], top) if top > 0 else 1.0
+            for n in ns:
+                clips[n.name] = c
+                amax[n.name] = top * c
+        del rows
     zero = "fp8_zero_point"
     gw.set(zero, np.zeros((), ml_dtypes.float8_e4m3fn))
     unused: list[str] = []
@@ -286,16 +334,19 @@ def fp8_qdq(fp32_dir: Path, dst: Path, calibration_feeds: Callable[[], list[dict
         node.input[0] = x + "/fp8_dq"
     _finish(gw, dst)
     shutil.rmtree(work, ignore_errors=True)
-    return {"fp8_matmuls": len(nodes) - len(unused), "float_matmuls": ([head.name] if head else []) + unused,
-            "calibration_samples": len(feeds), "activation_amax": dict(sorted(amax.items()))}
+    return {"fp8_matmuls": len(nodes) - len(unused), "calibration_samples": len(feeds),
+            "float_matmuls": ([head.name] if head else []) + sorted(keep_float) + unused, "fp8_range": range_method,
+            "activation_clips": {str(c): list(clips.values()).count(c) for c in sorted(set(clips.values()))},
+            "activation_amax": dict(sorted(amax.items()))}
 
 
 def run(fp32_dir: Path, dst: Path, opts, hessian, calibration_feeds: Callable[[], list[dict]],
-        sensitivity_feeds: Callable[[], list[dict]]) -> dict:
+        sensitivity_feeds: Callable[[], list[dict]], keep_float: set[str] = frozenset()) -> dict:
     """quantize.run's entry for the TensorRT formats (opts: export.quantize.QuantizeOptions; the feeds: the
-    calibration chats' prefill, and the sensitivity texts GPTQ did not fit on, both from export/quantize.py)."""
+    calibration chats' prefill, and the sensitivity texts GPTQ did not fit on, both from export/quantize.py;
+    `keep_float`: fp8-qdq's MatMuls left fp16, as int8-qdq's qdq_float_nodes)."""
     if opts.mode == INT4_QDQ:
         return int4_qdq(fp32_dir, dst, opts, hessian, sensitivity_feeds)
     if opts.mode == FP8:
-        return fp8_qdq(fp32_dir, dst, calibration_feeds)
+        return fp8_qdq(fp32_dir, dst, calibration_feeds, opts.qdq_range, keep_float)
     raise ValueError(f"trt_formats: not a TensorRT Q/DQ format: {opts.mode}")

@@ -185,9 +185,9 @@ def test_default_kl_figures_are_the_measured_builds():
     import json
     from pathlib import Path
 
-    from export.planner import DEFAULT_KL, SMOLLM2_EVAL, SMOLLM2_INT4_EVAL, SMOLLM2_TRT_EVAL
+    from export.planner import DEFAULT_KL, SMOLLM2_EVAL, SMOLLM2_INT4_EVAL, SMOLLM2_QDQ_EVAL
 
-    for path, names in ((SMOLLM2_EVAL, ("int8-dynamic", "int4-weight")), (SMOLLM2_TRT_EVAL, ("fp8-qdq",)),
+    for path, names in ((SMOLLM2_EVAL, ("int8-dynamic", "int4-weight")), (SMOLLM2_QDQ_EVAL, ("fp8-qdq",)),
                         (SMOLLM2_INT4_EVAL, ("int4-qdq",))):
         measured = json.loads((Path(__file__).parents[1] / path).read_text())["engines"]
         for p in names:

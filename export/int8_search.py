@@ -1,0 +1,223 @@
+"""int8-qdq's choices by measurement, per activation: SmoothQuant's alpha and the activation range.
+
+One alpha for every layer (SmoothQuant's paper uses 0.5 for most models, 0.8-0.85 for some) is a compromise:
+a layer whose inputs have a few huge channels wants more of them moved into its weights than one whose inputs
+are even, and too much moved makes the weights' per-channel ranges the problem. So each smoothed activation
+gets the alpha whose quantized MatMuls reproduce the float ones best on calibration rows: the squared error
+|Q(x / s) Q(s W) - x W|^2 summed over the MatMuls that read it, over a sample of the calibration tokens' rows
+(`ActivationSample`, collected in the same block-by-block pass as the ranges). "Not smoothed" (s = 1) is a
+candidate too. The same error picks the activation's range (`range_method = "mse"`): its max |x| (ONNX
+Runtime's MinMax, TensorRT's max calibration) or that times a clip factor, where clipping the rare outliers
+buys finer steps for every other value; "max" keeps the max. The max itself comes from every calibration row,
+not the sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from export.gptq import LayerHessians
+
+ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # candidates per activation, beside "not smoothed"
+CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)  # range candidates as a share of max |x| ("mse")
+RANGE_METHODS = ("max", "mse")
+
+
+class ActivationSample(LayerHessians):
+    """Per weight-MatMul input, the model run one block at a time (export/int8_qdq.py `ActivationAbsMax`): max |x|
+    per channel over every calibration row, and `rows_per_text` rows of each text (evenly spaced, the first token
+    included) for measuring output errors."""
+
+    method = "by block (torch)"
+
+    def __init__(self, *args, rows_per_text: int = 16, **kw) -> None:
+        self.rows_per_text = rows_per_text
+        super().__init__(*args, **kw)
+
+    def _add(self, acc: dict, x: str, a: np.ndarray) -> None:
+        m = np.abs(a).max(axis=0)
+        pick = a[np.unique(np.linspace(0, len(a) - 1, min(self.rows_per_text, len(a))).astype(int))]
+        if x not in acc:
+            acc[x] = (m, [pick])
+        else:
+            acc[x] = (np.maximum(acc[x][0], m), acc[x][1] + [pick])
+
+    def _done(self, acc: dict) -> dict:
+        return {x: (m, np.concatenate(rows).astype(np.float32)) for x, (m, rows) in acc.items()}
+
+    def all(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(per-channel max |x|, sample rows) of every input, in one pass over the blocks."""
+        amax, rows = {}, {}
+        for node, x in self.input_of.items():
+            if x not in amax:
+                amax[x], rows[x] = self(node)
+                amax[x] = amax[x].astype(np.float32)
+        return amax, rows
+
+
+def fake_int8_activation(x: np.ndarray, r: float) -> np.ndarray:
+    """x through symmetric per-tensor INT8 Q/DQ of range r (scale r / 127, as ONNX Runtime writes it)."""
+    step = np.float32(max(r, 1e-12) / 127.0)
+    return np.clip(np.round(x / step), -127, 127) * step
+
+
+def fake_int8_weight(w: np.ndarray) -> np.ndarray:
+    """w [K, N] through symmetric INT8 per output channel (round to nearest; the search's stand-in for GPTQ)."""
+    s = np.maximum(np.abs(w).max(axis=0), 1e-12) / 127.0
+    return (np.clip(np.round(w / s), -127, 127) * s).astype(np.float32)
+
+
+def output_error(x: np.ndarray, weights: list[np.ndarray], refs: list[np.ndarray], s: np.ndarray, r: float,
+                 wq: list[np.ndarray] | None = None) -> float:
+    """sum over the MatMuls of |Q(x / s) Q(s W) - x W|^2 (refs: the x W; wq: the Q(s W) where already made)."""
+    xq = fake_int8_activation(x / s, r)
+    wq = wq or [fake_int8_weight(w * s[:, None]) for w in weights]
+    return float(sum(np.square(xq @ q - ref, dtype=np.float32).sum(dtype=np.float64) for q, ref in zip(wq, refs)))
+
+
+@dataclass
+class Search:
+    """The per-activation choices (`alphas` empty: the one `alpha` for every smoothed activation)."""
+
+    amax: dict[str, np.ndarray]
+    rows: dict[str, np.ndarray]
+    alpha: float = 0.5
+    alphas: tuple[float, ...] = ALPHAS
+    range_method: str = "max"
+    chosen: dict[str, dict] = field(default_factory=dict)  # activation -> {"alpha", "clip", "error"}: the record
+
+    def smoothing(self, act: str, weights: list[np.ndarray]) -> np.ndarray:
+        """s for the activation `act` read by `weights` ([K, N] each, unsmoothed): the alpha (or none) whose
+        quantized output error at the max range is least."""
+        a = np.maximum(self.amax[act], 1e-5)
+        wmax = np.maximum(np.max([np.abs(w).max(axis=1) for w in weights], axis=0), 1e-5)
+
+        def scales(alpha: float | None) -> np.ndarray:
+            if alpha is None:
+                return np.ones_like(a)
+            return np.clip(np.power(a, alpha) / np.power(wmax, 1 - alpha), 1e-2, 1e2).astype(np.float32)
+
+        if not self.alphas:
+            s = scales(self.alpha)
+            self.chosen[act] = {"alpha": self.alpha}
+            return s
+        x = self.rows[act]
+        refs = [x @ w for w in weights]
+        errors = {}
+        for alpha in (None, *self.alphas):
+            s = scales(alpha)
+            errors[alpha] = output_error(x, weights, refs, s, float(np.max(a / s)))
+        best = min(errors, key=errors.get)
+        energy = float(sum(np.square(r, dtype=np.float32).sum(dtype=np.float64) for r in refs))
+        self.chosen[act] = {"alpha": best, "error": errors[best] / max(energy, 1e-30),
+                            "error_at_default": errors.get(self.alpha, float("nan")) / max(energy, 1e-30)}
+        return scales(best)
+
+    def range(self, act: str, weights: list[np.ndarray], s: np.ndarray | None) -> float:
+        """The INT8 range of the activation `act` (divided by `s` where smoothed) read by `weights` (smoothed)."""
+        s = np.ones_like(self.amax[act]) if s is None else s
+        top = float(np.max(self.amax[act] / s))
+        if self.range_method == "max":
+            self.chosen.setdefault(act, {})["clip"] = 1.0
+            return top
+        x = self.rows[act]
+        ws = [w / s[:, None] for w in weights]  # back to the unsmoothed weights: the reference is x W
+        refs = [x @ w for w in ws]
+        wq = [fake_int8_weight(w) for w in weights]
+        errors = {c: output_error(x, ws, refs, s, top * c, wq) for c in CLIPS}
+        best = min(errors, key=errors.get)
+        self.chosen.setdefault(act, {})["clip"] = best
+        return top * best
+
+
+# ----------------------------------------------------------------------------- which activations stay float
+
+
+class QdqProbe:
+    """The smoothed fp32 graph with each quantized activation behind Where(flag, Q/DQ(x), x) (a bool graph input per
+    activation) and the quantized MatMuls' weights as graph inputs: one session measures what INT8 on any one
+    activation group (its Q/DQ and its MatMuls' INT8 weights) does to the logits, nothing rebuilt per group."""
+
+    def __init__(self, smoothed: Path, work: Path, groups: dict[str, list[str]], ranges: dict[str, float],
+                 feeds: list[dict]) -> None:
+        import onnx
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        from export.onnx_weights import GraphWeights, weight_matmuls
+        from export.sensitivity import _log_softmax32
+
+        gw = GraphWeights(smoothed)
+        model = gw.model
+        by_name = {n.name: n for n in weight_matmuls(model)}
+        self.groups = groups
+        self.weights = {n: np.ascontiguousarray(gw.array(by_name[n].input[1]), np.float32)
+                        for ns in groups.values() for n in ns}
+        self.weight_input = {n: by_name[n].input[1] for n in self.weights}
+        names = set(self.weight_input.values())
+        keep = [i for i in model.graph.initializer if i.name not in names]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(keep)
+        for n, w in self.weights.items():
+            model.graph.input.append(helper.make_tensor_value_info(self.weight_input[n], TensorProto.FLOAT, list(w.shape)))
+        self.flag = {}
+        nodes = list(model.graph.node)
+        for k, (x, ns) in enumerate(groups.items()):
+            flag, scale, zero = f"qdq_probe/{k}/on", f"qdq_probe/{k}/scale", f"qdq_probe/{k}/zero"
+            self.flag[x] = flag
+            model.graph.input.append(helper.make_tensor_value_info(flag, TensorProto.BOOL, []))
+            model.graph.initializer.extend([helper.make_tensor(scale, TensorProto.FLOAT, [], [max(ranges[x], 1e-12) / 127.0]),
+                                            helper.make_tensor(zero, TensorProto.INT8, [], [0])])
+            extra = [helper.make_node("QuantizeLinear", [x, scale, zero], [f"qdq_probe/{k}/q"]),
+                     helper.make_node("DequantizeLinear", [f"qdq_probe/{k}/q", scale, zero], [f"qdq_probe/{k}/dq"]),
+                     helper.make_node("Where", [flag, f"qdq_probe/{k}/dq", x], [f"qdq_probe/{k}/x"])]
+            for n in ns:
+                by_name[n].input[0] = f"qdq_probe/{k}/x"
+            at = min(nodes.index(by_name[n]) for n in ns)
+            nodes[at:at] = extra
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        path = gw.path.parent / "qdq-probe.onnx"  # beside the weights it names
+        onnx.save_model(model, str(path))
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.add_session_config_entry("session.disable_quant_qdq", "1")  # the Q/DQ arithmetic as written
+        try:
+            self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        finally:
+            path.unlink()
+        self.feeds = feeds
+        self.tokens = sum(f["input_ids"].shape[1] for f in feeds)
+        self.ref = [_log_softmax32(lo[0]) for lo in self.logits(None, {})]
+
+    def logits(self, on: str | None, swap: dict[str, np.ndarray]) -> list[np.ndarray]:
+        flags = {f: np.array(x == on) for x, f in self.flag.items()}
+        weights = {self.weight_input[n]: swap.get(n, w) for n, w in self.weights.items()}
+        return [self.session.run(["logits"], f | flags | weights)[0] for f in self.feeds]
+
+    def kl(self, x: str, dequantized: dict[str, np.ndarray]) -> float:
+        """Mean KL(float || this) per token with only activation `x` and its MatMuls' weights in INT8."""
+        from export.sensitivity import _kl
+
+        lo = self.logits(x, {n: dequantized[n] for n in self.groups[x]})
+        return sum(_kl(r, o[0]) for r, o in zip(self.ref, lo)) / self.tokens
+
+
+def float_groups(smoothed: Path, work: Path, groups: dict[str, list[str]], ranges: dict[str, float],
+                 dequantized: dict[str, np.ndarray], feeds: list[dict], ratio: float) -> tuple[list[str], dict[str, float]]:
+    """The activation groups to leave float: the ones whose INT8 form moves KL to the float graph most per extra
+    byte (fp16 instead of INT8 weights in TensorRT: K x N bytes per MatMul), while the extra bytes stay within
+    `ratio` of the INT8 weights' bytes (export/sensitivity.py `allocate`, the int4 budget's rule). Returns the
+    chosen activations and every group's measured KL."""
+    from tqdm import tqdm
+
+    from export.sensitivity import allocate
+
+    probe = QdqProbe(smoothed, work, groups, ranges, feeds)
+    sens = {x: probe.kl(x, dequantized) for x in tqdm(groups, desc="int8-qdq sensitivity (KL per activation)",
+                                                      unit="activation")}
+    del probe
+    cost = {x: sum(int(dequantized[n].size) for n in ns) for x, ns in groups.items()}
+    return allocate(sens, cost, int(ratio * sum(cost.values()))), sens
