@@ -250,8 +250,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-fused", action="store_true",
                    help="quantize the ONNX Runtime engines from the plain graph (skip the fused GroupQueryAttention graph)")
     b.add_argument("--streaming", action="store_true",
-                   help="write int8-dynamic / int4-weight straight from a safetensors checkpoint, one tensor at a time: "
-                        "memory bounded by the largest tensor, not the model (round to nearest, with --skip-eval)")
+                   help="write int8-dynamic / int4-weight straight from a safetensors folder or a GGUF file, one tensor at a time: "
+                        "memory bounded by the largest tensor, not the model; evaluated against the model run one block at a time")
     b.add_argument("--kv-cache", metavar="TYPE",
                    help="what the fused CPU engines' K/V cache holds: float (default) or int8 (half of fp16's, a "
                         "quarter of fp32's bytes per token; per-channel scales calibrated here; the manifest records "

@@ -250,13 +250,18 @@ def held_out_texts(sets: dict[str, list[list[int]]], tok, ref_tok, t_ids, chat_l
     return out
 
 
-def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict | None = None) -> dict:
+def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict | None = None,
+        reference_logits=None) -> dict:
     """Measure every engine; KL and agreement are against the teacher when there is one (a pruned
     build), else against the shipped fp32 graph. `stages`: prune/distill records for the report.
 
     One engine in ONNX Runtime at a time: the reference first, its logits on every held-out text written to
     disk (export/reference_logits.py), then each other engine scored against them, its speed and golden
-    answers measured, and unloaded before the next one loads."""
+    answers measured, and unloaded before the next one loads.
+
+    `reference_logits` (the streaming build, which writes no fp32 graph): a function of the texts' token ids
+    yielding each text's fp32 logits in turn (the model run one decoder block at a time,
+    export/stream_reference.py); the reference is then scored from those alone (no speed, no golden answers)."""
     from export.data import load_chats
     from export.load import chat_tokenizer, model_dims
     from export.memory import release_memory
@@ -304,14 +309,16 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
     with ReferenceLogits(dst / "reference-logits.f32") as store:
         for e in [by_name[ref]] + [e for e in engines if e.name != ref]:  # the reference first: it writes the store
             t0 = time.perf_counter()
-            d = load(e)
+            streamed = e.name == ref and reference_logits is not None  # no graph: logits from the torch model
+            d = None if streamed else load(e)
             timing[e.name] = t = {"load_s": time.perf_counter() - t0, "score_s": 0.0, "scored_tokens": 0}
             parts: dict[str, list[dict]] = {k: [] for k in sets}
             t0 = time.perf_counter()
+            made = reference_logits([x.ref_ids[:-1] for x in texts]) if streamed else None
             for i, x in enumerate(tqdm(texts, desc=f"held-out texts ({e.name})", unit="text")):
                 t["scored_tokens"] += len(x.ids) - 1
                 if e.name == ref:  # its logits on the reference's tokens (and on the shipped model's) go to disk
-                    store.put((i, "ref"), logits(d, x.ref_ids))
+                    store.put((i, "ref"), next(made) if streamed else logits(d, x.ref_ids))
                     if t_ids is not None:  # over the kept tokens
                         store.put((i, "student"), logits(d, t_ids[x.ids].tolist())[:, t_ids])
                 if e.name in own_vocab:  # the teacher on its own tokens
@@ -323,15 +330,21 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
                 parts[x.kind].append(token_metrics(student, against, np.array(x.ids[1:]))
                                      | {"n_ref": len(x.ref_ids) - 1, "bytes": x.n_bytes})
             t["score_s"] = time.perf_counter() - t0
+            del made
             q = summarize(parts["chats"])
             if parts["prose"]:
                 q["prose"] = summarize(parts["prose"])
-            q["size_bytes"] = graph_bytes(e.folder / "model.onnx")
+            if streamed:  # no graph was written: what an fp32 graph's weights would weigh
+                q["size_bytes"] = 4 * dims(e).num_parameters
+                q["scored_with"] = ("PyTorch fp32 (the Hugging Face model), one decoder block's weights at a time "
+                                    "(export/stream_reference.py); size: its fp32 weights, no graph written")
+            else:
+                q["size_bytes"] = graph_bytes(e.folder / "model.onnx")
+                q["scored_with"] = scored_with(e.precision, d)
             q["shipped"] = not getattr(e, "report_only", False)
-            q["scored_with"] = scored_with(e.precision, d)
             q["timing"] = t
             results["engines"][e.name] = q
-            if not quality_only(e):
+            if not quality_only(e) and not streamed:
                 lineage = getattr(e, "lineage", False)  # teacher / pruned-only: speed too, golden answers only for what ships
                 bar = tqdm(total=opts.bench_runs + 1 + (0 if lineage else len(GOLDEN)), unit="answer",
                            desc=("speed" if lineage else "speed + golden prompts") + f" ({e.name})")

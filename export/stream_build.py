@@ -100,46 +100,74 @@ def write_quantized(source, dst: Path, opts, num_layers: int | None = None, hess
 
 
 def load(ref, dst: Path, chat_template: str | None = None) -> dict:
-    """The load stage of a streaming build: a Hugging Face folder's config, tokenizer and weights made available
-    in `dst` without loading a weight (safetensors hard-linked, or copied where a link cannot be made)."""
+    """The load stage of a streaming build: the checkpoint's config, tokenizer and weights made available in `dst`
+    without loading a weight. A Hugging Face folder's safetensors are hard-linked (copied where a link cannot be
+    made); a GGUF file is linked whole and its config.json and tokenizer written from its metadata, the tokenizer
+    checked against the GGUF's own (export/gguf_tokenizer.py) as the normal load stage does. `source_of(dst)`
+    then reads the weights one tensor at a time."""
     import os
     import shutil
-
-    from transformers import AutoTokenizer
-
-    from export.load import META, check_architecture, copy_side_files, eos_ids
-    from export.weight_source import SafetensorsSource
-
-    if ref.kind != "hf-folder":
-        raise RecipeError(f"the streaming build reads a local Hugging Face folder with safetensors weights, not "
-                          f"{ref.kind} {ref.name}: build without --streaming")
-    check_architecture(ref)
-    src = Path(ref.location)
-    source = SafetensorsSource(src)  # refuses a folder without safetensors
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.suffix == ".safetensors" or f.name in ("config.json", "model.safetensors.index.json"):
-            try:
-                os.link(f, dst / f.name)
-            except OSError:
-                shutil.copy2(f, dst / f.name)
-    copy_side_files(src, dst)
-    tok = AutoTokenizer.from_pretrained(src)
-    if chat_template is not None:
-        tok.chat_template = chat_template
-        tok.save_pretrained(dst)
-    if not tok.chat_template:
-        raise RecipeError(f"{ref.name} has no chat template (a base model?): give it one with --chat-template FILE")
     from types import SimpleNamespace
 
-    from transformers import GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
 
-    gen = GenerationConfig.from_pretrained(src) if (src / "generation_config.json").is_file() else GenerationConfig()
+    from export.load import META, check_architecture, copy_side_files, eos_ids
+    from export.weight_source import GGUFSource, SafetensorsSource
+
+    if ref.kind not in ("hf-folder", "gguf"):
+        raise RecipeError(f"the streaming build reads a local Hugging Face folder (safetensors) or a GGUF file, not "
+                          f"{ref.kind} {ref.name}: download it first, or build without --streaming")
+    check_architecture(ref)  # a GGUF transformers misreads is refused here, as in the normal load stage
+    src = Path(ref.location)
+    dst.mkdir(parents=True, exist_ok=True)
+
+    def link(f: Path) -> None:
+        (dst / f.name).unlink(missing_ok=True)
+        try:
+            os.link(f, dst / f.name)
+        except OSError:
+            shutil.copy2(f, dst / f.name)
+
+    metrics: dict = {"streamed": True}
+    record: dict = {"name": ref.name, "source": f"{ref.kind}:{ref.location}"}
+    if ref.gguf_file:
+        source = GGUFSource(src / ref.gguf_file)
+        link(src / ref.gguf_file)
+        (dst / "config.json").write_text(json.dumps(source.config, indent=2))
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=ref.gguf_file)
+        record |= {"source": f"gguf:{src / ref.gguf_file}", "gguf_file": ref.gguf_file}
+    else:
+        source = SafetensorsSource(src)  # refuses a folder without safetensors
+        for f in src.iterdir():
+            if f.suffix == ".safetensors" or f.name in ("config.json", "model.safetensors.index.json"):
+                link(f)
+        copy_side_files(src, dst)
+        tok = AutoTokenizer.from_pretrained(src)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    if not tok.chat_template:
+        raise RecipeError(f"{ref.name} has no chat template (a base model?): give it one with --chat-template FILE")
+    if ref.gguf_file or chat_template is not None:
+        tok.save_pretrained(dst)
+    if ref.gguf_file:  # the converted tokenizer must split text as the GGUF's own does
+        from export.gguf_tokenizer import check_and_fix
+
+        metrics["tokenizer_check"] = check_and_fix(dst / "tokenizer.json", src / ref.gguf_file)
+    gen = GenerationConfig.from_pretrained(src) if not ref.gguf_file and (src / "generation_config.json").is_file() \
+        else GenerationConfig(eos_token_id=source.config.get("eos_token_id"))
     holder = SimpleNamespace(generation_config=gen, config=SimpleNamespace(eos_token_id=source.config.get("eos_token_id")))
     n = sum(int(np.prod(source.shape(k), dtype=np.int64)) for k in source.names())
-    (dst / META).write_text(json.dumps({"name": ref.name, "source": f"{ref.kind}:{ref.location}",
-                                        "eos_token_ids": eos_ids(holder, tok), "num_parameters": n}, indent=2))
-    return {"num_parameters": n, "streamed": True}
+    (dst / META).write_text(json.dumps(record | {"eos_token_ids": eos_ids(holder, tok), "num_parameters": n}, indent=2))
+    return metrics | {"num_parameters": n}
+
+
+def source_of(hf_dir: Path):
+    """The weight source of a streaming build's load stage folder (its GGUF, or its safetensors)."""
+    from export.load import META
+    from export.weight_source import GGUFSource, SafetensorsSource
+
+    gguf_file = json.loads((hf_dir / META).read_text()).get("gguf_file")
+    return GGUFSource(hf_dir / gguf_file) if gguf_file else SafetensorsSource(hf_dir)
 
 
 def check_options(opts) -> None:
@@ -150,8 +178,6 @@ def check_options(opts) -> None:
                           f"choose --precision {' --precision '.join(STREAMED)}")
     if opts.prune is not None or opts.draft is not None:
         raise RecipeError("the streaming build has no prune, distill or draft stage yet: drop --streaming for those")
-    if not opts.skip_eval:
-        raise RecipeError("the streaming build has no evaluate stage yet (it needs an fp32 graph): add --skip-eval")
     rounding = {INT8_DYNAMIC: opts.int8_rounding, INT4_WEIGHT: opts.int4_rounding}
     gptq = [p for p in opts.precisions if rounding[p] == "gptq"]
     if gptq:
@@ -169,12 +195,11 @@ def _engine(hf_dir: Path, dst: Path, opts) -> dict:
     from export.load import model_dims
     from export.memory import release_memory
     from export.stream_reference import compare
-    from export.weight_source import SafetensorsSource
 
-    metrics = write_quantized(SafetensorsSource(hf_dir), dst, opts, model_dims(hf_dir).num_layers)
+    metrics = write_quantized(source_of(hf_dir), dst, opts, model_dims(hf_dir).num_layers)
     release_memory()
     try:
-        metrics["reference"] = compare(SafetensorsSource(hf_dir), dst / "model.onnx", hf_dir)
+        metrics["reference"] = compare(source_of(hf_dir), dst / "model.onnx", hf_dir)
     except ValueError as e:  # a family the block-by-block reference does not run yet (mixed attention types)
         metrics["reference"] = {"skipped": str(e)}
     return metrics
@@ -194,3 +219,22 @@ def stages(stage, opts, hf_dir: Path, loaded: str, quantize_options) -> tuple[li
         records.append(rec)
         engines.append(package.EngineArtifact(precision, qdir, precision, variant="fused"))
     return engines, records
+
+
+def reference_artifact(hf_dir: Path):
+    """The fp32 reference of a streaming build's evaluate stage: no graph (its logits come from
+    `reference_logits`), measured for the report, not shipped."""
+    from edge.precisions import FP32
+    from export import package
+
+    return package.EngineArtifact(FP32, hf_dir, FP32, report_only=True, reference=True)
+
+
+def reference_logits(hf_dir: Path):
+    """The evaluate stage's fp32 logits on its texts: the model run one decoder block at a time from the checkpoint
+    (export/stream_reference.py), each text's logits yielded in turn."""
+    def run(prompts: list[list[int]]):
+        from export.stream_reference import iter_reference_logits
+
+        return iter_reference_logits(source_of(hf_dir), prompts, progress=True)
+    return run

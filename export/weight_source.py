@@ -154,10 +154,29 @@ class GGUFSource(WeightSource):
         return tuple(int(d) for d in reversed(self._tensors[name].shape))  # GGUF lists dims fastest-first
 
     def _get(self, name: str) -> np.ndarray:
+        """Dequantized a few MB of rows at a time from positioned reads of the file (not the reader's memory map:
+        pages a read touched would stay in the process's resident memory, the whole file by the build's end),
+        into one fp32 array: dequantizing a whole tensor at once holds several fp32-sized temporaries."""
+        from gguf import GGML_QUANT_SIZES
         from gguf.quants import dequantize
 
         t = self._tensors[name]
-        w = dequantize(t.data, t.tensor_type)
+        block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+        cols = int(t.shape[0])  # GGUF lists dims fastest-first
+        rows = int(t.n_elements) // cols
+        row_bytes = cols // block * type_size
+        if rows * row_bytes != int(t.n_bytes):
+            raise ModelSourceError(f"{self.path.name}: tensor {t.name!r} holds {t.n_bytes} bytes, its type and shape "
+                                   f"say {rows * row_bytes}: a damaged file?")
+        out = np.empty((rows, cols), np.float32)
+        step = max(1, (32 << 20) // (4 * cols))
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            raw = np.fromfile(self.path, np.uint8, count=n * row_bytes, offset=int(t.data_offset) + r * row_bytes)
+            if raw.size != n * row_bytes:
+                raise ModelSourceError(f"{self.path} ends inside its tensor {t.name!r}: a truncated download?")
+            out[r:r + n] = dequantize(raw.reshape(n, row_bytes), t.tensor_type)
+        w = out.reshape(tuple(int(d) for d in reversed(t.shape)))
         w = self._processor.process(weights=w, name=t.name, tensor_key_mapping=self._map, parsed_parameters={}).weights
         return np.asarray(w).reshape(self.shape(name))
 
