@@ -239,10 +239,15 @@ def _gptq_statistics(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOpti
     from export.gptq_statistics import gptq_statistics
 
     plain, fused = _plain_graph(fp32_dir)
-    feeds = sensitivity_feeds(hf_dir, QuantizeOptions(mode=opts.mode, calibration=opts.calibration,
-                                                      sensitivity_samples=opts.gptq_samples,
-                                                      sensitivity_tokens=opts.gptq_tokens), dims, chats=gptq_chats(opts))
-    return gptq_statistics(plain, fused, hf_dir, dst, feeds, shared)
+    return gptq_statistics(plain, fused, hf_dir, dst, gptq_feeds(hf_dir, opts, dims), shared)
+
+
+def gptq_feeds(hf_dir: Path, opts: QuantizeOptions, dims) -> list[dict]:
+    """GPTQ's calibration texts as prefill inputs: `gptq_samples` texts of `gptq_tokens` tokens, calibration chats and
+    training prose (never the held-out texts)."""
+    return sensitivity_feeds(hf_dir, QuantizeOptions(mode=opts.mode, calibration=opts.calibration,
+                                                     sensitivity_samples=opts.gptq_samples,
+                                                     sensitivity_tokens=opts.gptq_tokens), dims, chats=gptq_chats(opts))
 
 
 def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, dims,

@@ -9,12 +9,16 @@ graph's external data. Memory: the libraries, the graph's records, and one weigh
 quantized form; the largest is the embedding / LM head) at a time.
 
 The result is the graph the quantize stage makes from the fp32 fused graph with the same options
-(tests/test_stream_build.py compares them). `edge-export build --streaming` runs it as the build's stages: `load`
-links the checkpoint's files, then one `quantize-<precision>` stage per engine (each engine compared with the fp32
-model run one decoder block at a time, export/stream_reference.py), then the package. What it does not
-do (yet): the int4 byte budget (its sensitivity measure runs the fp32 graph), GPTQ rounding (its statistics run
-the model in torch), int8-qdq and the plain graph (TensorRT's), the evaluate stage (no fp32 graph), a GGUF
-source in the recipe (export/weight_source.py reads one; the load stage does not link it yet).
+(tests/test_stream_build.py compares them). GPTQ rounding reads statistics collected one decoder block at a time
+with that block's weights read from the checkpoint (export/gptq.py `StreamedLayerHessians`), shared by the
+build's engines on disk where it has room (export/gptq_statistics.py). `edge-export build --streaming` runs it
+as the build's stages: `load` links the checkpoint's files (a safetensors folder or a GGUF file), then one
+`quantize-<precision>` stage per engine (each compared with the fp32 model run one decoder block at a time on a
+few prompts, export/stream_reference.py), then the evaluate stage against that block-by-block reference (its
+logits on the held-out texts on disk, one engine in ONNX Runtime at a time), then the package. What it does not
+do (yet): the int4 byte budget (its sensitivity measure runs the fp32 graph), int8-qdq and the plain graph
+(TensorRT's), prune / distill / draft, the int8 K/V cache, and models whose blocks differ in attention type
+(Gemma 3: the block-by-block reference and statistics are refused for it).
 """
 
 from __future__ import annotations
@@ -58,12 +62,13 @@ def build_graph(source, dst: Path) -> GraphWeights:
     return GraphWeights.in_memory(proto, dst, lazies)
 
 
-def write_quantized(source, dst: Path, opts, num_layers: int | None = None, hessian=None) -> dict:
+def write_quantized(source, dst: Path, opts, num_layers: int | None = None, hessian=None, statistics=None) -> dict:
     """`source` (a WeightSource) -> dst/model.onnx (+ .data), quantized as the quantize stage's `opts` (a
-    QuantizeOptions for int8-dynamic with the nbits kernel, or int4-weight without a byte budget) say."""
-    from export.embedding import quantize_embedding
-    from export.nbits import quantize_matmuls
-    from export.quantize import _weight_of, lm_head_block, matching_matmuls
+    QuantizeOptions for int8-dynamic with the nbits kernel, or int4-weight without a byte budget) say.
+    GPTQ rounding reads `hessian` (MatMul name -> its input's X^T X), or makes its statistics with
+    `statistics(input_of, widths)` (the graph's MatMul name -> input, input -> K; returns an object with the
+    `LayerHessians` interface, closed here) once the graph's names are known."""
+    from export.onnx_weights import weight_matmuls
 
     if opts.mode not in STREAMED or opts.mode == INT8_DYNAMIC and opts.int8_kernel != "nbits":
         raise RecipeError(f"the streaming build makes {', '.join(STREAMED)} (int8-dynamic with the nbits kernel), not "
@@ -72,12 +77,37 @@ def write_quantized(source, dst: Path, opts, num_layers: int | None = None, hess
         raise RecipeError("the streaming build has no int4 byte budget yet (its sensitivity runs the fp32 graph): "
                           "leave int4_budget_mb and int4_extra_ratio unset")
     rounding = opts.int8_rounding if opts.mode == INT8_DYNAMIC else opts.int4_rounding
-    if rounding == "gptq" and hessian is None:
-        raise RecipeError("gptq rounding needs the inputs' statistics: pass hessian=, or round with 'minmax'")
+    if rounding == "gptq" and hessian is None and statistics is None:
+        raise RecipeError("gptq rounding needs the inputs' statistics: pass hessian= or statistics=, or round with "
+                          "'minmax'")
     dst.mkdir(parents=True, exist_ok=True)
     gw = build_graph(source, dst)
     layers = num_layers or int(source.config["num_hidden_layers"])
     untie_lm_head(gw)
+    hess = None
+    if rounding == "gptq" and hessian is None:
+        nodes = weight_matmuls(gw.model)
+        hess = hessian = statistics({n.name: n.input[0] for n in nodes},
+                                    {n.input[0]: gw.shape(n.input[1])[0] for n in nodes})
+    try:
+        metrics = _quantize_and_save(gw, dst, opts, layers, rounding, hessian)
+    finally:
+        if hess is not None:
+            hess.close()
+    if hess is not None:
+        metrics |= {"gptq_tokens": hess.rows, "gptq_passes": hess.passes, "gptq_statistics": hess.method,
+                    "gptq_statistics_loaded": getattr(hess, "loaded_from_disk", 0),
+                    "gptq_statistics_computed": getattr(hess, "computed", None)}
+    return metrics
+
+
+def _quantize_and_save(gw, dst: Path, opts, layers: int, rounding: str, hessian) -> dict:
+    """Set the engine's quantization on the streamed graph's weights, then save it (each weight computed as it
+    is written)."""
+    from export.embedding import quantize_embedding
+    from export.nbits import quantize_matmuls
+    from export.quantize import _weight_of, lm_head_block, matching_matmuls
+
     metrics: dict = {"mode": opts.mode, "streamed": True}
     if opts.mode == INT8_DYNAMIC:
         special = {name: (8, 16) for name in matching_matmuls(gw.model, tuple(opts.block16_nodes), layers)}
@@ -178,11 +208,6 @@ def check_options(opts) -> None:
                           f"choose --precision {' --precision '.join(STREAMED)}")
     if opts.prune is not None or opts.draft is not None:
         raise RecipeError("the streaming build has no prune, distill or draft stage yet: drop --streaming for those")
-    rounding = {INT8_DYNAMIC: opts.int8_rounding, INT4_WEIGHT: opts.int4_rounding}
-    gptq = [p for p in opts.precisions if rounding[p] == "gptq"]
-    if gptq:
-        raise RecipeError("the streaming build rounds to nearest (GPTQ's statistics run the model in torch): add "
-                          "--int8-rounding minmax --int4-rounding minmax")
     if INT4_WEIGHT in opts.precisions and (opts.int4_budget_mb is not None or opts.int4_extra_ratio > 0):
         raise RecipeError("the streaming build has no int4 byte budget yet: drop --int4-budget-mb")
     if getattr(opts, "kv_cache", "float") != "float":
@@ -196,7 +221,17 @@ def _engine(hf_dir: Path, dst: Path, opts) -> dict:
     from export.memory import release_memory
     from export.stream_reference import compare
 
-    metrics = write_quantized(source_of(hf_dir), dst, opts, model_dims(hf_dir).num_layers)
+    dims = model_dims(hf_dir)
+
+    def statistics(input_of: dict[str, str], widths: dict[str, int]):
+        from export.gptq_statistics import streamed_statistics
+        from export.quantize import gptq_feeds
+
+        source = source_of(hf_dir)
+        files = [f for f in hf_dir.iterdir() if f.suffix in (".safetensors", ".gguf")]
+        return streamed_statistics(source, files, dst, gptq_feeds(hf_dir, opts, dims), input_of, widths)
+
+    metrics = write_quantized(source_of(hf_dir), dst, opts, dims.num_layers, statistics=statistics)
     release_memory()
     try:
         metrics["reference"] = compare(source_of(hf_dir), dst / "model.onnx", hf_dir)

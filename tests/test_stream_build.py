@@ -276,3 +276,49 @@ def test_streaming_load_refuses_what_it_cannot_read(tmp_path):
 
     with pytest.raises(RecipeError, match="download it first"):
         stream_build.load(resolve("llama-3-8b"), tmp_path / "x")
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2"])
+def test_streamed_gptq_rounds_as_the_quantize_stage(case, tmp_path):
+    """GPTQ under --streaming: statistics collected one decoder block at a time with that block's weights read from
+    the checkpoint (no model loaded in torch), then each weight rounded as it is saved: the same levels, scales and
+    zero points as the quantize stage's GPTQ on the fp32 graph's statistics (ONNX Runtime, the whole graph), bit
+    for bit on these models; one pass over the calibration texts per engine."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_tiny_model
+    from export import onnx_export, quantize, stream_build
+    from export.load import META
+
+    src = make_tiny_model(tmp_path / case, **CASES[case])
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    (src / META).write_text(json.dumps({"num_parameters": sum(p.numel() for p in model.parameters()),
+                                        "eos_token_ids": [2]}))
+    onnx_export.run(src, tmp_path / "fp32", onnx_export.ExportOptions(greedy_tokens=4))
+    for mode in ("int8-dynamic", "int4-weight"):
+        opts = quantize.QuantizeOptions(mode=mode, gptq_samples=8, gptq_tokens=64)
+        (tmp_path / f"{mode}-today").mkdir()
+        today = quantize.run(tmp_path / "fp32" / onnx_export.FUSED_DIR, src, tmp_path / f"{mode}-today", opts)
+        metrics = stream_build._engine(src, tmp_path / f"{mode}-streamed", opts)
+        assert metrics["gptq_statistics"].startswith("by block") and metrics["gptq_passes"] == 1, metrics
+        assert metrics["gptq_tokens"] == today["gptq_tokens"] > 0  # the same calibration texts
+        (_, want), (_, got) = _graph(tmp_path / f"{mode}-today/model.onnx"), _graph(tmp_path / f"{mode}-streamed/model.onnx")
+        assert sorted(got) == sorted(want)
+        for name in want:
+            assert np.array_equal(got[name], want[name]), (mode, name)
+
+
+def test_streaming_build_with_gptq_collects_the_statistics_once(tiny_model_dir, tmp_path):
+    """The recipe's streaming build rounds by GPTQ by default: the first engine collects the statistics block by
+    block and keeps them in the build's work folder; the second reads them back (no second pass)."""
+    from export.recipe import BuildOptions, build
+
+    b = build(BuildOptions(output=tmp_path / "q.bundle", model=str(tiny_model_dir), streaming=True, skip_eval=True,
+                           precisions=("int8-dynamic", "int4-weight"), gptq_samples=4, max_context=256),
+              log=lambda s: None, quiet=True)
+    q8, q4 = (s.metrics for s in b.manifest.stages[1:3])
+    assert q8["int8_rounding"] == "gptq" and q4["int4_rounding"] == "gptq"
+    assert q8["gptq_passes"] == 1 and q8["gptq_statistics_computed"] > 0, q8
+    assert q4["gptq_passes"] == 0 and q4["gptq_statistics_loaded"] > 0, q4
+    assert q4["reference"]["kl_to_reference"] < 0.01
