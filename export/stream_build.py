@@ -215,8 +215,10 @@ def check_options(opts) -> None:
                           "built engine's K/V, after the build): drop --kv-cache or --streaming")
 
 
-def _engine(hf_dir: Path, dst: Path, opts) -> dict:
-    """One streamed engine, then compared with the fp32 model run one block at a time (export/stream_reference.py)."""
+def _engine(hf_dir: Path, dst: Path, opts, check: bool = True) -> dict:
+    """One streamed engine, then (`check`) compared with the fp32 model run one block at a time on the export stage's
+    parity prompts (export/stream_reference.py): the build's only quality figure when it skips the evaluate stage,
+    which otherwise measures the same against the same reference on its held-out texts."""
     from export.load import model_dims
     from export.memory import release_memory
     from export.stream_reference import compare
@@ -232,6 +234,8 @@ def _engine(hf_dir: Path, dst: Path, opts) -> dict:
         return streamed_statistics(source, files, dst, gptq_feeds(hf_dir, opts, dims), input_of, widths)
 
     metrics = write_quantized(source_of(hf_dir), dst, opts, dims.num_layers, statistics=statistics)
+    if not check:
+        return metrics
     release_memory()
     try:
         metrics["reference"] = compare(source_of(hf_dir), dst / "model.onnx", hf_dir)
@@ -240,17 +244,40 @@ def _engine(hf_dir: Path, dst: Path, opts) -> dict:
     return metrics
 
 
+def check_blocks(hf_dir: Path, opts) -> None:
+    """Refuse before any engine is written what needs every decoder block run alike (the block-by-block reference
+    of the evaluate stage, GPTQ's statistics) on a model whose blocks differ in attention type (Gemma 3's
+    sliding-window and global layers: each gets its own mask), naming the flags that build it."""
+    from export.weight_source import empty_model
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    kinds = {getattr(layer, "attention_type", None) for layer in empty_model(cfg).model.layers}
+    if len(kinds) < 2:
+        return
+    rounding = {INT8_DYNAMIC: opts.int8_rounding, INT4_WEIGHT: opts.int4_rounding}
+    need = ([] if opts.skip_eval else ["--skip-eval"]) + \
+        [f"--{p.split('-')[0]}-rounding minmax" for p in opts.precisions if rounding[p] == "gptq"]
+    if need:
+        raise RecipeError(f"{cfg.get('architectures', ['this model'])[0]}'s decoder blocks differ in attention type "
+                          f"({', '.join(sorted(map(str, kinds)))}), which the streaming build cannot run one block at a "
+                          f"time yet (its evaluate stage's reference, GPTQ's statistics): add {' '.join(need)}, or "
+                          "build without --streaming")
+
+
 def stages(stage, opts, hf_dir: Path, loaded: str, quantize_options) -> tuple[list, list]:
     """The engines of a streaming build, one quantize stage each, written from the loaded checkpoint."""
     import dataclasses
 
     from export import package
 
+    check_blocks(hf_dir, opts)
     engines, records = [], []
     for precision in opts.precisions:
         qopts = quantize_options(opts, precision)
-        qdir, rec = stage(f"quantize-{precision}", dataclasses.asdict(qopts) | {"load": loaded, "streamed": True},
-                          lambda d, q=qopts: _engine(hf_dir, d, q))
+        check = opts.skip_eval  # else the evaluate stage compares each engine with the same reference
+        qdir, rec = stage(f"quantize-{precision}", dataclasses.asdict(qopts) | {"load": loaded, "streamed": True,
+                                                                               "reference_check": check},
+                          lambda d, q=qopts, c=check: _engine(hf_dir, d, q, c))
         records.append(rec)
         engines.append(package.EngineArtifact(precision, qdir, precision, variant="fused"))
     return engines, records

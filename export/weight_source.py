@@ -175,7 +175,12 @@ class GGUFSource(WeightSource):
             raw = np.fromfile(self.path, np.uint8, count=n * row_bytes, offset=int(t.data_offset) + r * row_bytes)
             if raw.size != n * row_bytes:
                 raise ModelSourceError(f"{self.path} ends inside its tensor {t.name!r}: a truncated download?")
-            out[r:r + n] = dequantize(raw.reshape(n, row_bytes), t.tensor_type)
+            try:
+                out[r:r + n] = dequantize(raw.reshape(n, row_bytes), t.tensor_type)
+            except NotImplementedError:
+                raise ModelSourceError(f"{self.path.name}: tensor {t.name!r} is {t.tensor_type.name}, which the gguf "
+                                       "package cannot dequantize: build from a GGUF of another quantization type "
+                                       "(Q4_K_M, Q8_0, ...) or from the safetensors folder") from None
         w = out.reshape(tuple(int(d) for d in reversed(t.shape)))
         w = self._processor.process(weights=w, name=t.name, tensor_key_mapping=self._map, parsed_parameters={}).weights
         return np.asarray(w).reshape(self.shape(name))

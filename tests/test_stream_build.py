@@ -225,6 +225,9 @@ def test_streaming_build_evaluates_as_the_normal_build(tiny_model_dir, tmp_path)
             assert [s.name for s in b.manifest.stages] == ["load", "quantize-int8-dynamic", "quantize-int4-weight",
                                                            "evaluate"]
             assert not list((tmp_path / "True.bundle.work").glob("export*"))  # still no fp32 graph
+            # the quantize stages leave the comparison with the reference to the evaluate stage (no third read of
+            # the checkpoint per engine)
+            assert not any("reference" in s.metrics for s in b.manifest.stages[1:3])
             assert not list((tmp_path / "True.bundle.work").rglob("reference-logits*"))  # removed at the end
             shipped = {e.name: e.quality for e in b.manifest.engines}
             assert shipped["int8-dynamic"]["kl_to_fp32"] == got[True]["engines"]["int8-dynamic"]["kl_to_fp32"]
@@ -322,3 +325,21 @@ def test_streaming_build_with_gptq_collects_the_statistics_once(tiny_model_dir, 
     assert q8["gptq_passes"] == 1 and q8["gptq_statistics_computed"] > 0, q8
     assert q4["gptq_passes"] == 0 and q4["gptq_statistics_loaded"] > 0, q4
     assert q4["reference"]["kl_to_reference"] < 0.01
+
+
+def test_streaming_refuses_block_by_block_work_on_mixed_attention_blocks(tmp_path):
+    """Gemma 3's sliding-window and global blocks cannot run one at a time with one set of arguments yet: the
+    evaluate stage's reference and GPTQ's statistics are refused after the load stage, before any engine is
+    written, naming the flags that build it; with them the build goes through."""
+    from conftest import make_tiny_model
+    from edge.errors import RecipeError
+    from export.recipe import BuildOptions, build
+
+    src = make_tiny_model(tmp_path / "gemma3", **CASES["gemma3"])
+    base = dict(model=str(src), streaming=True, precisions=("int8-dynamic",), max_context=256)
+    with pytest.raises(RecipeError, match="differ in attention type.*add --skip-eval --int8-rounding minmax"):
+        build(BuildOptions(output=tmp_path / "a.bundle", **base), log=lambda s: None, quiet=True)
+    assert not (tmp_path / "a.bundle.work" / "quantize-int8-dynamic").exists()
+    b = build(BuildOptions(output=tmp_path / "b.bundle", skip_eval=True, int8_rounding="minmax", **base),
+              log=lambda s: None, quiet=True)
+    assert b.manifest.stages[1].metrics["reference"]["skipped"]
