@@ -81,22 +81,40 @@ def _lse(x: np.ndarray) -> np.ndarray:
     return m[:, 0].astype(np.float64) + np.log(np.exp(x - m).sum(axis=-1, dtype=np.float64))
 
 
+METRIC_ROWS = 64  # positions whose float temporaries (vocabulary-wide) are alive at once in `token_metrics`
+
+
 def token_metrics(student: np.ndarray, teacher: np.ndarray | Reference, targets: np.ndarray) -> dict:
     """Per-position sums for one sequence: NLL of targets, KL(teacher || student), top-1 agreement.
 
     student/teacher: [seq, vocab] logits predicting targets [seq] (teacher: or its `Reference`, computed once
     for all engines). KL = sum_v p_t (t_v - s_v) - (lse_t - lse_s): float32 element-wise work with float64
     sums, ~8x faster than float64 log-softmaxes and within ~1e-7 nats of them (tests/test_eval.py checks).
+    Teacher logits given as an array are taken `METRIC_ROWS` positions at a time (its softmax and the difference
+    are vocabulary-wide temporaries: a 512-token text of a 152k vocabulary holds 311 MB per copy); each position's
+    terms are the same numbers either way, summed once at the end.
     """
+    if not isinstance(teacher, Reference) and len(targets) > METRIC_ROWS:
+        kl, nll, agree = np.empty(len(targets)), np.empty(len(targets)), 0
+        for a in range(0, len(targets), METRIC_ROWS):
+            b = min(a + METRIC_ROWS, len(targets))
+            part = _terms(student[a:b], Reference.of(teacher[a:b]), targets[a:b])
+            kl[a:b], nll[a:b], agree = part[0], part[1], agree + part[2]
+        return {"nll": float(nll.sum()), "kl": float(kl.sum()), "agree": agree, "n": int(len(targets))}
     ref = teacher if isinstance(teacher, Reference) else Reference.of(teacher)
+    kl, nll, agree = _terms(student, ref, targets)
+    return {"nll": float(nll.sum()), "kl": float(kl.sum()), "agree": agree, "n": int(len(targets))}
+
+
+def _terms(student: np.ndarray, ref: Reference, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Per-position KL and NLL (float64) and the count of agreeing top-1 tokens."""
     s = np.ascontiguousarray(student, dtype=np.float32)
     lse_s = _lse(s)
     d = ref.logits - s
     d *= ref.probs
     kl = d.sum(axis=-1, dtype=np.float64) - (ref.lse - lse_s)
     nll = lse_s - s[np.arange(len(targets)), targets]
-    agree = s.argmax(-1) == ref.top1
-    return {"nll": float(nll.sum()), "kl": float(kl.sum()), "agree": int(agree.sum()), "n": int(len(targets))}
+    return kl, nll, int((s.argmax(-1) == ref.top1).sum())
 
 
 def token_metrics_f64(student: np.ndarray, teacher: np.ndarray, targets: np.ndarray) -> dict:
@@ -325,8 +343,8 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
                     teacher = Reference.of(store.get((i, "ref")))
                     parts[x.kind].append(token_metrics(teacher.logits, teacher, np.array(x.ref_ids[1:])) | {"bytes": x.n_bytes})
                     continue
-                against = Reference.of(store.get((i, "ref" if t_ids is None else "student")))
-                student = against.logits if e.name == ref else logits(d, x.ids)
+                against = store.get((i, "ref" if t_ids is None else "student"))  # taken a few rows at a time
+                student = against if e.name == ref else logits(d, x.ids)
                 parts[x.kind].append(token_metrics(student, against, np.array(x.ids[1:]))
                                      | {"n_ref": len(x.ref_ids) - 1, "bytes": x.n_bytes})
             t["score_s"] = time.perf_counter() - t0
