@@ -19,13 +19,16 @@ class _Captured(Exception):
 
 
 def _materialize(module, prefix: str, source: WeightSource) -> None:
-    """Give a meta-device module its weights from `source` (names under `prefix`), as fp32 on the CPU."""
+    """Give a meta-device module its weights from `source` (names under `prefix`), as fp32 on the CPU: each
+    parameter is the array read from the checkpoint itself (no empty tensor allocated and copied into: one copy
+    of the embedding, not two, while it is set)."""
     import torch
 
-    module.to_empty(device="cpu")
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(torch.from_numpy(source.get(f"{prefix}.{name}")))
+    for name, _ in list(module.named_parameters()):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        owner._parameters[leaf] = torch.nn.Parameter(torch.from_numpy(source.get(f"{prefix}.{name}")),
+                                                     requires_grad=False)
 
 
 def reference_logits(source: WeightSource, prompts: list[list[int]]) -> list[np.ndarray]:
