@@ -335,16 +335,19 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
             made = reference_logits([x.ref_ids[:-1] for x in texts]) if streamed else None
             for i, x in enumerate(tqdm(texts, desc=f"held-out texts ({e.name})", unit="text")):
                 t["scored_tokens"] += len(x.ids) - 1
+                own = None  # the reference's logits scored against themselves: the array just written, not read back
                 if e.name == ref:  # its logits on the reference's tokens (and on the shipped model's) go to disk
-                    store.put((i, "ref"), next(made) if streamed else logits(d, x.ref_ids))
+                    own = next(made) if streamed else logits(d, x.ref_ids)
+                    store.put((i, "ref"), own)
                     if t_ids is not None:  # over the kept tokens
                         store.put((i, "student"), logits(d, t_ids[x.ids].tolist())[:, t_ids])
                 if e.name in own_vocab:  # the teacher on its own tokens
                     teacher = Reference.of(store.get((i, "ref")))
                     parts[x.kind].append(token_metrics(teacher.logits, teacher, np.array(x.ref_ids[1:])) | {"bytes": x.n_bytes})
                     continue
-                against = store.get((i, "ref" if t_ids is None else "student"))  # taken a few rows at a time
-                student = against if e.name == ref else logits(d, x.ids)
+                against = own if own is not None and t_ids is None else store.get((i, "ref" if t_ids is None else "student"))
+                student = against if e.name == ref else logits(d, x.ids)  # the reference's taken a few rows at a time
+                own = None
                 parts[x.kind].append(token_metrics(student, against, np.array(x.ids[1:]))
                                      | {"n_ref": len(x.ref_ids) - 1, "bytes": x.n_bytes})
             t["score_s"] = time.perf_counter() - t0

@@ -233,7 +233,8 @@ def build(opts: BuildOptions, log=print, verbose: bool = False, quiet: bool = Fa
         from export.build_memory import check_fits
         from export.model_source import describe
 
-        check_fits(describe(opts.model)[1], ref.name, opts.precisions, streaming=opts.streaming)
+        check_fits(describe(opts.model)[1], ref.name, opts.precisions, streaming=opts.streaming,
+                   evaluate=not opts.skip_eval, gptq="gptq" in (opts.int8_rounding, opts.int4_rounding))
     work = opts.work
     work.mkdir(parents=True, exist_ok=True)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -136,15 +137,18 @@ class GGUFSource(WeightSource):
         cfg = dict(parsed["config"])
         self.config = _hf_config(cfg)
         skeleton = empty_model(self.config)
-        self._reader = GGUFReader(str(self.path))
-        arch = self._reader.fields["general.architecture"]
+        reader = GGUFReader(str(self.path))
+        arch = reader.fields["general.architecture"]
         arch = bytes(arch.parts[arch.data[0]]).decode()
         self._processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=cfg)
         self._map = get_gguf_hf_weights_map(skeleton)
         self._tensors = {}
-        for t in self._reader.tensors:
-            if t.name in self._map:
-                self._tensors[self._map[t.name]] = t
+        for t in reader.tensors:  # where each tensor lies, not the reader's views into its memory map: the reader
+            if t.name in self._map:  # goes, and the pages its parse touched (~0.5 GB of a 1.1 GB file) with it
+                self._tensors[self._map[t.name]] = SimpleNamespace(
+                    name=t.name, tensor_type=t.tensor_type, shape=tuple(int(d) for d in t.shape),
+                    n_elements=int(t.n_elements), n_bytes=int(t.n_bytes), data_offset=int(t.data_offset))
+        del reader
         self._names = sorted(self._tensors)
 
     def names(self) -> list[str]:

