@@ -38,10 +38,12 @@ BASE_BYTES = 2.5e9  # the interpreter, torch, transformers and ONNX Runtime them
 
 STREAM_BASE_BYTES = 1.0e9  # the interpreter, onnx, ONNX Runtime's quantizer, torch (rotary tables), the graph
 STREAM_PER_LARGEST = 3.0  # the fp32 tensor, its transposed copy (the tied LM head), its quantized form
-# the evaluate stage: one engine in ONNX Runtime at a time (its weights and the packed copy being made: 2.40 GB of
-# VmHWM for the 1.99 GB int8 engine of Qwen2.5-Coder-1.5B), beside one held-out text's logits (a 512-token prose
-# window x the vocabulary in fp32: read back from disk, the engine's own, and a few rows' temporaries)
-STREAM_ENGINE_FACTOR = 1.2
+# the evaluate stage: one engine in ONNX Runtime at a time, beside one held-out text's logits (a 512-token prose
+# window x the vocabulary in fp32: read back from disk, the engine's own, and a few rows' temporaries). The session
+# holds 1.2x the engine once loaded (2.40 GB of VmHWM for the 1.99 GB int8 engine of Qwen2.5-Coder-1.5B) and grows
+# with each new input length it runs (3.1 GB after five full-sequence forwards of different lengths, arena and memory
+# pattern on or off): the 1.5B's evaluate stage peaked at 5.9 GB in the int8 engine's turn (docs/models.md)
+STREAM_ENGINE_FACTOR = 2.2
 STREAM_TEXT_LOGITS = 3
 EVAL_WINDOW = 512  # export/evaluate.py EvalOptions.prose_window
 # GPTQ's statistics one block at a time: the widest input's K x K float64 matrix a few times (the sums, GPTQ's
