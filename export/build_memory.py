@@ -17,18 +17,20 @@ Weight-only quantization streams one tensor at a time. Small models are dominate
 the libraries (BASE_BYTES). The factors below cover every row above; they are upper bounds, looser for
 larger models (tests/test_build_memory.py checks each measured build is within its plan).
 
-The streaming build (export/stream_build.py: int8-dynamic and int4-weight written straight from the checkpoint,
-round to nearest) holds the libraries, the graph's records and one weight at a time: its plan is
-STREAM_BASE_BYTES + STREAM_PER_LARGEST x the largest single tensor it makes in fp32 (the embedding / LM head,
-or a layer's packed gate+up projection), whatever the number of layers. Measured with
-scripts/synthetic_checkpoint.py (docs/models.md).
+The streaming build (export/stream_build.py: int8-dynamic and int4-weight written straight from the checkpoint)
+holds the libraries, the graph's records and one weight at a time while it writes an engine: STREAM_BASE_BYTES +
+STREAM_PER_LARGEST x the largest single tensor it makes in fp32 (the embedding / LM head, or a layer's packed
+gate+up projection), whatever the number of layers (measured with scripts/synthetic_checkpoint.py). GPTQ's
+statistics add one block's K x K matrices and the calibration texts' hidden states; its evaluate stage holds each
+engine in ONNX Runtime in turn (what the device will hold too) and one text's logits. The plan is the largest of
+the three (measured on Qwen2.5-Coder-1.5B, docs/models.md).
 """
 
 from __future__ import annotations
 
 from edge.bundle import ModelDims
 from edge.errors import RecipeError
-from edge.precisions import INT8_QDQ
+from edge.precisions import INT8_DYNAMIC, INT8_QDQ
 
 PEAK_PER_FP32_BYTE = {"export": 3.0, "quantize-int8-qdq": 5.0}  # "export" covers load and evaluate too
 BASE_BYTES = 2.5e9  # the interpreter, torch, transformers and ONNX Runtime themselves
@@ -36,6 +38,18 @@ BASE_BYTES = 2.5e9  # the interpreter, torch, transformers and ONNX Runtime them
 
 STREAM_BASE_BYTES = 1.0e9  # the interpreter, onnx, ONNX Runtime's quantizer, torch (rotary tables), the graph
 STREAM_PER_LARGEST = 3.0  # the fp32 tensor, its transposed copy (the tied LM head), its quantized form
+# the evaluate stage: one engine in ONNX Runtime at a time, beside one held-out text's logits (a 512-token prose
+# window x the vocabulary in fp32: read back from disk, the engine's own, and a few rows' temporaries). The session
+# holds 1.2x the engine once loaded (2.40 GB of VmHWM for the 1.99 GB int8 engine of Qwen2.5-Coder-1.5B) and grows
+# with each new input length it runs (3.1 GB after five full-sequence forwards of different lengths, arena and memory
+# pattern on or off): the 1.5B's evaluate stage peaked at 5.9 GB in the int8 engine's turn (docs/models.md)
+STREAM_ENGINE_FACTOR = 2.2
+STREAM_TEXT_LOGITS = 3
+EVAL_WINDOW = 512  # export/evaluate.py EvalOptions.prose_window
+# GPTQ's statistics one block at a time: the widest input's K x K float64 matrix a few times (the sums, GPTQ's
+# damped and permuted copies, its Cholesky factor) and the calibration texts' hidden states (96 x 512 tokens)
+STREAM_GPTQ_MATRICES = 3
+GPTQ_TOKENS = 96 * 512
 
 
 def largest_tensor_bytes(dims: ModelDims) -> int:
@@ -46,9 +60,23 @@ def largest_tensor_bytes(dims: ModelDims) -> int:
                    (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim * h)
 
 
-def streaming_peak_bytes(dims: ModelDims) -> float:
-    """Planned peak of the streaming build (int8-dynamic / int4-weight from the checkpoint, export/stream_build.py)."""
-    return STREAM_BASE_BYTES + STREAM_PER_LARGEST * largest_tensor_bytes(dims)
+def streaming_peak_bytes(dims: ModelDims, precisions: tuple[str, ...] = (), evaluate: bool = True,
+                         gptq: bool = True) -> float:
+    """Planned peak of the streaming build (int8-dynamic / int4-weight from the checkpoint, export/stream_build.py):
+    the largest of its stages' (writing an engine; GPTQ's statistics; the evaluate stage, which must hold each
+    engine it scores: the one term that grows with the model, as the engine the device runs does)."""
+    write = STREAM_BASE_BYTES + STREAM_PER_LARGEST * largest_tensor_bytes(dims)
+    stages = [write]
+    if gptq:
+        k = max(dims.hidden_size, dims.intermediate_size, dims.num_heads * dims.head_dim)
+        stages.append(STREAM_BASE_BYTES + STREAM_GPTQ_MATRICES * 8 * k * k + 4 * GPTQ_TOKENS * dims.hidden_size)
+    if evaluate:
+        from edge import precisions as table
+
+        engine = max(table.get(p).weight_bytes for p in precisions or (INT8_DYNAMIC,)) * dims.num_parameters
+        stages.append(STREAM_BASE_BYTES + STREAM_ENGINE_FACTOR * engine
+                      + STREAM_TEXT_LOGITS * 4 * EVAL_WINDOW * dims.vocab_size)
+    return max(stages)
 
 
 def peak_stage(precisions: tuple[str, ...] = ()) -> str:
@@ -71,17 +99,18 @@ def largest_buildable(ram: float, precisions: tuple[str, ...] = ()) -> float:
 
 
 def check_fits(dims: ModelDims, name: str, precisions: tuple[str, ...] = (), ram: int | None = None,
-               streaming: bool = False) -> dict:
+               streaming: bool = False, evaluate: bool = True, gptq: bool = True) -> dict:
     """Raise a RecipeError before a build that would run out of memory; else the figures it checked."""
     ram = machine_ram_bytes() if ram is None else ram
     if streaming:
-        need = streaming_peak_bytes(dims)
+        need = streaming_peak_bytes(dims, precisions, evaluate, gptq)
         if ram is not None and need > ram:
             raise RecipeError(
-                f"the streaming build of {name} needs about {need / 1e9:.1f} GB of RAM at its peak (~"
-                f"{STREAM_PER_LARGEST:g}x its largest tensor, {largest_tensor_bytes(dims) / 1e9:.2f} GB in fp32, + "
-                f"{STREAM_BASE_BYTES / 1e9:.1f} GB), and this machine has {ram / 1e9:.1f} GB: build on a larger "
-                "machine, or pass --skip-ram-check to try anyway")
+                f"the streaming build of {name} needs about {need / 1e9:.1f} GB of RAM at its peak (its largest "
+                f"tensor, {largest_tensor_bytes(dims) / 1e9:.2f} GB in fp32, a few times"
+                + (", and each engine in ONNX Runtime for the evaluate stage" if evaluate else "")
+                + f"), and this machine has {ram / 1e9:.1f} GB: build on a larger machine"
+                + (", add --skip-eval" if evaluate else "") + ", or pass --skip-ram-check to try anyway")
         return {"planned_peak_bytes": need, "peak_stage": "quantize (streamed)", "machine_ram_bytes": ram}
     need = build_peak_bytes(dims, precisions)
     stage = peak_stage(precisions)

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from edge.errors import DataError
 from edge.precisions import FP32
-from export.evaluate import Reference, prose_windows, summarize, token_metrics
+from export.evaluate import prose_windows, summarize, token_metrics
 
 Logits = Callable[[list[int]], np.ndarray]  # token ids -> [len - 1, vocab] logits predicting ids[1:]
 
@@ -144,8 +144,8 @@ def evaluate_bundle(req: EvalRequest, work: Path | None = None) -> dict:
                                                      unit="text")):
                     if name == ref:
                         store.put(i, run(ids))
-                    teacher = Reference.of(store.get(i))
-                    student = teacher.logits if name == ref else run(ids)
+                    teacher = store.get(i)  # token_metrics takes it a few rows at a time
+                    student = teacher if name == ref else run(ids)
                     n_bytes = len(tok.decode(ids[1:], skip_special_tokens=False).encode("utf-8"))
                     parts[kind][name].append(token_metrics(student, teacher, np.array(ids[1:])) | {"bytes": n_bytes})
                 seconds[name] += time.perf_counter() - t0

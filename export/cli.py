@@ -112,7 +112,9 @@ def _plan(args: argparse.Namespace) -> int:
     stream = streaming_peak_bytes(dims)
     smallest = next((gb for gb in (8, 16, 32, 64, 128, 256) if stream <= 0.85 * gb * GB), None)  # room for the OS
     print(f"the streaming build (edge-export build --streaming: int8-dynamic, int4-weight written tensor by tensor "
-          f"from the checkpoint, round to nearest) peaks at ~{stream / GB:.1f} GB"
+          f"from the checkpoint, evaluated against the model run one block at a time) peaks at ~{stream / GB:.1f} GB"
+          f" (~{streaming_peak_bytes(dims, evaluate=False, gptq=False) / GB:.1f} GB writing the engines alone: "
+          "--skip-eval, round to nearest)"
           + (f": it builds on a {smallest} GB workstation" if smallest else "")
           + (f"; this machine has {ram / GB:.1f} GB" if ram else ""))
     print("decode tok/s≤ is the memory-bandwidth roofline (bandwidth ÷ bytes read per token at full context); "
@@ -261,8 +263,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-fused", action="store_true",
                    help="quantize the ONNX Runtime engines from the plain graph (skip the fused GroupQueryAttention graph)")
     b.add_argument("--streaming", action="store_true",
-                   help="write int8-dynamic / int4-weight straight from a safetensors checkpoint, one tensor at a time: "
-                        "memory bounded by the largest tensor, not the model (round to nearest, with --skip-eval)")
+                   help="write int8-dynamic / int4-weight straight from a safetensors folder or a GGUF file, one tensor at a time: "
+                        "memory bounded by the largest tensor, not the model; evaluated against the model run one block at a time")
     b.add_argument("--kv-cache", metavar="TYPE",
                    help="what the fused CPU engines' K/V cache holds: float (default) or int8 (half of fp16's, a "
                         "quarter of fp32's bytes per token; per-channel scales calibrated here; the manifest records "

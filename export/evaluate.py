@@ -81,22 +81,40 @@ def _lse(x: np.ndarray) -> np.ndarray:
     return m[:, 0].astype(np.float64) + np.log(np.exp(x - m).sum(axis=-1, dtype=np.float64))
 
 
+METRIC_ROWS = 64  # positions whose float temporaries (vocabulary-wide) are alive at once in `token_metrics`
+
+
 def token_metrics(student: np.ndarray, teacher: np.ndarray | Reference, targets: np.ndarray) -> dict:
     """Per-position sums for one sequence: NLL of targets, KL(teacher || student), top-1 agreement.
 
     student/teacher: [seq, vocab] logits predicting targets [seq] (teacher: or its `Reference`, computed once
     for all engines). KL = sum_v p_t (t_v - s_v) - (lse_t - lse_s): float32 element-wise work with float64
     sums, ~8x faster than float64 log-softmaxes and within ~1e-7 nats of them (tests/test_eval.py checks).
+    Teacher logits given as an array are taken `METRIC_ROWS` positions at a time (its softmax and the difference
+    are vocabulary-wide temporaries: a 512-token text of a 152k vocabulary holds 311 MB per copy); each position's
+    terms are the same numbers either way, summed once at the end.
     """
+    if not isinstance(teacher, Reference) and len(targets) > METRIC_ROWS:
+        kl, nll, agree = np.empty(len(targets)), np.empty(len(targets)), 0
+        for a in range(0, len(targets), METRIC_ROWS):
+            b = min(a + METRIC_ROWS, len(targets))
+            part = _terms(student[a:b], Reference.of(teacher[a:b]), targets[a:b])
+            kl[a:b], nll[a:b], agree = part[0], part[1], agree + part[2]
+        return {"nll": float(nll.sum()), "kl": float(kl.sum()), "agree": agree, "n": int(len(targets))}
     ref = teacher if isinstance(teacher, Reference) else Reference.of(teacher)
+    kl, nll, agree = _terms(student, ref, targets)
+    return {"nll": float(nll.sum()), "kl": float(kl.sum()), "agree": agree, "n": int(len(targets))}
+
+
+def _terms(student: np.ndarray, ref: Reference, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Per-position KL and NLL (float64) and the count of agreeing top-1 tokens."""
     s = np.ascontiguousarray(student, dtype=np.float32)
     lse_s = _lse(s)
     d = ref.logits - s
     d *= ref.probs
     kl = d.sum(axis=-1, dtype=np.float64) - (ref.lse - lse_s)
     nll = lse_s - s[np.arange(len(targets)), targets]
-    agree = s.argmax(-1) == ref.top1
-    return {"nll": float(nll.sum()), "kl": float(kl.sum()), "agree": int(agree.sum()), "n": int(len(targets))}
+    return kl, nll, int((s.argmax(-1) == ref.top1).sum())
 
 
 def token_metrics_f64(student: np.ndarray, teacher: np.ndarray, targets: np.ndarray) -> dict:
@@ -250,13 +268,18 @@ def held_out_texts(sets: dict[str, list[list[int]]], tok, ref_tok, t_ids, chat_l
     return out
 
 
-def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict | None = None) -> dict:
+def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict | None = None,
+        reference_logits=None) -> dict:
     """Measure every engine; KL and agreement are against the teacher when there is one (a pruned
     build), else against the shipped fp32 graph. `stages`: prune/distill records for the report.
 
     One engine in ONNX Runtime at a time: the reference first, its logits on every held-out text written to
     disk (export/reference_logits.py), then each other engine scored against them, its speed and golden
-    answers measured, and unloaded before the next one loads."""
+    answers measured, and unloaded before the next one loads.
+
+    `reference_logits` (the streaming build, which writes no fp32 graph): a function of the texts' token ids
+    yielding each text's fp32 logits in turn (the model run one decoder block at a time,
+    export/stream_reference.py); the reference is then scored from those alone (no speed, no golden answers)."""
     from export.data import load_chats
     from export.load import chat_tokenizer, model_dims
     from export.memory import release_memory
@@ -304,34 +327,45 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
     with ReferenceLogits(dst / "reference-logits.f32") as store:
         for e in [by_name[ref]] + [e for e in engines if e.name != ref]:  # the reference first: it writes the store
             t0 = time.perf_counter()
-            d = load(e)
+            streamed = e.name == ref and reference_logits is not None  # no graph: logits from the torch model
+            d = None if streamed else load(e)
             timing[e.name] = t = {"load_s": time.perf_counter() - t0, "score_s": 0.0, "scored_tokens": 0}
             parts: dict[str, list[dict]] = {k: [] for k in sets}
             t0 = time.perf_counter()
+            made = reference_logits([x.ref_ids[:-1] for x in texts]) if streamed else None
             for i, x in enumerate(tqdm(texts, desc=f"held-out texts ({e.name})", unit="text")):
                 t["scored_tokens"] += len(x.ids) - 1
+                own = None  # the reference's logits scored against themselves: the array just written, not read back
                 if e.name == ref:  # its logits on the reference's tokens (and on the shipped model's) go to disk
-                    store.put((i, "ref"), logits(d, x.ref_ids))
+                    own = next(made) if streamed else logits(d, x.ref_ids)
+                    store.put((i, "ref"), own)
                     if t_ids is not None:  # over the kept tokens
                         store.put((i, "student"), logits(d, t_ids[x.ids].tolist())[:, t_ids])
                 if e.name in own_vocab:  # the teacher on its own tokens
                     teacher = Reference.of(store.get((i, "ref")))
                     parts[x.kind].append(token_metrics(teacher.logits, teacher, np.array(x.ref_ids[1:])) | {"bytes": x.n_bytes})
                     continue
-                against = Reference.of(store.get((i, "ref" if t_ids is None else "student")))
-                student = against.logits if e.name == ref else logits(d, x.ids)
+                against = own if own is not None and t_ids is None else store.get((i, "ref" if t_ids is None else "student"))
+                student = against if e.name == ref else logits(d, x.ids)  # the reference's taken a few rows at a time
+                own = None
                 parts[x.kind].append(token_metrics(student, against, np.array(x.ids[1:]))
                                      | {"n_ref": len(x.ref_ids) - 1, "bytes": x.n_bytes})
             t["score_s"] = time.perf_counter() - t0
+            del made
             q = summarize(parts["chats"])
             if parts["prose"]:
                 q["prose"] = summarize(parts["prose"])
-            q["size_bytes"] = graph_bytes(e.folder / "model.onnx")
+            if streamed:  # no graph was written: what an fp32 graph's weights would weigh
+                q["size_bytes"] = 4 * dims(e).num_parameters
+                q["scored_with"] = ("PyTorch fp32 (the Hugging Face model), one decoder block's weights at a time "
+                                    "(export/stream_reference.py); size: its fp32 weights, no graph written")
+            else:
+                q["size_bytes"] = graph_bytes(e.folder / "model.onnx")
+                q["scored_with"] = scored_with(e.precision, d)
             q["shipped"] = not getattr(e, "report_only", False)
-            q["scored_with"] = scored_with(e.precision, d)
             q["timing"] = t
             results["engines"][e.name] = q
-            if not quality_only(e):
+            if not quality_only(e) and not streamed:
                 lineage = getattr(e, "lineage", False)  # teacher / pruned-only: speed too, golden answers only for what ships
                 bar = tqdm(total=opts.bench_runs + 1 + (0 if lineage else len(GOLDEN)), unit="answer",
                            desc=("speed" if lineage else "speed + golden prompts") + f" ({e.name})")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -324,6 +325,100 @@ class LayerHessians:
             self._bar.close()
             self._bar = None
 
+class StreamedLayerHessians(LayerHessians):
+    """`LayerHessians` with no model loaded: the module tree built without weights (export/weight_source.py
+    `empty_model`), each decoder block's weights read from the checkpoint (a `WeightSource`) when it runs and
+    dropped after, as the streaming build's reference does (export/stream_reference.py). Memory: one block's
+    weights and matrices and the calibration texts' hidden states, whatever the model's size. Keyed by the
+    streamed graph's own MatMul names (`input_of`: fused names such as '/model/layers.3/mlp/gate_up_proj/MatMul',
+    mapped to the first Linear reading that input, 'model.layers.3.mlp.gate_proj'); the LM head's input is
+    the final norm's output, taken without computing logits."""
+
+    method = "by block (torch, each block's weights read from the checkpoint)"
+
+    def __init__(self, source, input_of: dict[str, str], feeds: list[dict], threads: int | None = None) -> None:
+        import torch
+
+        from export.sensitivity import target_name
+
+        if not feeds or not sum(int(np.prod(f["input_ids"].shape)) for f in feeds):
+            raise ValueError("GPTQ needs calibration text: no tokens were given")
+        self.source, self.input_of, self.feeds = source, dict(input_of), feeds
+        self.threads = threads or os.cpu_count() or 1
+        self.rows = sum(int(np.prod(f["input_ids"].shape)) for f in feeds)
+        self.loaded: dict[str, np.ndarray] = {}
+        self.passes, self._at, self._loaded_step, self._hidden, self._args = 0, None, None, [], []
+        self.model, self._bar = None, None
+        with self._threads():
+            self._load()
+            by_graph_name: dict[str, str] = {}
+            for name, mod in self.model.named_modules():
+                if isinstance(mod, torch.nn.Linear):  # 'model.layers.3.mlp.up_proj' -> '/model/layers.3/mlp/up_proj/MatMul'
+                    plain = "/" + re.sub(r"\.(?!\d)", "/", name) + "/MatMul"
+                    by_graph_name.setdefault(target_name(plain, True), name)
+                    by_graph_name.setdefault(plain, name)
+            missing = [n for n in self.input_of if n not in by_graph_name]
+            if missing:
+                raise ValueError(f"the graph's MatMul {missing[0]} maps to no Linear module of the model")
+            self.module_of = {n: by_graph_name[n] for n in self.input_of}
+            self.step_of = {node: self._step(m) for node, m in self.module_of.items()}
+            if len({getattr(layer, "attention_type", None) for layer in self.layers}) > 1:
+                raise ValueError("the decoder blocks differ in attention type (each gets its own mask)")
+            self._capture()  # fail here, before the stage writes anything
+
+    def _load(self) -> None:
+        from export.weight_source import empty_model
+
+        self.model = empty_model(self.source.config)
+        inner = getattr(self.model, "model", None)
+        self.layers = getattr(inner, "layers", None)
+        if self.layers is None or not hasattr(inner, "norm"):
+            raise ValueError(f"{type(self.model).__name__} keeps no model.layers and model.norm")
+
+    def _capture(self) -> None:
+        from export.stream_reference import _materialize
+
+        if self.model is None:
+            self._load()
+        embed = self.model.model.embed_tokens
+        _materialize(embed, "model.embed_tokens", self.source)
+        try:
+            super()._capture()
+        finally:
+            embed.to("meta")
+
+    def _run_block(self, collect: bool) -> None:
+        from export.stream_reference import _materialize
+
+        if self._at < len(self.layers):
+            i = self._at
+            _materialize(self.layers[i], f"model.layers.{i}", self.source)
+            try:
+                super()._run_block(collect)
+            finally:
+                self.layers[i].to("meta")
+            return
+        wanted = {self.input_of[n] for n, step in self.step_of.items() if collect and step == self._at}
+        acc: dict[str, np.ndarray] = {}
+        if wanted:  # the LM head's input: the final norm's output (the logits are not needed)
+            import torch
+
+            norm = self.model.model.norm
+            _materialize(norm, "model.norm", self.source)
+            with torch.no_grad():
+                for h in self._hidden:
+                    a = norm(h)
+                    a = a.reshape(-1, a.shape[-1]).float().numpy()
+                    for x in wanted:
+                        self._add(acc, x, a)
+            norm.to("meta")
+        if collect:
+            self.loaded, self._loaded_step = self._done(acc), self._at
+        self._at += 1
+        if self._bar is not None:
+            self._bar.update()
+
+
 def _range(w, bits: int, search: int = 0, symmetric: bool = False):
     """Asymmetric levels of w [rows, N] per column, zero inside the range (as ONNX Runtime's min-max); with
     `search` > 0 the range is also shrunk in `search` steps down to 0.8x and the one with the least squared
@@ -440,11 +535,11 @@ def _gptq_block_quant(w: np.ndarray, h: np.ndarray, bits: int, block: int, damp:
     # (Reference GPTQ zeroes them instead, deleting weights that only the calibration text never used.)
     dead = torch.diagonal(H) == 0
     H[dead, dead] = 1.0
-    H += damp * torch.diagonal(H).mean() * torch.eye(k, dtype=torch.float64)
+    torch.diagonal(H).add_(damp * torch.diagonal(H).mean())  # in place: no K x K identity beside H
     perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else torch.arange(k)
     if act_order:  # rows with the largest inputs first; blocks' ranges fixed up front (they are not contiguous now)
         fixed = [_range(W[b:b + block], bits, search, symmetric) for b in range(0, k, block)]
-        W, H = W[perm], H[perm][:, perm]
+        W, H = W[perm], H[perm[:, None], perm]  # one gather: H and its permuted copy, not a third
     Hinv = _upper_inverse_cholesky(H, damp)
     del H
     Q = torch.zeros(k, n, dtype=torch.uint8)

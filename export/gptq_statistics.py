@@ -30,10 +30,11 @@ log = logging.getLogger("edgechat")
 PREFIX = "gptq-statistics-"
 
 
-def statistics_key(plain: Path, feeds: list[dict]) -> str:
-    """What the statistics depend on, hashed: the plain graph's weights, the calibration tokens, the code that
-    collects them (export.stages.code_fingerprint, as stage reuse keys its code)."""
-    files = [plain, plain.with_name(plain.name + ".data")]
+def statistics_key(plain: Path | list[Path], feeds: list[dict]) -> str:
+    """What the statistics depend on, hashed: the plain graph's weights (or, for the streaming build, the
+    checkpoint's files), the calibration tokens, the code that collects them (export.stages.code_fingerprint, as
+    stage reuse keys its code)."""
+    files = plain if isinstance(plain, list) else [plain, plain.with_name(plain.name + ".data")]
     weights = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
     code = code_fingerprint("export.gptq")  # gptq.py and the project modules it imports
     tokens = hashlib.sha256()
@@ -100,6 +101,41 @@ class StoredStatistics:
             self._inner = None
 
 
+def _shared_folder(key: str, dst: Path, need: int) -> Path | None:
+    """The build's folder for statistics of `key` (other keys' folders removed), or None where the disk has not
+    twice `need` bytes free (then each engine collects its own)."""
+    folder = dst.parent / f"{PREFIX}{key}"
+    if not folder.is_dir() and 2 * need > shutil.disk_usage(dst.parent).free:
+        log.warning("GPTQ statistics are not kept for the next engine: they need %.1f GB and %s has %.1f GB free",
+                    need / 1e9, dst.parent, shutil.disk_usage(dst.parent).free / 1e9)
+        return None
+    for old in dst.parent.glob(PREFIX + "*"):  # another export's or calibration's: never asked for again
+        if old != folder:
+            shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def streamed_statistics(source, files: list[Path], dst: Path, feeds: list[dict], input_of: dict[str, str],
+                        widths: dict[str, int], shared: bool = True):
+    """GPTQ's statistics for the streaming build (export/stream_build.py): collected one decoder block at a time
+    with that block's weights read from `source` (export/gptq.py `StreamedLayerHessians`), asked for by the streamed
+    graph's MatMul names (`input_of`: name -> input; `widths`: input -> K). `shared`: kept on disk as
+    `gptq_statistics` keeps them, keyed by the checkpoint's `files` instead of a graph."""
+    from export.gptq import StreamedLayerHessians
+
+    if not sum(int(np.prod(f["input_ids"].shape)) for f in feeds):
+        raise ValueError("GPTQ needs calibration text: no tokens were given")
+
+    def collect():
+        return StreamedLayerHessians(source, input_of, feeds)
+
+    folder = _shared_folder(statistics_key(files, feeds), dst, sum(k * k * 8 for k in widths.values())) \
+        if shared else None
+    if folder is None:
+        return collect()
+    return StoredStatistics(folder, collect, input_of, sum(int(np.prod(f["input_ids"].shape)) for f in feeds))
+
+
 def gptq_statistics(plain: Path, fused: bool, hf_dir: Path, dst: Path, feeds: list[dict], shared: bool = True):
     """GPTQ's input statistics on `feeds` over the plain graph `plain`, asked for by the quantized graph's MatMul
     names (`fused`: the fused graph's, mapped by export/sensitivity.py). Returns (statistics, by_name).
@@ -123,15 +159,8 @@ def gptq_statistics(plain: Path, fused: bool, hf_dir: Path, dst: Path, feeds: li
 
     hess = None
     if shared:
-        key = statistics_key(plain, feeds)
-        folder = dst.parent / f"{PREFIX}{key}"
-        if not folder.is_dir() and 2 * need > shutil.disk_usage(dst.parent).free:
-            log.warning("GPTQ statistics are not kept for the next engine: they need %.1f GB and %s has %.1f GB free",
-                        need / 1e9, dst.parent, shutil.disk_usage(dst.parent).free / 1e9)
-        else:
-            for old in dst.parent.glob(PREFIX + "*"):  # another export's or calibration's: never asked for again
-                if old != folder:
-                    shutil.rmtree(old, ignore_errors=True)
+        folder = _shared_folder(statistics_key(plain, feeds), dst, need)
+        if folder is not None:
             gw = GraphWeights(plain)
             untie_lm_head(gw)
             input_of = {n.name: n.input[0] for n in weight_matmuls(gw.model)}

@@ -84,7 +84,8 @@ class BuildOptions:
     threads: int | None = None
     fused: bool = True  # write the fused ONNX Runtime graph and quantize the CPU/CUDA engines from it
     # write int8-dynamic / int4-weight straight from the checkpoint, one tensor at a time (export/stream_build.py):
-    # memory bounded by the largest tensor, not the model; no fp32 graph, so no parity, evaluate or GPTQ yet
+    # memory bounded by the largest tensor, not the model; no fp32 graph: the reference is the model run one block
+    # at a time
     streaming: bool = False
     # what the fused engines' K/V buffers hold: "float" (the graph's float type) or "int8" (per-channel scales
     # calibrated at export, export/kv_int8.py); recorded in each engine's `io`, so the runtime reads it
@@ -245,7 +246,8 @@ def build(opts: BuildOptions, log=print, verbose: bool = False, quiet: bool = Fa
         from export.build_memory import check_fits
         from export.model_source import describe
 
-        check_fits(describe(opts.model)[1], ref.name, opts.precisions, streaming=opts.streaming)
+        check_fits(describe(opts.model)[1], ref.name, opts.precisions, streaming=opts.streaming,
+                   evaluate=not opts.skip_eval, gptq="gptq" in (opts.int8_rounding, opts.int4_rounding))
     work = opts.work
     work.mkdir(parents=True, exist_ok=True)
 
@@ -269,7 +271,13 @@ def build(opts: BuildOptions, log=print, verbose: bool = False, quiet: bool = Fa
         hf_dir, rec = stage("load", load_params | {"streamed": True},
                             lambda d: stream_build.load(ref, d, chat_template=template))
         engines, recs = stream_build.stages(stage, opts, hf_dir, rec.finished, _quantize_options)
-        return _package(opts, hf_dir, engines, [rec, *recs], [], {}, None, work, verbose, log)
+        records = [rec, *recs]
+        golden, extra = [], {}
+        if not opts.skip_eval:  # the fp32 reference: the model run one block at a time, no graph
+            golden, extra = evaluate_stage(stage, opts, hf_dir, [*engines, stream_build.reference_artifact(hf_dir)],
+                                           engines, records, stream_build.reference_logits(hf_dir),
+                                           {"reference": "fp32 torch, one block at a time"})
+        return _package(opts, hf_dir, engines, records, golden, extra, None, work, verbose, log)
     hf_dir, rec = stage("load", load_params, lambda d: load.run(ref, d, online=opts.online, chat_template=template))
     records.append(rec)
     if opts.draft is not None:  # what would fail after hours of building fails now
@@ -371,24 +379,29 @@ def build(opts: BuildOptions, log=print, verbose: bool = False, quiet: bool = Fa
     golden: list[dict] = []
     extra: dict[str, Path] = {}
     if not opts.skip_eval:
-        from export import evaluate
-
-        evopts = evaluate.EvalOptions(samples=opts.eval_samples, data=opts.calibration, threads=opts.threads,
-                                      max_context=opts.max_context)
-        measured = lineage + engines + report_only
-        stage_info = {r.name: r.metrics for r in records if r.name in ("prune", "teacher-answers", "distill")}
-        params = dataclasses.asdict(evopts) | {"engines": [e.name for e in measured],
-                                               "inputs": [r.finished for r in records]}
-        edir, rec = stage("evaluate", params,
-                              lambda d: evaluate.run(hf_dir, measured, d, evopts, stages=stage_info))
-        records.append(rec)
-        results = rec.metrics
-        for e in engines:  # what the evaluate stage cost per engine stays in its stage record
-            e.quality.update({k: v for k, v in results["engines"].get(e.name, {}).items() if k != "timing"})
-        golden = results.get("golden", [])
-        extra = {p.name: p for p in sorted(edir.iterdir()) if p.suffix in (".png", ".html", ".md")}
-        extra = {f"report/{k}": v for k, v in extra.items()}
+        golden, extra = evaluate_stage(stage, opts, hf_dir, lineage + engines + report_only, engines, records)
     return _package(opts, hf_dir, engines, records, golden, extra, draft, work, verbose, log)
+
+
+def evaluate_stage(stage, opts: BuildOptions, hf_dir: Path, measured: list, engines: list, records: list,
+                   reference_logits=None, reference_params: dict | None = None) -> tuple[list[dict], dict[str, Path]]:
+    """The evaluate stage over `measured` (appended to `records`; each shipped engine's quality recorded on it):
+    (golden answers, report files). `reference_logits`: the streaming build's fp32 reference (export/evaluate.py)."""
+    from export import evaluate
+
+    evopts = evaluate.EvalOptions(samples=opts.eval_samples, data=opts.calibration, threads=opts.threads,
+                                  max_context=opts.max_context)
+    stage_info = {r.name: r.metrics for r in records if r.name in ("prune", "teacher-answers", "distill")}
+    params = dataclasses.asdict(evopts) | {"engines": [e.name for e in measured],
+                                           "inputs": [r.finished for r in records]} | (reference_params or {})
+    edir, rec = stage("evaluate", params, lambda d: evaluate.run(hf_dir, measured, d, evopts, stages=stage_info,
+                                                                 reference_logits=reference_logits))
+    records.append(rec)
+    results = rec.metrics
+    for e in engines:  # what the evaluate stage cost per engine stays in its stage record
+        e.quality.update({k: v for k, v in results["engines"].get(e.name, {}).items() if k != "timing"})
+    extra = {p.name: p for p in sorted(edir.iterdir()) if p.suffix in (".png", ".html", ".md")}
+    return results.get("golden", []), {f"report/{k}": v for k, v in extra.items()}
 
 
 def _package(opts: BuildOptions, hf_dir: Path, engines: list, records: list, golden: list, extra: dict, draft,

@@ -9,12 +9,16 @@ graph's external data. Memory: the libraries, the graph's records, and one weigh
 quantized form; the largest is the embedding / LM head) at a time.
 
 The result is the graph the quantize stage makes from the fp32 fused graph with the same options
-(tests/test_stream_build.py compares them). `edge-export build --streaming` runs it as the build's stages: `load`
-links the checkpoint's files, then one `quantize-<precision>` stage per engine (each engine compared with the fp32
-model run one decoder block at a time, export/stream_reference.py), then the package. What it does not
-do (yet): the int4 byte budget (its sensitivity measure runs the fp32 graph), GPTQ rounding (its statistics run
-the model in torch), int8-qdq and the plain graph (TensorRT's), the evaluate stage (no fp32 graph), a GGUF
-source in the recipe (export/weight_source.py reads one; the load stage does not link it yet).
+(tests/test_stream_build.py compares them). GPTQ rounding reads statistics collected one decoder block at a time
+with that block's weights read from the checkpoint (export/gptq.py `StreamedLayerHessians`), shared by the
+build's engines on disk where it has room (export/gptq_statistics.py). `edge-export build --streaming` runs it
+as the build's stages: `load` links the checkpoint's files (a safetensors folder or a GGUF file), then one
+`quantize-<precision>` stage per engine (each compared with the fp32 model run one decoder block at a time on a
+few prompts, export/stream_reference.py), then the evaluate stage against that block-by-block reference (its
+logits on the held-out texts on disk, one engine in ONNX Runtime at a time), then the package. What it does not
+do (yet): the int4 byte budget (its sensitivity measure runs the fp32 graph), int8-qdq and the plain graph
+(TensorRT's), prune / distill / draft, the int8 K/V cache, and models whose blocks differ in attention type
+(Gemma 3: the block-by-block reference and statistics are refused for it).
 """
 
 from __future__ import annotations
@@ -58,12 +62,13 @@ def build_graph(source, dst: Path) -> GraphWeights:
     return GraphWeights.in_memory(proto, dst, lazies)
 
 
-def write_quantized(source, dst: Path, opts, num_layers: int | None = None, hessian=None) -> dict:
+def write_quantized(source, dst: Path, opts, num_layers: int | None = None, hessian=None, statistics=None) -> dict:
     """`source` (a WeightSource) -> dst/model.onnx (+ .data), quantized as the quantize stage's `opts` (a
-    QuantizeOptions for int8-dynamic with the nbits kernel, or int4-weight without a byte budget) say."""
-    from export.embedding import quantize_embedding
-    from export.nbits import quantize_matmuls
-    from export.quantize import _weight_of, lm_head_block, matching_matmuls
+    QuantizeOptions for int8-dynamic with the nbits kernel, or int4-weight without a byte budget) say.
+    GPTQ rounding reads `hessian` (MatMul name -> its input's X^T X), or makes its statistics with
+    `statistics(input_of, widths)` (the graph's MatMul name -> input, input -> K; returns an object with the
+    `LayerHessians` interface, closed here) once the graph's names are known."""
+    from export.onnx_weights import weight_matmuls
 
     if opts.mode not in STREAMED or opts.mode == INT8_DYNAMIC and opts.int8_kernel != "nbits":
         raise RecipeError(f"the streaming build makes {', '.join(STREAMED)} (int8-dynamic with the nbits kernel), not "
@@ -72,12 +77,37 @@ def write_quantized(source, dst: Path, opts, num_layers: int | None = None, hess
         raise RecipeError("the streaming build has no int4 byte budget yet (its sensitivity runs the fp32 graph): "
                           "leave int4_budget_mb and int4_extra_ratio unset")
     rounding = opts.int8_rounding if opts.mode == INT8_DYNAMIC else opts.int4_rounding
-    if rounding == "gptq" and hessian is None:
-        raise RecipeError("gptq rounding needs the inputs' statistics: pass hessian=, or round with 'minmax'")
+    if rounding == "gptq" and hessian is None and statistics is None:
+        raise RecipeError("gptq rounding needs the inputs' statistics: pass hessian= or statistics=, or round with "
+                          "'minmax'")
     dst.mkdir(parents=True, exist_ok=True)
     gw = build_graph(source, dst)
     layers = num_layers or int(source.config["num_hidden_layers"])
     untie_lm_head(gw)
+    hess = None
+    if rounding == "gptq" and hessian is None:
+        nodes = weight_matmuls(gw.model)
+        hess = hessian = statistics({n.name: n.input[0] for n in nodes},
+                                    {n.input[0]: gw.shape(n.input[1])[0] for n in nodes})
+    try:
+        metrics = _quantize_and_save(gw, dst, opts, layers, rounding, hessian)
+    finally:
+        if hess is not None:
+            hess.close()
+    if hess is not None:
+        metrics |= {"gptq_tokens": hess.rows, "gptq_passes": hess.passes, "gptq_statistics": hess.method,
+                    "gptq_statistics_loaded": getattr(hess, "loaded_from_disk", 0),
+                    "gptq_statistics_computed": getattr(hess, "computed", None)}
+    return metrics
+
+
+def _quantize_and_save(gw, dst: Path, opts, layers: int, rounding: str, hessian) -> dict:
+    """Set the engine's quantization on the streamed graph's weights, then save it (each weight computed as it
+    is written)."""
+    from export.embedding import quantize_embedding
+    from export.nbits import quantize_matmuls
+    from export.quantize import _weight_of, lm_head_block, matching_matmuls
+
     metrics: dict = {"mode": opts.mode, "streamed": True}
     if opts.mode == INT8_DYNAMIC:
         special = {name: (8, 16) for name in matching_matmuls(gw.model, tuple(opts.block16_nodes), layers)}
@@ -100,46 +130,74 @@ def write_quantized(source, dst: Path, opts, num_layers: int | None = None, hess
 
 
 def load(ref, dst: Path, chat_template: str | None = None) -> dict:
-    """The load stage of a streaming build: a Hugging Face folder's config, tokenizer and weights made available
-    in `dst` without loading a weight (safetensors hard-linked, or copied where a link cannot be made)."""
+    """The load stage of a streaming build: the checkpoint's config, tokenizer and weights made available in `dst`
+    without loading a weight. A Hugging Face folder's safetensors are hard-linked (copied where a link cannot be
+    made); a GGUF file is linked whole and its config.json and tokenizer written from its metadata, the tokenizer
+    checked against the GGUF's own (export/gguf_tokenizer.py) as the normal load stage does. `source_of(dst)`
+    then reads the weights one tensor at a time."""
     import os
     import shutil
-
-    from transformers import AutoTokenizer
-
-    from export.load import META, check_architecture, copy_side_files, eos_ids
-    from export.weight_source import SafetensorsSource
-
-    if ref.kind != "hf-folder":
-        raise RecipeError(f"the streaming build reads a local Hugging Face folder with safetensors weights, not "
-                          f"{ref.kind} {ref.name}: build without --streaming")
-    check_architecture(ref)
-    src = Path(ref.location)
-    source = SafetensorsSource(src)  # refuses a folder without safetensors
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.suffix == ".safetensors" or f.name in ("config.json", "model.safetensors.index.json"):
-            try:
-                os.link(f, dst / f.name)
-            except OSError:
-                shutil.copy2(f, dst / f.name)
-    copy_side_files(src, dst)
-    tok = AutoTokenizer.from_pretrained(src)
-    if chat_template is not None:
-        tok.chat_template = chat_template
-        tok.save_pretrained(dst)
-    if not tok.chat_template:
-        raise RecipeError(f"{ref.name} has no chat template (a base model?): give it one with --chat-template FILE")
     from types import SimpleNamespace
 
-    from transformers import GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
 
-    gen = GenerationConfig.from_pretrained(src) if (src / "generation_config.json").is_file() else GenerationConfig()
+    from export.load import META, check_architecture, copy_side_files, eos_ids
+    from export.weight_source import GGUFSource, SafetensorsSource
+
+    if ref.kind not in ("hf-folder", "gguf"):
+        raise RecipeError(f"the streaming build reads a local Hugging Face folder (safetensors) or a GGUF file, not "
+                          f"{ref.kind} {ref.name}: download it first, or build without --streaming")
+    check_architecture(ref)  # a GGUF transformers misreads is refused here, as in the normal load stage
+    src = Path(ref.location)
+    dst.mkdir(parents=True, exist_ok=True)
+
+    def link(f: Path) -> None:
+        (dst / f.name).unlink(missing_ok=True)
+        try:
+            os.link(f, dst / f.name)
+        except OSError:
+            shutil.copy2(f, dst / f.name)
+
+    metrics: dict = {"streamed": True}
+    record: dict = {"name": ref.name, "source": f"{ref.kind}:{ref.location}"}
+    if ref.gguf_file:
+        source = GGUFSource(src / ref.gguf_file)
+        link(src / ref.gguf_file)
+        (dst / "config.json").write_text(json.dumps(source.config, indent=2))
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=ref.gguf_file)
+        record |= {"source": f"gguf:{src / ref.gguf_file}", "gguf_file": ref.gguf_file}
+    else:
+        source = SafetensorsSource(src)  # refuses a folder without safetensors
+        for f in src.iterdir():
+            if f.suffix == ".safetensors" or f.name in ("config.json", "model.safetensors.index.json"):
+                link(f)
+        copy_side_files(src, dst)
+        tok = AutoTokenizer.from_pretrained(src)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    if not tok.chat_template:
+        raise RecipeError(f"{ref.name} has no chat template (a base model?): give it one with --chat-template FILE")
+    if ref.gguf_file or chat_template is not None:
+        tok.save_pretrained(dst)
+    if ref.gguf_file:  # the converted tokenizer must split text as the GGUF's own does
+        from export.gguf_tokenizer import check_and_fix
+
+        metrics["tokenizer_check"] = check_and_fix(dst / "tokenizer.json", src / ref.gguf_file)
+    gen = GenerationConfig.from_pretrained(src) if not ref.gguf_file and (src / "generation_config.json").is_file() \
+        else GenerationConfig(eos_token_id=source.config.get("eos_token_id"))
     holder = SimpleNamespace(generation_config=gen, config=SimpleNamespace(eos_token_id=source.config.get("eos_token_id")))
     n = sum(int(np.prod(source.shape(k), dtype=np.int64)) for k in source.names())
-    (dst / META).write_text(json.dumps({"name": ref.name, "source": f"{ref.kind}:{ref.location}",
-                                        "eos_token_ids": eos_ids(holder, tok), "num_parameters": n}, indent=2))
-    return {"num_parameters": n, "streamed": True}
+    (dst / META).write_text(json.dumps(record | {"eos_token_ids": eos_ids(holder, tok), "num_parameters": n}, indent=2))
+    return metrics | {"num_parameters": n}
+
+
+def source_of(hf_dir: Path):
+    """The weight source of a streaming build's load stage folder (its GGUF, or its safetensors)."""
+    from export.load import META
+    from export.weight_source import GGUFSource, SafetensorsSource
+
+    gguf_file = json.loads((hf_dir / META).read_text()).get("gguf_file")
+    return GGUFSource(hf_dir / gguf_file) if gguf_file else SafetensorsSource(hf_dir)
 
 
 def check_options(opts) -> None:
@@ -150,13 +208,6 @@ def check_options(opts) -> None:
                           f"choose --precision {' --precision '.join(STREAMED)}")
     if opts.prune is not None or opts.draft is not None:
         raise RecipeError("the streaming build has no prune, distill or draft stage yet: drop --streaming for those")
-    if not opts.skip_eval:
-        raise RecipeError("the streaming build has no evaluate stage yet (it needs an fp32 graph): add --skip-eval")
-    rounding = {INT8_DYNAMIC: opts.int8_rounding, INT4_WEIGHT: opts.int4_rounding}
-    gptq = [p for p in opts.precisions if rounding[p] == "gptq"]
-    if gptq:
-        raise RecipeError("the streaming build rounds to nearest (GPTQ's statistics run the model in torch): add "
-                          "--int8-rounding minmax --int4-rounding minmax")
     if INT4_WEIGHT in opts.precisions and (opts.int4_budget_mb is not None or opts.int4_extra_ratio > 0):
         raise RecipeError("the streaming build has no int4 byte budget yet: drop --int4-budget-mb")
     if getattr(opts, "kv_cache", "float") != "float":
@@ -164,20 +215,53 @@ def check_options(opts) -> None:
                           "built engine's K/V, after the build): drop --kv-cache or --streaming")
 
 
-def _engine(hf_dir: Path, dst: Path, opts) -> dict:
-    """One streamed engine, then compared with the fp32 model run one block at a time (export/stream_reference.py)."""
+def _engine(hf_dir: Path, dst: Path, opts, check: bool = True) -> dict:
+    """One streamed engine, then (`check`) compared with the fp32 model run one block at a time on the export stage's
+    parity prompts (export/stream_reference.py): the build's only quality figure when it skips the evaluate stage,
+    which otherwise measures the same against the same reference on its held-out texts."""
     from export.load import model_dims
     from export.memory import release_memory
     from export.stream_reference import compare
-    from export.weight_source import SafetensorsSource
 
-    metrics = write_quantized(SafetensorsSource(hf_dir), dst, opts, model_dims(hf_dir).num_layers)
+    dims = model_dims(hf_dir)
+
+    def statistics(input_of: dict[str, str], widths: dict[str, int]):
+        from export.gptq_statistics import streamed_statistics
+        from export.quantize import gptq_feeds
+
+        source = source_of(hf_dir)
+        files = [f for f in hf_dir.iterdir() if f.suffix in (".safetensors", ".gguf")]
+        return streamed_statistics(source, files, dst, gptq_feeds(hf_dir, opts, dims), input_of, widths)
+
+    metrics = write_quantized(source_of(hf_dir), dst, opts, dims.num_layers, statistics=statistics)
+    if not check:
+        return metrics
     release_memory()
     try:
-        metrics["reference"] = compare(SafetensorsSource(hf_dir), dst / "model.onnx", hf_dir)
+        metrics["reference"] = compare(source_of(hf_dir), dst / "model.onnx", hf_dir)
     except ValueError as e:  # a family the block-by-block reference does not run yet (mixed attention types)
         metrics["reference"] = {"skipped": str(e)}
     return metrics
+
+
+def check_blocks(hf_dir: Path, opts) -> None:
+    """Refuse before any engine is written what needs every decoder block run alike (the block-by-block reference
+    of the evaluate stage, GPTQ's statistics) on a model whose blocks differ in attention type (Gemma 3's
+    sliding-window and global layers: each gets its own mask), naming the flags that build it."""
+    from export.weight_source import empty_model
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    kinds = {getattr(layer, "attention_type", None) for layer in empty_model(cfg).model.layers}
+    if len(kinds) < 2:
+        return
+    rounding = {INT8_DYNAMIC: opts.int8_rounding, INT4_WEIGHT: opts.int4_rounding}
+    need = ([] if opts.skip_eval else ["--skip-eval"]) + \
+        [f"--{p.split('-')[0]}-rounding minmax" for p in opts.precisions if rounding[p] == "gptq"]
+    if need:
+        raise RecipeError(f"{cfg.get('architectures', ['this model'])[0]}'s decoder blocks differ in attention type "
+                          f"({', '.join(sorted(map(str, kinds)))}), which the streaming build cannot run one block at a "
+                          f"time yet (its evaluate stage's reference, GPTQ's statistics): add {' '.join(need)}, or "
+                          "build without --streaming")
 
 
 def stages(stage, opts, hf_dir: Path, loaded: str, quantize_options) -> tuple[list, list]:
@@ -186,11 +270,33 @@ def stages(stage, opts, hf_dir: Path, loaded: str, quantize_options) -> tuple[li
 
     from export import package
 
+    check_blocks(hf_dir, opts)
     engines, records = [], []
     for precision in opts.precisions:
         qopts = quantize_options(opts, precision)
-        qdir, rec = stage(f"quantize-{precision}", dataclasses.asdict(qopts) | {"load": loaded, "streamed": True},
-                          lambda d, q=qopts: _engine(hf_dir, d, q))
+        check = opts.skip_eval  # else the evaluate stage compares each engine with the same reference
+        qdir, rec = stage(f"quantize-{precision}", dataclasses.asdict(qopts) | {"load": loaded, "streamed": True,
+                                                                               "reference_check": check},
+                          lambda d, q=qopts, c=check: _engine(hf_dir, d, q, c))
         records.append(rec)
         engines.append(package.EngineArtifact(precision, qdir, precision, variant="fused"))
     return engines, records
+
+
+def reference_artifact(hf_dir: Path):
+    """The fp32 reference of a streaming build's evaluate stage: no graph (its logits come from
+    `reference_logits`), measured for the report, not shipped."""
+    from edge.precisions import FP32
+    from export import package
+
+    return package.EngineArtifact(FP32, hf_dir, FP32, report_only=True, reference=True)
+
+
+def reference_logits(hf_dir: Path):
+    """The evaluate stage's fp32 logits on its texts: the model run one decoder block at a time from the checkpoint
+    (export/stream_reference.py), each text's logits yielded in turn."""
+    def run(prompts: list[list[int]]):
+        from export.stream_reference import iter_reference_logits
+
+        return iter_reference_logits(source_of(hf_dir), prompts, progress=True)
+    return run

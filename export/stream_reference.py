@@ -19,18 +19,28 @@ class _Captured(Exception):
 
 
 def _materialize(module, prefix: str, source: WeightSource) -> None:
-    """Give a meta-device module its weights from `source` (names under `prefix`), as fp32 on the CPU."""
+    """Give a meta-device module its weights from `source` (names under `prefix`), as fp32 on the CPU: each
+    parameter is the array read from the checkpoint itself (no empty tensor allocated and copied into: one copy
+    of the embedding, not two, while it is set)."""
     import torch
 
-    module.to_empty(device="cpu")
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(torch.from_numpy(source.get(f"{prefix}.{name}")))
+    for name, _ in list(module.named_parameters()):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        owner._parameters[leaf] = torch.nn.Parameter(torch.from_numpy(source.get(f"{prefix}.{name}")),
+                                                     requires_grad=False)
 
 
 def reference_logits(source: WeightSource, prompts: list[list[int]]) -> list[np.ndarray]:
     """Logits [len(ids), vocab] for each prompt, as the fp32 HF model computes them."""
+    return list(iter_reference_logits(source, prompts))
+
+
+def iter_reference_logits(source: WeightSource, prompts: list[list[int]], progress: bool = False):
+    """Each prompt's logits [len(ids), vocab] in turn, computed once every block has run on every prompt: one
+    text's logits in memory at a time (the evaluate stage writes each to disk before the next is made)."""
     import torch
+    from tqdm import tqdm
 
     from export.weight_source import empty_model
 
@@ -58,6 +68,7 @@ def reference_logits(source: WeightSource, prompts: list[list[int]]) -> list[np.
     finally:
         handle.remove()
     inner.embed_tokens.to("meta")
+    bar = tqdm(total=len(layers), desc="fp32 reference, block by block", unit="block", disable=not progress)
     with torch.no_grad():
         for i, layer in enumerate(layers):
             _materialize(layer, f"model.layers.{i}", source)
@@ -65,14 +76,15 @@ def reference_logits(source: WeightSource, prompts: list[list[int]]) -> list[np.
                 out = layer(hidden[k], *a, **kw)
                 hidden[k] = out[0] if isinstance(out, tuple) else out
             layer.to("meta")
+            bar.update()
+        bar.close()
         _materialize(inner.norm, "model.norm", source)
         head = torch.from_numpy(source.get(HEAD if source.has(HEAD) else EMBED))
         cap = getattr(model.config, "final_logit_softcapping", None)
-        logits = []
-        for h in hidden:
+        for k in range(len(hidden)):
+            h, hidden[k] = hidden[k], None  # each text's hidden states go as its logits are made
             z = inner.norm(h)[0] @ head.T
-            logits.append((torch.tanh(z / cap) * cap if cap else z).numpy())
-    return logits
+            yield (torch.tanh(z / cap) * cap if cap else z).numpy()
 
 
 def compare(source: WeightSource, graph, hf_dir) -> dict:

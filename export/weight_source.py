@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -136,15 +137,18 @@ class GGUFSource(WeightSource):
         cfg = dict(parsed["config"])
         self.config = _hf_config(cfg)
         skeleton = empty_model(self.config)
-        self._reader = GGUFReader(str(self.path))
-        arch = self._reader.fields["general.architecture"]
+        reader = GGUFReader(str(self.path))
+        arch = reader.fields["general.architecture"]
         arch = bytes(arch.parts[arch.data[0]]).decode()
         self._processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=cfg)
         self._map = get_gguf_hf_weights_map(skeleton)
         self._tensors = {}
-        for t in self._reader.tensors:
-            if t.name in self._map:
-                self._tensors[self._map[t.name]] = t
+        for t in reader.tensors:  # where each tensor lies, not the reader's views into its memory map: the reader
+            if t.name in self._map:  # goes, and the pages its parse touched (~0.5 GB of a 1.1 GB file) with it
+                self._tensors[self._map[t.name]] = SimpleNamespace(
+                    name=t.name, tensor_type=t.tensor_type, shape=tuple(int(d) for d in t.shape),
+                    n_elements=int(t.n_elements), n_bytes=int(t.n_bytes), data_offset=int(t.data_offset))
+        del reader
         self._names = sorted(self._tensors)
 
     def names(self) -> list[str]:
@@ -154,10 +158,34 @@ class GGUFSource(WeightSource):
         return tuple(int(d) for d in reversed(self._tensors[name].shape))  # GGUF lists dims fastest-first
 
     def _get(self, name: str) -> np.ndarray:
+        """Dequantized a few MB of rows at a time from positioned reads of the file (not the reader's memory map:
+        pages a read touched would stay in the process's resident memory, the whole file by the build's end),
+        into one fp32 array: dequantizing a whole tensor at once holds several fp32-sized temporaries."""
+        from gguf import GGML_QUANT_SIZES
         from gguf.quants import dequantize
 
         t = self._tensors[name]
-        w = dequantize(t.data, t.tensor_type)
+        block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+        cols = int(t.shape[0])  # GGUF lists dims fastest-first
+        rows = int(t.n_elements) // cols
+        row_bytes = cols // block * type_size
+        if rows * row_bytes != int(t.n_bytes):
+            raise ModelSourceError(f"{self.path.name}: tensor {t.name!r} holds {t.n_bytes} bytes, its type and shape "
+                                   f"say {rows * row_bytes}: a damaged file?")
+        out = np.empty((rows, cols), np.float32)
+        step = max(1, (32 << 20) // (4 * cols))
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            raw = np.fromfile(self.path, np.uint8, count=n * row_bytes, offset=int(t.data_offset) + r * row_bytes)
+            if raw.size != n * row_bytes:
+                raise ModelSourceError(f"{self.path} ends inside its tensor {t.name!r}: a truncated download?")
+            try:
+                out[r:r + n] = dequantize(raw.reshape(n, row_bytes), t.tensor_type)
+            except NotImplementedError:
+                raise ModelSourceError(f"{self.path.name}: tensor {t.name!r} is {t.tensor_type.name}, which the gguf "
+                                       "package cannot dequantize: build from a GGUF of another quantization type "
+                                       "(Q4_K_M, Q8_0, ...) or from the safetensors folder") from None
+        w = out.reshape(tuple(int(d) for d in reversed(t.shape)))
         w = self._processor.process(weights=w, name=t.name, tensor_key_mapping=self._map, parsed_parameters={}).weights
         return np.asarray(w).reshape(self.shape(name))
 

@@ -161,12 +161,13 @@ def test_streaming_build_is_a_bundle_that_answers(tiny_model_dir, tmp_path):
 
 def test_streaming_build_options_are_checked_up_front(tiny_model_dir, tmp_path):
     from edge.errors import RecipeError
+    from export.prune import PruneOptions
     from export.recipe import BuildOptions
 
     base = dict(output=tmp_path / "x", model=str(tiny_model_dir), streaming=True, skip_eval=True,
                 int8_rounding="minmax", int4_rounding="minmax")
-    for change, why in (({"precisions": ("int8-qdq",)}, "not int8-qdq"), ({"skip_eval": False}, "add --skip-eval"),
-                        ({"int8_rounding": "gptq"}, "rounds to nearest")):
+    for change, why in (({"precisions": ("int8-qdq",)}, "not int8-qdq"), ({"prune": PruneOptions()}, "no prune"),
+                        ({"kv_cache": "int8"}, "float K/V cache")):
         with pytest.raises(RecipeError, match=why):
             BuildOptions(**base | change)
 
@@ -198,5 +199,150 @@ def test_the_cli_builds_with_streaming(tiny_model_dir, tmp_path):
                 "--int8-rounding", "minmax", "--int4-rounding", "minmax", "--precision", "int4-weight")
     assert r.returncode == 0, r.stderr
     assert (out / "manifest.json").is_file()
-    r = run_cli("export.cli", "build", str(tiny_model_dir), "-o", str(tmp_path / "d.bundle"), "--streaming")
-    assert r.returncode == 2 and "Traceback" not in r.stderr and "--skip-eval" in r.stderr
+    r = run_cli("export.cli", "build", str(tiny_model_dir), "-o", str(tmp_path / "d.bundle"), "--streaming",
+                "--precision", "int8-qdq")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--streaming" in r.stderr
+    assert not (tmp_path / "d.bundle.work").exists()
+
+
+def _evaluated(bundle) -> dict:
+    return next(s for s in bundle.manifest.stages if s.name == "evaluate").metrics
+
+
+def test_streaming_build_evaluates_as_the_normal_build(tiny_model_dir, tmp_path):
+    """--streaming without --skip-eval: the fp32 reference is the model run one block at a time (no fp32 graph),
+    each engine scored alone against its logits on disk; the metrics are the normal build's (its reference is the
+    fp32 ONNX graph: the two differ by float rounding only)."""
+    from export.recipe import BuildOptions, build
+
+    got = {}
+    for streaming in (False, True):
+        b = build(BuildOptions(output=tmp_path / f"{streaming}.bundle", model=str(tiny_model_dir), streaming=streaming,
+                               precisions=("int8-dynamic", "int4-weight"), int8_rounding="minmax",
+                               int4_rounding="minmax", max_context=256, eval_samples=4), log=lambda s: None, quiet=True)
+        got[streaming] = _evaluated(b)
+        if streaming:
+            assert [s.name for s in b.manifest.stages] == ["load", "quantize-int8-dynamic", "quantize-int4-weight",
+                                                           "evaluate"]
+            assert not list((tmp_path / "True.bundle.work").glob("export*"))  # still no fp32 graph
+            # the quantize stages leave the comparison with the reference to the evaluate stage (no third read of
+            # the checkpoint per engine)
+            assert not any("reference" in s.metrics for s in b.manifest.stages[1:3])
+            assert not list((tmp_path / "True.bundle.work").rglob("reference-logits*"))  # removed at the end
+            shipped = {e.name: e.quality for e in b.manifest.engines}
+            assert shipped["int8-dynamic"]["kl_to_fp32"] == got[True]["engines"]["int8-dynamic"]["kl_to_fp32"]
+    normal, streamed = got[False]["engines"], got[True]["engines"]
+    assert sorted(normal) == sorted(streamed) == ["fp32", "int4-weight", "int8-dynamic"]
+    assert "block" in streamed["fp32"]["scored_with"] and "golden_passed" not in streamed["fp32"]
+    for name in ("int8-dynamic", "int4-weight"):
+        n, s = normal[name], streamed[name]
+        assert s["golden_passed"] == n["golden_passed"] and s["decode_tok_s"] > 0
+        for q, r in ((n, s), (n["prose"], s["prose"])):
+            assert r["top1_agreement"] == pytest.approx(q["top1_agreement"], abs=1e-3)
+            assert r["perplexity"] == pytest.approx(q["perplexity"], rel=1e-5)
+            assert r["kl_to_fp32"] == pytest.approx(q["kl_to_fp32"], rel=1e-3, abs=1e-7)
+            assert r["kl_to_fp32"] > 0
+
+
+def test_streaming_build_reads_a_gguf(tiny_model_dir, tmp_path):
+    """A GGUF as the streaming build's source: linked by the load stage (config and tokenizer from its metadata, the
+    tokenizer checked against the GGUF's own), each weight dequantized alone; the engines are the ones streamed from
+    the Hugging Face folder the normal load stage makes of the same file."""
+    from export import load, stream_build
+    from export.model_source import resolve
+    from export.recipe import BuildOptions, build
+    from export.weight_source import SafetensorsSource
+    from tiny_gguf import write_llama_gguf
+
+    (tmp_path / "src").mkdir()
+    gguf = write_llama_gguf(tiny_model_dir, tmp_path / "src" / "tiny.gguf")
+    template = tmp_path / "chat.jinja"  # the tiny GGUF carries none
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    b = build(BuildOptions(output=tmp_path / "g.bundle", model=str(gguf), streaming=True, skip_eval=True,
+                           precisions=("int8-dynamic",), int8_rounding="minmax", max_context=256,
+                           chat_template=str(template)), log=lambda s: None, quiet=True)
+    loaded = b.manifest.stages[0]
+    assert loaded.metrics["streamed"] and "tokenizer_check" in loaded.metrics, loaded.metrics  # as the normal load records it
+    assert not list((tmp_path / "g.bundle.work" / "load").glob("*.safetensors"))  # nothing dequantized to disk
+    hf = tmp_path / "hf"
+    load.run(resolve(str(gguf)), hf, chat_template=template.read_text())  # the normal load stage: dequantized by transformers
+    opts = b.manifest.stages[1].params
+    from export.quantize import QuantizeOptions
+
+    qopts = QuantizeOptions(mode="int8-dynamic", int8_rounding="minmax")
+    stream_build.write_quantized(SafetensorsSource(hf), tmp_path / "from-hf", qopts)
+    (_, want), (_, got) = _graph(tmp_path / "from-hf/model.onnx"), _graph(b.root / "engines/int8-dynamic/model.onnx")
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want), opts
+
+
+def test_streaming_load_refuses_what_it_cannot_read(tmp_path):
+    from edge.errors import RecipeError
+    from export import stream_build
+    from export.model_source import resolve
+
+    with pytest.raises(RecipeError, match="download it first"):
+        stream_build.load(resolve("llama-3-8b"), tmp_path / "x")
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2"])
+def test_streamed_gptq_rounds_as_the_quantize_stage(case, tmp_path):
+    """GPTQ under --streaming: statistics collected one decoder block at a time with that block's weights read from
+    the checkpoint (no model loaded in torch), then each weight rounded as it is saved: the same levels, scales and
+    zero points as the quantize stage's GPTQ on the fp32 graph's statistics (ONNX Runtime, the whole graph), bit
+    for bit on these models; one pass over the calibration texts per engine."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_tiny_model
+    from export import onnx_export, quantize, stream_build
+    from export.load import META
+
+    src = make_tiny_model(tmp_path / case, **CASES[case])
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    (src / META).write_text(json.dumps({"num_parameters": sum(p.numel() for p in model.parameters()),
+                                        "eos_token_ids": [2]}))
+    onnx_export.run(src, tmp_path / "fp32", onnx_export.ExportOptions(greedy_tokens=4))
+    for mode in ("int8-dynamic", "int4-weight"):
+        opts = quantize.QuantizeOptions(mode=mode, gptq_samples=8, gptq_tokens=64)
+        (tmp_path / f"{mode}-today").mkdir()
+        today = quantize.run(tmp_path / "fp32" / onnx_export.FUSED_DIR, src, tmp_path / f"{mode}-today", opts)
+        metrics = stream_build._engine(src, tmp_path / f"{mode}-streamed", opts)
+        assert metrics["gptq_statistics"].startswith("by block") and metrics["gptq_passes"] == 1, metrics
+        assert metrics["gptq_tokens"] == today["gptq_tokens"] > 0  # the same calibration texts
+        (_, want), (_, got) = _graph(tmp_path / f"{mode}-today/model.onnx"), _graph(tmp_path / f"{mode}-streamed/model.onnx")
+        assert sorted(got) == sorted(want)
+        for name in want:
+            assert np.array_equal(got[name], want[name]), (mode, name)
+
+
+def test_streaming_build_with_gptq_collects_the_statistics_once(tiny_model_dir, tmp_path):
+    """The recipe's streaming build rounds by GPTQ by default: the first engine collects the statistics block by
+    block and keeps them in the build's work folder; the second reads them back (no second pass)."""
+    from export.recipe import BuildOptions, build
+
+    b = build(BuildOptions(output=tmp_path / "q.bundle", model=str(tiny_model_dir), streaming=True, skip_eval=True,
+                           precisions=("int8-dynamic", "int4-weight"), gptq_samples=4, max_context=256),
+              log=lambda s: None, quiet=True)
+    q8, q4 = (s.metrics for s in b.manifest.stages[1:3])
+    assert q8["int8_rounding"] == "gptq" and q4["int4_rounding"] == "gptq"
+    assert q8["gptq_passes"] == 1 and q8["gptq_statistics_computed"] > 0, q8
+    assert q4["gptq_passes"] == 0 and q4["gptq_statistics_loaded"] > 0, q4
+    assert q4["reference"]["kl_to_reference"] < 0.01
+
+
+def test_streaming_refuses_block_by_block_work_on_mixed_attention_blocks(tmp_path):
+    """Gemma 3's sliding-window and global blocks cannot run one at a time with one set of arguments yet: the
+    evaluate stage's reference and GPTQ's statistics are refused after the load stage, before any engine is
+    written, naming the flags that build it; with them the build goes through."""
+    from conftest import make_tiny_model
+    from edge.errors import RecipeError
+    from export.recipe import BuildOptions, build
+
+    src = make_tiny_model(tmp_path / "gemma3", **CASES["gemma3"])
+    base = dict(model=str(src), streaming=True, precisions=("int8-dynamic",), max_context=256)
+    with pytest.raises(RecipeError, match="differ in attention type.*add --skip-eval --int8-rounding minmax"):
+        build(BuildOptions(output=tmp_path / "a.bundle", **base), log=lambda s: None, quiet=True)
+    assert not (tmp_path / "a.bundle.work" / "quantize-int8-dynamic").exists()
+    b = build(BuildOptions(output=tmp_path / "b.bundle", skip_eval=True, int8_rounding="minmax", **base),
+              log=lambda s: None, quiet=True)
+    assert b.manifest.stages[1].metrics["reference"]["skipped"]
