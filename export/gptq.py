@@ -158,17 +158,12 @@ class LayerHessians:
     method = "by block (torch)"
 
     def __init__(self, hf_dir: Path, plain: Path, feeds: list[dict], threads: int | None = None) -> None:
-        if not feeds or not sum(int(np.prod(f["input_ids"].shape)) for f in feeds):
-            raise ValueError("GPTQ needs calibration text: no tokens were given")
+        self._start(feeds, threads)
         gw = GraphWeights(plain)
         untie_lm_head(gw)
         nodes = weight_matmuls(gw.model)
         self.input_of = {n.name: n.input[0] for n in nodes}
-        self.hf_dir, self.feeds, self.threads = hf_dir, feeds, threads or os.cpu_count() or 1
-        self.rows = sum(int(np.prod(f["input_ids"].shape)) for f in feeds)
-        self.loaded: dict[str, np.ndarray] = {}
-        self.passes, self._at, self._loaded_step, self._hidden, self._args = 0, None, None, [], []
-        self.model, self._bar = None, None
+        self.hf_dir = hf_dir
         with self._threads():
             self._load()
             import torch
@@ -190,6 +185,16 @@ class LayerHessians:
                 out = self.layers[0](self._hidden[0], *self._args[0][0], **self._args[0][1])
             if not isinstance(out, tuple | torch.Tensor):
                 raise ValueError(f"a decoder block returned {type(out).__name__}, not its hidden states")
+
+    def _start(self, feeds: list[dict], threads: int | None) -> None:
+        """The state both kinds begin with: the calibration texts, no block run yet, nothing loaded."""
+        if not feeds or not sum(int(np.prod(f["input_ids"].shape)) for f in feeds):
+            raise ValueError("GPTQ needs calibration text: no tokens were given")
+        self.feeds, self.threads = feeds, threads or os.cpu_count() or 1
+        self.rows = sum(int(np.prod(f["input_ids"].shape)) for f in feeds)
+        self.loaded: dict[str, np.ndarray] = {}
+        self.passes, self._at, self._loaded_step, self._hidden, self._args = 0, None, None, [], []
+        self.model, self._bar = None, None
 
     def _load(self) -> None:
         import torch
@@ -341,14 +346,8 @@ class StreamedLayerHessians(LayerHessians):
 
         from export.sensitivity import target_name
 
-        if not feeds or not sum(int(np.prod(f["input_ids"].shape)) for f in feeds):
-            raise ValueError("GPTQ needs calibration text: no tokens were given")
-        self.source, self.input_of, self.feeds = source, dict(input_of), feeds
-        self.threads = threads or os.cpu_count() or 1
-        self.rows = sum(int(np.prod(f["input_ids"].shape)) for f in feeds)
-        self.loaded: dict[str, np.ndarray] = {}
-        self.passes, self._at, self._loaded_step, self._hidden, self._args = 0, None, None, [], []
-        self.model, self._bar = None, None
+        self._start(feeds, threads)
+        self.source, self.input_of = source, dict(input_of)
         with self._threads():
             self._load()
             by_graph_name: dict[str, str] = {}

@@ -97,17 +97,21 @@ def main() -> None:
     ref_ppl = {kind: summarize([token_metrics(r, r, np.array(ids[1:])) for r, ids in zip(refs[kind], seqs)])["perplexity"]
                for kind, seqs in sets.items()}
     print("fp32: perplexity " + ", ".join(f"{k} {v:.2f}" for k, v in ref_ppl.items()), flush=True)
-    for spec in a.graph:
-        name, rest = spec.split("=", 1)
-        precision, path = rest.split(":", 1)
-        probe = _onnx_logits(Path(path), m.model, m.engine_io(fp32), None, precision=precision)
-        out = {"name": name, "graph": path, "precision": precision, "fp32_perplexity": ref_ppl}
+
+    def score(name: str, probe, out: dict) -> None:
+        """The probe graph's KL, top-1 and perplexity per text set, printed and written to --out/NAME.json."""
         for kind, seqs in sets.items():
             s = summarize([token_metrics(probe(ids), r, np.array(ids[1:])) for ids, r in zip(seqs, refs[kind])])
             out[kind] = s
             print(f"{name} {kind}: KL {s['kl_to_fp32']:.4f}, top-1 {s['top1_agreement']:.1%}, perplexity "
                   f"{s['perplexity']:.2f} ({s['perplexity'] / ref_ppl[kind] - 1:+.1%})", flush=True)
         (a.out / f"{name}.json").write_text(json.dumps(out, indent=1, default=str))
+
+    for spec in a.graph:
+        name, rest = spec.split("=", 1)
+        precision, path = rest.split(":", 1)
+        probe = _onnx_logits(Path(path), m.model, m.engine_io(fp32), None, precision=precision)
+        score(name, probe, {"name": name, "graph": path, "precision": precision, "fp32_perplexity": ref_ppl})
         del probe
     from edge.io_contract import io_for_variant
 
@@ -133,15 +137,10 @@ def main() -> None:
         same = next((e for e in m.engines if e.name == opts.mode), None)
         io = m.engine_io(same) if same else io_for_variant("plain" if plain else "fused").to_dict()
         probe = _onnx_logits(dst / "model.onnx", m.model, io, None, precision=opts.mode)
-        out = {"name": name, "options": options, "size_mb": metrics["size_bytes"] / 1e6, "quantize_s": round(took),
-               "fp32_perplexity": ref_ppl, "metrics": {k: v for k, v in metrics.items() if not isinstance(v, dict)},
-               "int4_8bit_matmuls": metrics.get("int4_8bit_matmuls", [])}
-        for kind, seqs in sets.items():
-            s = summarize([token_metrics(probe(ids), r, np.array(ids[1:])) for ids, r in zip(seqs, refs[kind])])
-            out[kind] = s
-            print(f"{name} {kind}: KL {s['kl_to_fp32']:.4f}, top-1 {s['top1_agreement']:.1%}, perplexity "
-                  f"{s['perplexity']:.2f} ({s['perplexity'] / ref_ppl[kind] - 1:+.1%})", flush=True)
-        (a.out / f"{name}.json").write_text(json.dumps(out, indent=1, default=str))
+        score(name, probe, {"name": name, "options": options, "size_mb": metrics["size_bytes"] / 1e6,
+                            "quantize_s": round(took), "fp32_perplexity": ref_ppl,
+                            "metrics": {k: v for k, v in metrics.items() if not isinstance(v, dict)},
+                            "int4_8bit_matmuls": metrics.get("int4_8bit_matmuls", [])})
         del probe
         if not a.keep and not a.score_only:
             import shutil
