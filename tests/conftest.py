@@ -81,6 +81,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
+def loaded_plain(d: Path) -> dict[str, Path]:
+    """A tiny model through the load stage (d/hf) and the plain fp32 export (d/plain): what a TensorRT format's
+    quantize stage starts from."""
+    from export import load, onnx_export
+    from export.model_source import resolve
+
+    src = make_tiny_model(d / "src")
+    (d / "hf").mkdir()
+    load.run(resolve(str(src)), d / "hf")
+    (d / "plain").mkdir()
+    onnx_export.run(d / "hf", d / "plain", onnx_export.ExportOptions(fused=False, greedy_tokens=8))
+    return {"hf": d / "hf", "fp32": d / "plain"}
+
+
 @pytest.fixture(scope="session")
 def tiny_plain_graph(tmp_path_factory, tiny_model_dir) -> Path:
     """The tiny model's plain fp32 graph alone (the export stage without the fused graph): folder with model.onnx."""

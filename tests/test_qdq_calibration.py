@@ -70,17 +70,11 @@ def test_fp8_clip_is_the_least_output_error():
 def qdq_graphs(tmp_path_factory) -> dict[str, Path]:
     """A tiny loaded model's plain graph, and int8-qdq from it with ONNX Runtime's rounding (one alpha, max ranges)
     and with this module's choices (alpha search, MSE ranges, GPTQ weights)."""
-    from conftest import make_tiny_model
-    from export import load, onnx_export, quantize
-    from export.model_source import resolve
+    from conftest import loaded_plain
+    from export import quantize
 
     d = tmp_path_factory.mktemp("qdqcal")
-    src = make_tiny_model(d / "src")
-    (d / "hf").mkdir()
-    load.run(resolve(str(src)), d / "hf")
-    (d / "plain").mkdir()
-    onnx_export.run(d / "hf", d / "plain", onnx_export.ExportOptions(fused=False, greedy_tokens=8))
-    out = {"hf": d / "hf", "fp32": d / "plain"}
+    out = loaded_plain(d)
     for name, extra in (("nearest", {"qdq_alpha_search": False, "qdq_range": "max", "int8_rounding": "minmax", "qdq_float_ratio": 0}),
                         ("measured", {"qdq_float_ratio": 0.3})):  # 0.05 keeps nothing of a 2-layer model
         (d / name).mkdir()

@@ -8,23 +8,17 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from conftest import make_tiny_model
+from conftest import loaded_plain
 from edge.errors import RecipeError
 
 
 @pytest.fixture(scope="module")
 def formats(tmp_path_factory) -> dict[str, Path]:
     """A tiny loaded model, its plain fp32 graph and the two TensorRT formats quantized from it."""
-    from export import load, onnx_export, quantize
-    from export.model_source import resolve
+    from export import quantize
 
     d = tmp_path_factory.mktemp("trtfmt")
-    src = make_tiny_model(d / "src")
-    (d / "hf").mkdir()
-    load.run(resolve(str(src)), d / "hf")
-    (d / "plain").mkdir()
-    onnx_export.run(d / "hf", d / "plain", onnx_export.ExportOptions(fused=False, greedy_tokens=8))
-    out = {"hf": d / "hf", "fp32": d / "plain"}
+    out = loaded_plain(d)
     for mode in ("int4-qdq", "fp8-qdq"):
         (d / mode).mkdir()
         quantize.run(d / "plain", d / "hf", d / mode, quantize.QuantizeOptions(mode=mode, samples=8, gptq_samples=8))
