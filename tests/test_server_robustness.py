@@ -125,13 +125,15 @@ def test_same_request_same_answer_with_the_prompt_cache_on(server, tiny_bundle):
         assert r.status_code == 200, r.text
         return r.json()
 
-    questions = ["Tell me a fun fact about the ocean and the stars.", "What is the capital of Japan? Tell me more.",
-                 "Hello! How are you doing today, my friend?"]
+    questions = ["Tell me a fun fact about the ocean and the stars, and one about the fish in it.",
+                 "What is the capital of Japan? Tell me more about the city and its old temples.",
+                 "Hello! How are you doing today, my friend? I hope the weather is kind to you."]  # > 64 tokens each
     for opts in ({"temperature": 0}, {"temperature": 0.9, "seed": 1234}):
         first = [ask(q, **opts) for q in questions]
         ask("Something else entirely, to change what the cache holds.", **opts)
         again = [ask(q, **opts) for q in reversed(questions)][::-1]
         for q, a, b in zip(questions, first, again):
+            assert a["usage"]["prompt_tokens"] > 64  # past the first prefill boundary: a start the cache can give
             assert b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, (q, b["usage"])  # the cache was used
             assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"], (q, opts)
     off = ServerProcess(tiny_bundle.root, "--engine", "int8-dynamic", "--no-ui", "--prompt-cache-mb", "0")
