@@ -34,7 +34,6 @@ class RowCache(Protocol):
     lengths: list[int]  # tokens cached per row, in the scheduler's row order
     reused: int  # prompt tokens the last admitted row took from the prompt cache
     can_verify: bool  # `verify` and `rollback` work here (speculative decoding checks drafts on this cache)
-    prefills_together: bool  # `admit_together` runs new prompts' first prefill span in one batched call
 
     def __len__(self) -> int: ...
     def admit(self, prompt: list[int]) -> np.ndarray: ...
@@ -55,11 +54,9 @@ class RowCache(Protocol):
 
 class _NoVerify:
     """A cache that cannot check drafts: its `verify` and `rollback` refuse, saying why (`can_verify` is False,
-    so the scheduler never calls them). Nor does it prefill prompts together (`prefills_together` is False):
-    `admit_together` admits them one at a time."""
+    so the scheduler never calls them). Its `admit_together` admits the prompts one at a time, all or none."""
 
     can_verify = False
-    prefills_together = False
 
     def admit_together(self, prompts: list[list[int]]) -> np.ndarray:
         n = len(self)
@@ -243,7 +240,6 @@ class SharedBatchCache:
     """
 
     can_verify = True  # a rejected draft is forgotten by setting the row's length back (see rollback)
-    prefills_together = True  # new prompts' first prefill span in one call (see admit_together)
 
     def __init__(self, decoder: Decoder, slots: int, capacity: int = 256, prompt_cache_bytes: int = 0) -> None:
         if decoder.device != "cpu":

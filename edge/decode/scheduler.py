@@ -421,7 +421,7 @@ class Scheduler:
         prefill in turn), the others one at a time from their cached start. If the batched call fails, each is
         tried alone, so a failure stays with the request that causes it."""
         together = []
-        if len(group) > 1 and self.cache.prefills_together:
+        if len(group) > 1:
             together = [g for g in group if self.cache.cached_start(g[0].prompt_ids) == 0]
         if len(together) < 2:
             together = []
