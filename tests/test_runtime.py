@@ -73,6 +73,27 @@ def test_fused_cache_grows_in_place_and_keeps_what_it_holds(fused_generator):
         d.forward(np.zeros((1, 300), np.int64), d.new_cache(capacity=8))
 
 
+def test_scoring_many_lengths_keeps_no_large_logits_buffer(fused_generator, monkeypatch):
+    """A decoder keeps a logits buffer per decode shape (reused every token), but not one per prompt length it
+    scored: a 1.5B model's [512, 152k] logits are 311 MB a shape, and the evaluate stage grew by GBs that way.
+    The calls' answers are the same either way (here the limit is made tiny so the tiny model's shapes pass it)."""
+    import edge.backends.onnxruntime as ortb
+
+    d = fused_generator.decoder
+    ids = np.arange(3, 3 + 120) % d.dims.vocab_size
+    want = {n: d.forward(ids[None, :n], d.new_cache(capacity=n), last_only=False) for n in (17, 40, 77, 120)}
+    d.forward(ids[None, :1], d.new_cache(capacity=8))  # a decode-sized call
+    monkeypatch.setattr(ortb, "KEEP_LOGITS_BYTES", 2 * d.dims.vocab_size * 4)
+    d._mine.logits.clear()
+    for n, logits in want.items():
+        np.testing.assert_array_equal(d.forward(ids[None, :n], d.new_cache(capacity=n), last_only=False), logits)
+    step = d.forward(ids[None, :1], d.new_cache(capacity=8))
+    np.testing.assert_array_equal(step, d.forward(ids[None, :1], d.new_cache(capacity=8)))
+    assert list(d._mine.logits) == [(1, 1, d.dims.vocab_size)]  # only the decode shape is kept
+    monkeypatch.setattr(d, "_logits_width", None)  # a graph whose vocabulary dimension is not fixed: ORT allocates
+    np.testing.assert_array_equal(d.forward(ids[None, :40], d.new_cache(capacity=40), last_only=False), want[40])
+
+
 def test_fused_greedy_equals_plain_greedy(tiny_bundle, tiny_generator):
     """The fused graph's greedy answer equals the plain graph's (same fp32 weights, exported twice)."""
     from edge.io_contract import FUSED_IO

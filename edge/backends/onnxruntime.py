@@ -230,8 +230,11 @@ class OrtDecoder(Decoder):
         else:
             b.bind_ortvalue_output(self.io.logits, out[1])
         self.session.run_with_iobinding(b)
-        # the logits buffer is written again by the next call: the caller gets its own copy
-        logits = self._vocab(b.get_outputs()[0].numpy() if out is None else out[0].copy())
+        if out is None:  # bound after every present (`_fused_binding`), so it comes after them
+            raw = b.get_outputs()[len(self.present_names)].numpy()
+        else:  # a kept buffer is written again by the next call: the caller gets its own copy
+            raw = out[0].copy() if out[2] else out[0]
+        logits = self._vocab(raw)
         if self.io.logit_positions or everywhere:
             return logits
         return np.take_along_axis(logits, np.asarray(at, np.int64)[:, :, None], axis=1)
@@ -250,12 +253,18 @@ class OrtDecoder(Decoder):
         self._mine.binding = (list(buffers), b)
         return b
 
-    def _logits_buffer(self, batch: int, positions: int) -> tuple[np.ndarray, object] | None:
-        """A host array (and its OrtValue) the call writes its logits into, kept per shape; None when the graph's
-        vocabulary dimension is not fixed (ONNX Runtime then allocates the output)."""
+    def _logits_buffer(self, batch: int, positions: int) -> tuple[np.ndarray, object, bool] | None:
+        """A host array, its OrtValue, and whether it is kept (per shape, for the next call of that shape); None
+        when the graph's vocabulary dimension is not fixed (ONNX Runtime then allocates the output). Decode and
+        verify steps reuse their few shapes every token; a prefill or scoring call's [rows, positions, vocab]
+        is hundreds of MB per shape (512 x 152k floats: 311 MB): above `KEEP_LOGITS_BYTES` the array is new
+        and the caller's (keeping one per length seen grew a scoring run by GBs; docs/models.md)."""
         if self._logits_width is None:
             return None
         shape = (batch, positions, self._logits_width)
+        if batch * positions * self._logits_width * np.dtype(self._logits_dtype).itemsize > KEEP_LOGITS_BYTES:
+            arr = np.empty(shape, self._logits_dtype)
+            return arr, _ort().OrtValue.ortvalue_from_numpy(arr), False
         kept = getattr(self._mine, "logits", None)
         if kept is None:
             kept = self._mine.logits = {}
@@ -264,7 +273,7 @@ class OrtDecoder(Decoder):
             if len(kept) > 16:  # batch x positions shapes seen: a handful in practice
                 kept.clear()
             arr = np.empty(shape, self._logits_dtype)
-            held = kept[shape] = (arr, _ort().OrtValue.ortvalue_from_numpy(arr))
+            held = kept[shape] = (arr, _ort().OrtValue.ortvalue_from_numpy(arr), True)
         return held
 
     def to_device(self, array: np.ndarray):
@@ -275,6 +284,7 @@ class OrtDecoder(Decoder):
         return _ort().OrtValue.ortvalue_from_numpy(array)
 
 
+KEEP_LOGITS_BYTES = 32 << 20  # the largest logits buffer an OrtDecoder keeps between calls (`_logits_buffer`)
 KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # ONNX Runtime's names of the K/V types
 INT8 = "tensor(int8)"
 
