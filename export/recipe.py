@@ -71,6 +71,9 @@ class BuildOptions:
     # ...from these domains (export/calibration_texts.py: chat, news, literature, code, docs), split evenly
     gptq_domains: tuple[str, ...] = ("chat", "news")
     int8_rounding: str = "gptq"  # int8-dynamic and int8-qdq: "gptq" or "minmax" (export/quantize.py)
+    # int8-qdq: the share of its INT8 weights' bytes that may stay fp16 where INT8 activations hurt most
+    # (measured per activation: minutes on a small model; 0 skips that pass; export/int8_qdq.py)
+    qdq_float_ratio: float = 0.2
     int4_block_size: int = 32  # int4-weight and int4-qdq: 4-bit block size (edge-export plan says which fits)
     int4_lm_head_bits: int = 8
     eval_samples: int = 64
@@ -116,6 +119,9 @@ class BuildOptions:
         from export.calibration_texts import check_domains
 
         check_domains(tuple(self.gptq_domains))
+        if not isinstance(self.qdq_float_ratio, (int, float)) or not 0 <= self.qdq_float_ratio < 1:
+            raise RecipeError(f"qdq_float_ratio must be a number in [0, 1) (the share of int8-qdq's INT8 weight bytes "
+                              f"that may stay fp16; 0 turns that pass off), got {self.qdq_float_ratio!r}")
         if not isinstance(self.gptq_samples, int) or self.gptq_samples < 1:
             raise RecipeError(f"gptq_samples must be a whole number >= 1 (calibration texts for GPTQ), got {self.gptq_samples!r}")
         for name, kind in (("prune", PruneOptions), ("distill", DistillOptions), ("draft", DraftOptions)):
@@ -477,6 +483,8 @@ def _quantize_options(opts: BuildOptions, precision: str, nearest: bool = False)
                  "int4_extra_ratio": opts.int4_extra_ratio}
     elif precision in (INT8_DYNAMIC, INT8_QDQ):  # int8-qdq: GPTQ-rounded on the smoothed inputs too
         extra = {"int8_rounding": "minmax" if nearest else opts.int8_rounding}
+        if precision == INT8_QDQ:
+            extra["qdq_float_ratio"] = opts.qdq_float_ratio
     if not nearest:
         extra["gptq_samples"] = opts.gptq_samples
         if tuple(opts.gptq_domains) != ("chat", "news"):  # the default stays out of the stage key (no rebuilds)

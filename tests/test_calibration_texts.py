@@ -138,3 +138,18 @@ def test_gptq_domains_flag_and_recipe_key_reach_both_int4_engines(tmp_path):
     recipe.write_text('precisions = ["int4-weight"]\ngptq_domains = ["news", "code"]\n')
     r = BuildOptions.from_toml(recipe, output=tmp_path / "y.bundle")
     assert _quantize_options(r, "int4-weight").gptq_domains == ("news", "code")
+
+
+def test_qdq_float_ratio_recipe_key_reaches_the_int8_qdq_stage(tmp_path):
+    """A recipe sets int8-qdq's float budget (0 skips its per-activation sensitivity pass, minutes on a small
+    model); a value outside [0, 1) is refused when the recipe loads, not minutes into the build."""
+    from export.recipe import BuildOptions, _quantize_options
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('precisions = ["int8-qdq"]\n[quantize]\nqdq_float_ratio = 0\n')
+    r = BuildOptions.from_toml(recipe, output=tmp_path / "y.bundle")
+    assert _quantize_options(r, "int8-qdq").qdq_float_ratio == 0
+    assert _quantize_options(BuildOptions(output=tmp_path / "x.bundle"), "int8-qdq").qdq_float_ratio == 0.2
+    for bad in (1, -0.1, "some"):
+        with pytest.raises(RecipeError, match="qdq_float_ratio must be a number in"):
+            BuildOptions(output=tmp_path / "x.bundle", qdq_float_ratio=bad)
