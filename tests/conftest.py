@@ -36,6 +36,28 @@ CORPUS = [
 ] * 20
 
 
+# what a run writes at most under pytest's temporary folder at once (measured 2026-12-07 with `df` every 5 s over
+# the README's test command: the large model's build in the slow tier, ~17 GB of graphs, on ~3 GB of others)
+DISK_GB = {"slow": 22, "fast": 4}
+
+
+def pytest_collection_finish(session) -> None:
+    """Refuse to start a run the disk cannot hold, naming the folder and what to do: CI once ran out of disk
+    in the slow tier's large-model build and reported 120 unrelated errors."""
+    import tempfile
+
+    if not session.items or session.config.option.collectonly:
+        return
+    tier = "slow" if any(i.get_closest_marker("slow") for i in session.items) else "fast"
+    where = Path(session.config.option.basetemp or tempfile.gettempdir())
+    probe = where if where.exists() else where.parent
+    free = shutil.disk_usage(probe).free / 1e9
+    if free < DISK_GB[tier]:
+        pytest.exit(f"the {tier} tier writes up to {DISK_GB[tier]} GB under {probe} and {free:.1f} GB are free there: free "
+                    "some space, give --basetemp a folder on a larger disk"
+                    + (", or run the fast tier alone (-m 'not slow')" if tier == "slow" else ""), returncode=3)
+
+
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3",
                "Gemma3ForCausalLM": "gemma3_text"}

@@ -34,6 +34,7 @@ def large_build(tmp_path_factory):
     recipe = tmp_path_factory.mktemp("recipe") / "large.toml"
     recipe.write_text(f"[build]\nprecisions = {json.dumps(list(PRECISIONS))}\nmax_context = 256\n"
                       "[quantize]\ncalibration_samples = 4\nint4_rounding = \"minmax\"\nint8_rounding = \"minmax\"\n"
+                      "qdq_float_ratio = 0\n"
                       "[evaluate]\nskip_eval = true\n")
     # CI time: the evaluate stage's memory on real models is in docs/models.md (Qwen2.5-Coder-1.5B: 12.9 GB for
     # 7.1 GB of weights). int4 and int8 round to nearest here: this test holds the streaming quantizer to its memory bound,
