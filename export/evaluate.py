@@ -187,6 +187,24 @@ def speed(gen: Generator, prompt_ids: list[int], new_tokens: int, runs: int, don
     return {"ttft_ms": statistics.median(ttfts) * 1000, "decode_tok_s": statistics.median(rates)}
 
 
+def scored(d: OrtDecoder, ids: list[int], reference_rows) -> dict:
+    """`token_metrics` of an engine on one text, summed over the runtime's own prefill calls (a fused graph: at most
+    128 positions each; `Decoder.prefill_span`), each against the same rows of the reference (`reference_rows(a,
+    b)`, read from disk): memory bounded by one call, not the text (a whole 512-token text of a 152k vocabulary is
+    311 MB of logits per copy; the 1.5B Qwen's evaluate stage peaked at 4.1 GB holding both)."""
+    x, targets = np.asarray(ids[:-1], dtype=np.int64), np.asarray(ids[1:])
+    cache = d.new_cache(capacity=len(x))
+    total = {"nll": 0.0, "kl": 0.0, "agree": 0, "n": 0}
+    start = 0
+    while start < len(x):
+        end = min(start + d.prefill_span(cache.length), len(x))
+        part = token_metrics(d.forward(x[start:end], cache, last_only=False)[0], reference_rows(start, end),
+                             targets[start:end])
+        total = {k: total[k] + part[k] for k in total}
+        start = end
+    return total
+
+
 def scored_with(precision: str, dec: OrtDecoder) -> str:
     """How an engine's numbers were computed: the runtime, its provider and threads, and session settings
     that change the arithmetic (an explicit Q/DQ graph run as written, not fused into ORT's int8 kernels)."""
@@ -345,11 +363,14 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
                     teacher = Reference.of(store.get((i, "ref")))
                     parts[x.kind].append(token_metrics(teacher.logits, teacher, np.array(x.ref_ids[1:])) | {"bytes": x.n_bytes})
                     continue
-                against = own if own is not None and t_ids is None else store.get((i, "ref" if t_ids is None else "student"))
-                student = against if e.name == ref else logits(d, x.ids)  # the reference's taken a few rows at a time
-                own = None
-                parts[x.kind].append(token_metrics(student, against, np.array(x.ids[1:]))
-                                     | {"n_ref": len(x.ref_ids) - 1, "bytes": x.n_bytes})
+                key = (i, "ref" if t_ids is None else "student")
+                if e.name == ref:  # against itself: the array just written (or, over the kept tokens, read back)
+                    against = own if own is not None and t_ids is None else store.get(key)
+                    m = token_metrics(against, against, np.array(x.ids[1:]))
+                else:
+                    m = scored(d, x.ids, lambda a, b: store.get(key, (a, b)))
+                own = against = None
+                parts[x.kind].append(m | {"n_ref": len(x.ref_ids) - 1, "bytes": x.n_bytes})
             t["score_s"] = time.perf_counter() - t0
             del made
             q = summarize(parts["chats"])

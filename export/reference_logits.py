@@ -54,13 +54,17 @@ class ReferenceLogits:
     def __contains__(self, key: object) -> bool:
         return key in self.index
 
-    def get(self, key: object) -> np.ndarray:
-        """That key's logits, read from the file into a fresh array (flushes what was written first)."""
+    def get(self, key: object, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """That key's logits (`rows`: only rows [a, b)), read from the file into a fresh array (flushes what was
+        written first)."""
         if not self._f.closed:
             self._f.flush()
-        offset, shape = self.index[key]
-        out = np.fromfile(self.path, dtype=np.float32, count=shape[0] * shape[1], offset=offset)
-        return out.reshape(shape)
+        offset, (n, width) = self.index[key]
+        a, b = rows if rows is not None else (0, n)
+        if not 0 <= a <= b <= n:
+            raise IndexError(f"rows {a}:{b} of reference logits {key!r}, which has {n}")
+        out = np.fromfile(self.path, dtype=np.float32, count=(b - a) * width, offset=offset + a * width * 4)
+        return out.reshape(b - a, width)
 
     def close(self) -> None:
         """Close and delete the file (the logits are only worth keeping while the engines are scored)."""
