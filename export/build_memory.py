@@ -38,13 +38,14 @@ BASE_BYTES = 2.5e9  # the interpreter, torch, transformers and ONNX Runtime them
 
 STREAM_BASE_BYTES = 1.0e9  # the interpreter, onnx, ONNX Runtime's quantizer, torch (rotary tables), the graph
 STREAM_PER_LARGEST = 3.0  # the fp32 tensor, its transposed copy (the tied LM head), its quantized form
-# the evaluate stage: one engine in ONNX Runtime at a time, beside one held-out text's logits (a 512-token prose
-# window x the vocabulary in fp32: read back from disk, the engine's own, and a few rows' temporaries). The session
-# holds 1.2x the engine once loaded (2.40 GB of VmHWM for the 1.99 GB int8 engine of Qwen2.5-Coder-1.5B) and grows
-# with each new input length it runs (3.1 GB after five full-sequence forwards of different lengths, arena and memory
-# pattern on or off): the 1.5B's evaluate stage peaked at 5.9 GB in the int8 engine's turn (docs/models.md)
-STREAM_ENGINE_FACTOR = 2.2
-STREAM_TEXT_LOGITS = 3
+# the evaluate stage: one engine in ONNX Runtime at a time, beside the reference's logits on one held-out text (a
+# 512-token prose window x the vocabulary in fp32, computed and written to disk); each engine scores a text in the
+# runtime's prefill calls (<= 128 positions) against those rows read back. The session holds 1.2x the engine once
+# loaded (2.40 GB of VmHWM for the 1.99 GB int8 engine of Qwen2.5-Coder-1.5B) and ~0.2x more as it runs its call
+# shapes: that build's evaluate stage peaked at 3.8 GB (2026-12-07; 5.9 GB when each text ran in one call and the
+# decoder kept a logits buffer per length: docs/models.md)
+STREAM_ENGINE_FACTOR = 1.4
+STREAM_TEXT_LOGITS = 1
 EVAL_WINDOW = 512  # export/evaluate.py EvalOptions.prose_window
 # GPTQ's statistics one block at a time: the widest input's K x K float64 matrix a few times (the sums, GPTQ's
 # damped and permuted copies, its Cholesky factor) and the calibration texts' hidden states (96 x 512 tokens)
