@@ -20,6 +20,25 @@ from edge.precisions import FP32
 from export.evaluate import prose_windows, summarize, token_metrics
 
 Logits = Callable[[list[int]], np.ndarray]  # token ids -> [len - 1, vocab] logits predicting ids[1:]
+Rows = Callable[[int, int], np.ndarray]  # (a, b) -> the reference's logits predicting ids[a + 1:b + 1]
+
+
+class Scorer:
+    """A model loaded for scoring: called, its logits on a text (the reference's, written to disk); `score`, its
+    `token_metrics` against the reference's rows: an ONNX engine one prefill call at a time (`evaluate.scored`:
+    memory bounded by a call, not the text), a GGUF on the whole text (llama.cpp computes it in one pass)."""
+
+    def __init__(self, logits: Logits, score: Callable[[list[int], Rows], dict] | None = None) -> None:
+        self.logits = logits
+        self._score = score
+
+    def __call__(self, ids: list[int]) -> np.ndarray:
+        return self.logits(ids)
+
+    def score(self, ids: list[int], reference_rows: Rows) -> dict:
+        if self._score is not None:
+            return self._score(ids, reference_rows)
+        return token_metrics(self.logits(ids), reference_rows(0, len(ids) - 1), np.array(ids[1:]))
 
 
 @dataclass(frozen=True)
@@ -36,25 +55,26 @@ class EvalRequest:
     threads: int | None = None
 
 
-def _onnx_logits(path: Path, dims, io: dict, threads: int | None, precision: str | None = None) -> Logits:
+def _onnx_logits(path: Path, dims, io: dict, threads: int | None, precision: str | None = None) -> Scorer:
     from edge.io_contract import DecoderIO
     from edge.backends.onnxruntime import OrtDecoder
+    from export.evaluate import scored
 
     dec = OrtDecoder(path, dims, DecoderIO.from_dict(io), threads=threads, precision=precision)
 
     def run(ids: list[int]) -> np.ndarray:
         x = np.array([ids[:-1]])
         return dec.forward(x, dec.new_cache(capacity=x.shape[1]), last_only=False)[0]
-    return run
+    return Scorer(run, lambda ids, rows: scored(dec, ids, rows))
 
 
-def _gguf_logits(path: str, n_ctx: int, vocab: int, threads: int | None) -> Logits:
+def _gguf_logits(path: str, n_ctx: int, vocab: int, threads: int | None) -> Scorer:
     from export.eval_gguf import GGUFModel
 
     m = GGUFModel(path, n_ctx=n_ctx, threads=threads)
     if m.n_vocab != vocab:
         raise DataError(f"{path} has {m.n_vocab} tokens, the bundle {vocab}: compare a GGUF of the same model")
-    return lambda ids: m.logits(ids)[:, :vocab]
+    return Scorer(lambda ids: m.logits(ids)[:, :vocab])
 
 
 def eval_sets(tok, req: EvalRequest, max_context: int) -> dict[str, list[list[int]]]:
@@ -99,7 +119,7 @@ def evaluate_bundle(req: EvalRequest, work: Path | None = None) -> dict:
     tok = ChatTokenizer(bundle.path(m.tokenizer.file), m.tokenizer)
     sets = eval_sets(tok, req, m.model.max_context)
     longest = max(len(s) for seqs in sets.values() for s in seqs)
-    models: dict[str, tuple[Callable[[], Logits], int]] = {}  # name -> (loads it, size in bytes): loaded one at a time
+    models: dict[str, tuple[Callable[[], Scorer], int]] = {}  # name -> (loads it, size in bytes): loaded one at a time
     for e in m.engines:
         if e.fingerprint.format == "onnx":
             models[e.name] = (lambda e=e: _onnx_logits(bundle.path(e.file), m.model, m.engine_io(e), req.threads,
@@ -144,10 +164,12 @@ def evaluate_bundle(req: EvalRequest, work: Path | None = None) -> dict:
                                                      unit="text")):
                     if name == ref:
                         store.put(i, run(ids))
-                    teacher = store.get(i)  # token_metrics takes it a few rows at a time
-                    student = teacher if name == ref else run(ids)
+                        teacher = store.get(i)  # token_metrics takes it a few rows at a time
+                        got = token_metrics(teacher, teacher, np.array(ids[1:]))
+                    else:
+                        got = run.score(ids, lambda a, b: store.get(i, (a, b)))
                     n_bytes = len(tok.decode(ids[1:], skip_special_tokens=False).encode("utf-8"))
-                    parts[kind][name].append(token_metrics(student, teacher, np.array(ids[1:])) | {"bytes": n_bytes})
+                    parts[kind][name].append(got | {"bytes": n_bytes})
                 seconds[name] += time.perf_counter() - t0
                 del run
                 release_memory()  # this model's memory back before the next one loads

@@ -203,11 +203,23 @@ def test_edge_export_eval_holds_one_model_at_a_time(tiny_bundle, tmp_path, monke
 
     import edge.backends.onnxruntime as ort_backend
 
+    from export import evaluate
+
     alive, most = _count_decoders(monkeypatch, ort_backend)
-    res = evaluate_bundle(EvalRequest(tiny_bundle.root, chats=2, prose_tokens=100, threads=1), work=tmp_path)
+    read, scored = [], evaluate.scored  # (fused graph?, the reference's rows read at once), as the build's stage
+
+    def counted(d, ids, reference_rows):
+        def rows(a, b):
+            read.append((d.io.fused, b - a))
+            return reference_rows(a, b)
+        return scored(d, ids, rows)
+
+    monkeypatch.setattr(evaluate, "scored", counted)
+    res = evaluate_bundle(EvalRequest(tiny_bundle.root, chats=2, prose_tokens=300, threads=1), work=tmp_path)
     gc.collect()
     assert most[0] == 1 and alive[0] == 0 and set(res["engines"]) == {e.name for e in tiny_bundle.manifest.engines}
     assert not list(tmp_path.iterdir())  # the reference's logits are gone with the run
+    assert max(n for fused, n in read if fused) <= 128 < max(n for _, n in read)  # a fused engine: a call at a time
 
 
 def _count_decoders(monkeypatch, module) -> tuple[list[int], list[int]]:
