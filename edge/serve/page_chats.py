@@ -15,6 +15,7 @@ or a "context shifted" note go there too.
 from __future__ import annotations
 
 import html
+import re
 import secrets
 import time
 from typing import Any
@@ -145,10 +146,21 @@ def show_answer(m: dict) -> list[dict]:
     return drawn + _answer(m)
 
 
+def fenced(text: str, lang: str = "") -> str:
+    """`text` as a Markdown code block, drawn verbatim: a JSON answer's backslashes and asterisks are not Markdown
+    (the chatbot drew a JSON string's escaped backslash as a lone one, which is not JSON); the fence is longer
+    than any backtick run inside."""
+    runs = [len(r) for r in re.findall(r"`+", text)]
+    fence = "`" * max(3, max(runs, default=0) + 1)
+    return f"{fence}{lang}\n{text}\n{fence}"
+
+
 def _answer(m: dict) -> list[dict]:
     content = m.get("content") or ""
+    if content and m.get("format") == "json":  # JSON mode's answer: shown as written
+        content = fenced(content, "json")
     if m.get("tool_calls"):
-        blocks = "\n".join(f"🔧 **{c['function']['name']}**\n```json\n{c['function']['arguments']}\n```"
+        blocks = "\n".join(f"🔧 **{c['function']['name']}**\n{fenced(c['function']['arguments'], 'json')}"
                            for c in m["tool_calls"])
         content = (content + "\n" + blocks).strip()
     line = stats_line(m.get("stats"), m.get("notes") or ())

@@ -404,7 +404,7 @@ def build_ui(service) -> gr.Blocks:
                     more = split.finish()
                     r, c = r + more[0], c + more[1]
                 reply, thought = reply + c, thought + r
-                mind = {"thinking": thought} if thought else {}
+                mind = ({"thinking": thought} if thought else {}) | ({"format": "json"} if as_json else {})
                 shown = msgs + [{"role": "assistant", "content": reply} | mind
                                 | ({"thinking_now": True} if thought and not reply else {})]
                 if ev.finish_reason:
