@@ -151,15 +151,7 @@ def test_the_evaluate_stage_holds_one_engine_at_a_time_and_scores_as_all_in_memo
     hf_dir, engines = _built_engines(tiny_bundle)
     opts = evaluate.EvalOptions(samples=3, max_context=256, prose_tokens=150, threads=1, bench_runs=1, bench_tokens=4,
                                 golden_tokens=4)
-    read, scored = [], evaluate.scored  # (fused graph?, the reference's rows read at once)
-
-    def counted(d, ids, reference_rows):
-        def rows(a, b):
-            read.append((d.io.fused, b - a))
-            return reference_rows(a, b)
-        return scored(d, ids, rows)
-
-    monkeypatch.setattr(evaluate, "scored", counted)
+    read = _count_reference_rows(monkeypatch, evaluate)
     res = evaluate.run(hf_dir, engines, tmp_path, opts)
     gc.collect()
     assert most[0] == 1 and alive[0] == 0
@@ -206,7 +198,17 @@ def test_edge_export_eval_holds_one_model_at_a_time(tiny_bundle, tmp_path, monke
     from export import evaluate
 
     alive, most = _count_decoders(monkeypatch, ort_backend)
-    read, scored = [], evaluate.scored  # (fused graph?, the reference's rows read at once), as the build's stage
+    read = _count_reference_rows(monkeypatch, evaluate)  # as the build's stage
+    res = evaluate_bundle(EvalRequest(tiny_bundle.root, chats=2, prose_tokens=300, threads=1), work=tmp_path)
+    gc.collect()
+    assert most[0] == 1 and alive[0] == 0 and set(res["engines"]) == {e.name for e in tiny_bundle.manifest.engines}
+    assert not list(tmp_path.iterdir())  # the reference's logits are gone with the run
+    assert max(n for fused, n in read if fused) <= 128 < max(n for _, n in read)  # a fused engine: a call at a time
+
+
+def _count_reference_rows(monkeypatch, evaluate) -> list[tuple[bool, int]]:
+    """(fused graph?, the reference's rows read at once) for each call `evaluate.scored` makes."""
+    read, scored = [], evaluate.scored
 
     def counted(d, ids, reference_rows):
         def rows(a, b):
@@ -215,11 +217,7 @@ def test_edge_export_eval_holds_one_model_at_a_time(tiny_bundle, tmp_path, monke
         return scored(d, ids, rows)
 
     monkeypatch.setattr(evaluate, "scored", counted)
-    res = evaluate_bundle(EvalRequest(tiny_bundle.root, chats=2, prose_tokens=300, threads=1), work=tmp_path)
-    gc.collect()
-    assert most[0] == 1 and alive[0] == 0 and set(res["engines"]) == {e.name for e in tiny_bundle.manifest.engines}
-    assert not list(tmp_path.iterdir())  # the reference's logits are gone with the run
-    assert max(n for fused, n in read if fused) <= 128 < max(n for _, n in read)  # a fused engine: a call at a time
+    return read
 
 
 def _count_decoders(monkeypatch, module) -> tuple[list[int], list[int]]:
