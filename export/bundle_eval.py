@@ -162,9 +162,9 @@ def evaluate_bundle(req: EvalRequest, work: Path | None = None) -> dict:
                 t0 = time.perf_counter()
                 for i, (kind, ids) in enumerate(tqdm(texts, desc=f"{'held-out texts' if not req.data else req.data} ({name})",
                                                      unit="text")):
-                    if name == ref:
-                        store.put(i, run(ids))
-                        teacher = store.get(i)  # token_metrics takes it a few rows at a time
+                    if name == ref:  # scored against itself: the array just written, not read back
+                        teacher = run(ids)
+                        store.put(i, teacher)
                         got = token_metrics(teacher, teacher, np.array(ids[1:]))
                     else:
                         got = run.score(ids, lambda a, b: store.get(i, (a, b)))
