@@ -41,6 +41,9 @@ class Precision:
     # and it does not dequantize the whole embedding table on every call (47 ms/call on SmolLM2 otherwise)
     cpu_session_config: tuple[tuple[str, str], ...] = ()
     min_sm: tuple[str, str] | None = None  # (compute capability, why), see the module docstring
+    # bytes per weight once ONNX Runtime's CPU provider holds the graph, where not weight_bytes: a Q/DQ graph's
+    # weights are dequantized once at load (cpu_session_config), so its session holds them in the graph's float
+    cpu_loaded_bytes: float | None = None
 
     @property
     def tensorrt(self) -> bool:
@@ -87,7 +90,8 @@ TABLE: tuple[Precision, ...] = (
     # W4A16 for TensorRT: symmetric INT4 blocks (fp16 scales) in DequantizeLinear before each MatMul of the fp16
     # graph, the head (and the budget's promotions) INT8 per channel (export/trt_formats.py)
     Precision(INT4_QDQ, "plain", 0.5 + 2 / INT4_QDQ_BLOCK, 7, cpu=5, trt_sources=(INT4_QDQ,), head_bytes=1.0,
-              embed_bytes=1.0, exported=True, quantized=True, cpu_session_config=QDQ_CPU, min_sm=AMPERE),
+              embed_bytes=1.0, exported=True, quantized=True, cpu_session_config=QDQ_CPU, min_sm=AMPERE,
+              cpu_loaded_bytes=2.0),
 )
 PRECISIONS: dict[str, Precision] = {p.name: p for p in TABLE}
 NAMES: tuple[str, ...] = tuple(PRECISIONS)

@@ -17,12 +17,13 @@ Weight-only quantization streams one tensor at a time. Small models are dominate
 the libraries (BASE_BYTES). The factors below cover every row above; they are upper bounds, looser for
 larger models (tests/test_build_memory.py checks each measured build is within its plan).
 
-The streaming build (export/stream_build.py: int8-dynamic and int4-weight written straight from the checkpoint)
+The streaming build (export/stream_build.py: int8-dynamic, int4-weight and int4-qdq written straight from the checkpoint)
 holds the libraries, the graph's records and one weight at a time while it writes an engine: STREAM_BASE_BYTES +
 STREAM_PER_LARGEST x the largest single tensor it makes in fp32 (the embedding / LM head, or a layer's packed
 gate+up projection), whatever the number of layers (measured with scripts/synthetic_checkpoint.py). GPTQ's
 statistics add one block's K x K matrices and the calibration texts' hidden states; its evaluate stage holds each
-engine in ONNX Runtime in turn (what the device will hold too) and one text's logits. The plan is the largest of
+engine in ONNX Runtime in turn (what the device will hold too; an int4-qdq graph's weights dequantized to fp16 at
+load, as ONNX Runtime's CPU provider runs Q/DQ as written) and one text's logits. The plan is the largest of
 the three (measured on Qwen2.5-Coder-1.5B, docs/models.md).
 """
 
@@ -63,7 +64,7 @@ def largest_tensor_bytes(dims: ModelDims) -> int:
 
 def streaming_peak_bytes(dims: ModelDims, precisions: tuple[str, ...] = (), evaluate: bool = True,
                          gptq: bool = True) -> float:
-    """Planned peak of the streaming build (int8-dynamic / int4-weight from the checkpoint, export/stream_build.py):
+    """Planned peak of the streaming build (int8-dynamic / int4-weight / int4-qdq from the checkpoint, export/stream_build.py):
     the largest of its stages' (writing an engine; GPTQ's statistics; the evaluate stage, which must hold each
     engine it scores: the one term that grows with the model, as the engine the device runs does)."""
     write = STREAM_BASE_BYTES + STREAM_PER_LARGEST * largest_tensor_bytes(dims)
@@ -74,7 +75,8 @@ def streaming_peak_bytes(dims: ModelDims, precisions: tuple[str, ...] = (), eval
     if evaluate:
         from edge import precisions as table
 
-        engine = max(table.get(p).weight_bytes for p in precisions or (INT8_DYNAMIC,)) * dims.num_parameters
+        engine = max(table.get(p).cpu_loaded_bytes or table.get(p).weight_bytes
+                     for p in precisions or (INT8_DYNAMIC,)) * dims.num_parameters
         stages.append(STREAM_BASE_BYTES + STREAM_ENGINE_FACTOR * engine
                       + STREAM_TEXT_LOGITS * 4 * EVAL_WINDOW * dims.vocab_size)
     return max(stages)

@@ -14,6 +14,7 @@ def _plan(args: argparse.Namespace) -> int:
     from edge.errors import EdgeChatError
     from edge.device.profiles import load_profile
     from export.build_memory import build_peak_bytes, machine_ram_bytes, streaming_peak_bytes
+    from export.stream_build import STREAMED
     from export.console import table
     from export.planner import GB, QUALITY_ORDER, PlanOptions, bundle_quality, default_quality, plan_all, recommend
 
@@ -65,7 +66,8 @@ def _plan(args: argparse.Namespace) -> int:
             "recommendation": rec.to_dict(quality),
             "workstation_build": {"peak_ram_bytes": build_peak_bytes(dims),
                                   "peak_ram_bytes_with_int8_qdq": build_peak_bytes(dims, (INT8_QDQ,)),
-                                  "peak_ram_bytes_streaming": streaming_peak_bytes(dims),
+                                  "peak_ram_bytes_streaming": streaming_peak_bytes(dims, (_streamed_precision(rec.plan),)),
+                                  "streaming_precision": _streamed_precision(rec.plan),
                                   "machine_ram_bytes": machine_ram_bytes()},
         }, indent=2))
         return 0
@@ -109,10 +111,11 @@ def _plan(args: argparse.Namespace) -> int:
           f"(~{build_peak_bytes(dims, (INT8_QDQ,)) / GB:.1f} GB with int8-qdq)"
           + (f"; this machine has {ram / GB:.1f} GB" + ("" if build_peak_bytes(dims) <= ram else
              " (too little: build elsewhere)") if ram else ""))
-    stream = streaming_peak_bytes(dims)
+    streamed = _streamed_precision(best)
+    stream = streaming_peak_bytes(dims, (streamed,))
     smallest = next((gb for gb in (8, 16, 32, 64, 128, 256) if stream <= 0.85 * gb * GB), None)  # room for the OS
-    print(f"the streaming build (edge-export build --streaming: int8-dynamic, int4-weight written tensor by tensor "
-          f"from the checkpoint, evaluated against the model run one block at a time) peaks at ~{stream / GB:.1f} GB"
+    print(f"the streaming build (edge-export build --streaming: {', '.join(STREAMED)} written tensor by tensor from the "
+          f"checkpoint, evaluated against the model run one block at a time) of {streamed} peaks at ~{stream / GB:.1f} GB"
           f" (~{streaming_peak_bytes(dims, evaluate=False, gptq=False) / GB:.1f} GB writing the engines alone: "
           "--skip-eval, round to nearest)"
           + (f": it builds on a {smallest} GB workstation" if smallest else "")
@@ -124,6 +127,14 @@ def _plan(args: argparse.Namespace) -> int:
           + ("measured in the bundle where it has the engine, else " if args.bundle else "")
           + "measured on SmolLM2-135M (? = not measured); --max-kl sets the bound, --json has the sources.")
     return 0
+
+
+def _streamed_precision(plan) -> str:
+    """The engine whose streaming build the plan reports: the recommended one when --streaming makes it."""
+    from edge.precisions import INT8_DYNAMIC
+    from export.stream_build import STREAMED
+
+    return plan.precision if plan is not None and plan.precision in STREAMED else INT8_DYNAMIC
 
 
 def _secs(s: float) -> str:
@@ -263,7 +274,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-fused", action="store_true",
                    help="quantize the ONNX Runtime engines from the plain graph (skip the fused GroupQueryAttention graph)")
     b.add_argument("--streaming", action="store_true",
-                   help="write int8-dynamic / int4-weight straight from a safetensors folder or a GGUF file, one tensor at a time: "
+                   help="write int8-dynamic / int4-weight / int4-qdq straight from a safetensors folder or a GGUF file, one tensor at a time: "
                         "memory bounded by the largest tensor, not the model; evaluated against the model run one block at a time")
     b.add_argument("--kv-cache", metavar="TYPE",
                    help="what the fused CPU engines' K/V cache holds: float (default) or int8 (half of fp16's, a "

@@ -144,6 +144,9 @@ class QuantizeOptions:
         if self.mode == INT4_WEIGHT and self.int4_rounding == "gptq" and self.int4_symmetric:
             raise RecipeError("int4_rounding 'gptq' writes asymmetric blocks (a zero point each): set int4_rounding = "
                               "'minmax' for symmetric int4")
+        if self.mode == INT4_QDQ and self.int4_rounding == "kquant":
+            raise RecipeError("int4-qdq's blocks are symmetric (TensorRT takes no zero points) and kquant's have an "
+                              "offset: choose int4_rounding 'gptq' or 'minmax' (--int4-rounding)")
         if self.int4_lm_head_block not in INT4_BLOCKS:
             raise RecipeError(f"int4_lm_head_block must be one of {', '.join(map(str, INT4_BLOCKS))}, "
                               f"got {self.int4_lm_head_block!r}")
@@ -376,7 +379,7 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
     from export.load import model_dims
 
     hess = None
-    if (opts.mode == INT4_WEIGHT and opts.int4_rounding == "gptq" or opts.mode == INT4_QDQ
+    if (opts.mode in (INT4_WEIGHT, INT4_QDQ) and opts.int4_rounding == "gptq"
             or opts.mode == INT8_DYNAMIC and opts.int8_kernel == "nbits" and opts.int8_rounding == "gptq"
             or opts.mode == INT8_QDQ and opts.int8_rounding == "gptq"):
         hess, hessian = _gptq_statistics(fp32_dir, hf_dir, dst, opts, model_dims(hf_dir))  # shared by the build's engines

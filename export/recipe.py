@@ -478,9 +478,9 @@ def _quantize_options(opts: BuildOptions, precision: str, nearest: bool = False)
                  "int4_lm_head_bits": opts.int4_lm_head_bits}
         if not nearest:
             extra |= {"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio}
-    elif precision == INT4_QDQ:  # GPTQ always (export/trt_formats.py); the int4 engine's block size and budget
-        extra = {"int4_block_size": opts.int4_block_size, "int4_budget_mb": opts.int4_budget_mb,
-                 "int4_extra_ratio": opts.int4_extra_ratio}
+    elif precision == INT4_QDQ:  # the int4 engine's rounding, block size and budget (export/trt_formats.py)
+        extra = {"int4_rounding": opts.int4_rounding, "int4_block_size": opts.int4_block_size,
+                 "int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio}
     elif precision in (INT8_DYNAMIC, INT8_QDQ):  # int8-qdq: GPTQ-rounded on the smoothed inputs too
         extra = {"int8_rounding": "minmax" if nearest else opts.int8_rounding}
         if precision == INT8_QDQ:

@@ -1,4 +1,4 @@
-"""The streaming build: a checkpoint -> a quantized fused graph, one tensor at a time, no fp32 graph on disk.
+"""The streaming build: a checkpoint -> a quantized graph, one tensor at a time, no fp32 graph on disk.
 
 Today's path loads the model in torch (fp32), writes the fp32 fused graph, then the quantize stage reads it back
 tensor by tensor. Here the fused graph (export/fused_graph.py, the same writer) is built in memory with every
@@ -9,16 +9,20 @@ graph's external data. Memory: the libraries, the graph's records, and one weigh
 quantized form; the largest is the embedding / LM head) at a time.
 
 The result is the graph the quantize stage makes from the fp32 fused graph with the same options
-(tests/test_stream_build.py compares them). GPTQ rounding reads statistics collected one decoder block at a time
+(tests/test_stream_build.py compares them). TensorRT's int4-qdq is written the same way from the plain graph
+(export/plain_graph.py, standard ONNX ops, the traced graph's contract and names), made fp16 with its fp32
+islands (export/fp16.py) and each weight's INT4 blocks computed as it is saved (export/trt_formats.py): the
+quantize stage's engine, bit for bit (tests/test_plain_graph.py). GPTQ rounding reads statistics collected one decoder block at a time
 with that block's weights read from the checkpoint (export/gptq.py `StreamedLayerHessians`), shared by the
 build's engines on disk where it has room (export/gptq_statistics.py). `edge-export build --streaming` runs it
 as the build's stages: `load` links the checkpoint's files (a safetensors folder or a GGUF file), then one
 `quantize-<precision>` stage per engine (each compared with the fp32 model run one decoder block at a time on a
 few prompts, export/stream_reference.py), then the evaluate stage against that block-by-block reference (its
 logits on the held-out texts on disk, one engine in ONNX Runtime at a time), then the package. What it does not
-do (yet): the int4 byte budget (its sensitivity measure runs the fp32 graph), int8-qdq and the plain graph
-(TensorRT's), prune / distill / draft, the int8 K/V cache, and models whose blocks differ in attention type
-(Gemma 3: the block-by-block reference and statistics are refused for it).
+do (yet): the int4 byte budget (its sensitivity measure runs the fp32 graph), int8-qdq and fp8-qdq (their
+activation ranges), fp16, prune / distill / draft, the int8 K/V cache, models whose blocks differ in attention type
+(Gemma 3: the block-by-block reference and statistics are refused for it), and a plain graph for the families
+export/plain_graph.py does not write (Phi-3, Gemma 3, SmolLM3, sliding windows).
 """
 
 from __future__ import annotations
@@ -29,21 +33,29 @@ from pathlib import Path
 import numpy as np
 
 from edge.errors import RecipeError
-from edge.precisions import INT4_WEIGHT, INT8_DYNAMIC
+from edge.precisions import INT4_QDQ, INT4_WEIGHT, INT8_DYNAMIC
 from export.onnx_weights import INLINE_MAX, GraphWeights, graph_bytes, lm_head_matmul, untie_lm_head
 
-STREAMED = (INT8_DYNAMIC, INT4_WEIGHT)
+STREAMED = (INT8_DYNAMIC, INT4_WEIGHT, INT4_QDQ)
+PLAIN = (INT4_QDQ,)  # written as the plain graph (TensorRT's, export/plain_graph.py); the others as the fused one
 
 
-def build_graph(source, dst: Path) -> GraphWeights:
-    """The fused fp32 graph of `source` (a WeightSource) in memory: its large tensors read when saved."""
+def build_graph(source, dst: Path, variant: str = "fused") -> GraphWeights:
+    """The fused (or `variant` "plain": export/plain_graph.py) fp32 graph of `source` (a WeightSource) in memory:
+    its large tensors read when saved."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from export import fused_graph
+    from export import fused_graph, plain_graph
     from export.weight_source import empty_model
 
     cfg = source.config
-    fused_graph.check(cfg)
+    if variant == "plain":
+        why = plain_graph.supported(cfg)
+        if why:
+            raise RecipeError(f"the streaming build cannot write this model's plain graph: {why}; build without "
+                              "--streaming")
+    else:
+        fused_graph.check(cfg)
     lazies: dict[str, object] = {}
 
     def tensor(name: str, value):
@@ -58,7 +70,7 @@ def build_graph(source, dst: Path) -> GraphWeights:
         lazies[name] = value
         return t
 
-    proto = fused_graph.graph(empty_model(cfg), source, cfg, tensor)
+    proto = (plain_graph if variant == "plain" else fused_graph).graph(empty_model(cfg), source, cfg, tensor)
     return GraphWeights.in_memory(proto, dst, lazies)
 
 
@@ -73,7 +85,7 @@ def write_quantized(source, dst: Path, opts, num_layers: int | None = None, hess
     if opts.mode not in STREAMED or opts.mode == INT8_DYNAMIC and opts.int8_kernel != "nbits":
         raise RecipeError(f"the streaming build makes {', '.join(STREAMED)} (int8-dynamic with the nbits kernel), not "
                           f"{opts.mode}: build it from the fp32 graph")
-    if opts.mode == INT4_WEIGHT and (opts.int4_budget_mb is not None or opts.int4_extra_ratio > 0):
+    if opts.mode in (INT4_WEIGHT, INT4_QDQ) and (opts.int4_budget_mb is not None or opts.int4_extra_ratio > 0):
         raise RecipeError("the streaming build has no int4 byte budget yet (its sensitivity runs the fp32 graph): "
                           "leave int4_budget_mb and int4_extra_ratio unset")
     rounding = opts.int8_rounding if opts.mode == INT8_DYNAMIC else opts.int4_rounding
@@ -81,8 +93,12 @@ def write_quantized(source, dst: Path, opts, num_layers: int | None = None, hess
         raise RecipeError("gptq rounding needs the inputs' statistics: pass hessian= or statistics=, or round with "
                           "'minmax'")
     dst.mkdir(parents=True, exist_ok=True)
-    gw = build_graph(source, dst)
+    gw = build_graph(source, dst, "plain" if opts.mode in PLAIN else "fused")
     layers = num_layers or int(source.config["num_hidden_layers"])
+    if opts.mode in PLAIN:  # TensorRT's graph is fp16 with fp32 islands, as export/fp16.py makes it from the trace
+        from export import fp16
+
+        fp16.convert(gw)
     untie_lm_head(gw)
     hess = None
     if rounding == "gptq" and hessian is None:
@@ -109,6 +125,14 @@ def _quantize_and_save(gw, dst: Path, opts, layers: int, rounding: str, hessian)
     from export.quantize import _weight_of, lm_head_block, matching_matmuls
 
     metrics: dict = {"mode": opts.mode, "streamed": True}
+    if opts.mode == INT4_QDQ:
+        from export.trt_formats import int4_qdq_graph
+
+        metrics |= int4_qdq_graph(gw, dst, opts.int4_block_size, hessian if rounding == "gptq" else None, set(),
+                                  damp=opts.int4_gptq_damp, lazy=True)
+        metrics |= {"int4_block_size": opts.int4_block_size, "int4_rounding": f"{rounding} (symmetric)",
+                    "size_bytes": graph_bytes(dst / "model.onnx")}
+        return metrics
     if opts.mode == INT8_DYNAMIC:
         special = {name: (8, 16) for name in matching_matmuls(gw.model, tuple(opts.block16_nodes), layers)}
         quantize_matmuls(gw, bits=8, accuracy_level=opts.accuracy_level, special=special, rounding=rounding,
@@ -208,7 +232,7 @@ def check_options(opts) -> None:
                           f"choose --precision {' --precision '.join(STREAMED)}")
     if opts.prune is not None or opts.draft is not None:
         raise RecipeError("the streaming build has no prune, distill or draft stage yet: drop --streaming for those")
-    if INT4_WEIGHT in opts.precisions and (opts.int4_budget_mb is not None or opts.int4_extra_ratio > 0):
+    if {INT4_WEIGHT, INT4_QDQ} & set(opts.precisions) and (opts.int4_budget_mb is not None or opts.int4_extra_ratio > 0):
         raise RecipeError("the streaming build has no int4 byte budget yet: drop --int4-budget-mb")
     if getattr(opts, "kv_cache", "float") != "float":
         raise RecipeError("the streaming build writes a float K/V cache (the int8 cache's scales are calibrated on the "
@@ -238,7 +262,8 @@ def _engine(hf_dir: Path, dst: Path, opts, check: bool = True) -> dict:
         return metrics
     release_memory()
     try:
-        metrics["reference"] = compare(source_of(hf_dir), dst / "model.onnx", hf_dir)
+        metrics["reference"] = compare(source_of(hf_dir), dst / "model.onnx", hf_dir, opts.mode,
+                                       "plain" if opts.mode in PLAIN else "fused")
     except ValueError as e:  # a family the block-by-block reference does not run yet (mixed attention types)
         metrics["reference"] = {"skipped": str(e)}
     return metrics
@@ -254,7 +279,7 @@ def check_blocks(hf_dir: Path, opts) -> None:
     kinds = {getattr(layer, "attention_type", None) for layer in empty_model(cfg).model.layers}
     if len(kinds) < 2:
         return
-    rounding = {INT8_DYNAMIC: opts.int8_rounding, INT4_WEIGHT: opts.int4_rounding}
+    rounding = {INT8_DYNAMIC: opts.int8_rounding, INT4_WEIGHT: opts.int4_rounding, INT4_QDQ: opts.int4_rounding}
     need = ([] if opts.skip_eval else ["--skip-eval"]) + \
         [f"--{p.split('-')[0]}-rounding minmax" for p in opts.precisions if rounding[p] == "gptq"]
     if need:
@@ -271,6 +296,13 @@ def stages(stage, opts, hf_dir: Path, loaded: str, quantize_options) -> tuple[li
     from export import package
 
     check_blocks(hf_dir, opts)
+    if set(PLAIN) & set(opts.precisions):
+        from export import plain_graph
+
+        why = plain_graph.supported(json.loads((hf_dir / "config.json").read_text()))
+        if why:
+            raise RecipeError(f"the streaming build cannot write {', '.join(PLAIN)} for this model ({why}): build it "
+                              "without --streaming")
     engines, records = [], []
     for precision in opts.precisions:
         qopts = quantize_options(opts, precision)
@@ -279,7 +311,8 @@ def stages(stage, opts, hf_dir: Path, loaded: str, quantize_options) -> tuple[li
                                                                                "reference_check": check},
                           lambda d, q=qopts, c=check: _engine(hf_dir, d, q, c))
         records.append(rec)
-        engines.append(package.EngineArtifact(precision, qdir, precision, variant="fused"))
+        engines.append(package.EngineArtifact(precision, qdir, precision,
+                                              variant="plain" if precision in PLAIN else "fused"))
     return engines, records
 
 

@@ -87,19 +87,19 @@ def iter_reference_logits(source: WeightSource, prompts: list[list[int]], progre
             yield (torch.tanh(z / cap) * cap if cap else z).numpy()
 
 
-def compare(source: WeightSource, graph, hf_dir) -> dict:
+def compare(source: WeightSource, graph, hf_dir, precision: str | None = None, variant: str = "fused") -> dict:
     """The streamed engine at `graph` against the block-by-block reference on the export stage's parity prompts:
     mean KL(reference || engine) per position and top-1 agreement (a quantized engine is not expected to match
     to 1e-3: these are what the evaluate stage would measure, on a few prompts, in bounded memory)."""
     from edge.backends.onnxruntime import OrtDecoder
-    from edge.io_contract import FUSED_IO
+    from edge.io_contract import io_for_variant
     from export.load import chat_tokenizer, model_dims
     from export.onnx_export import PARITY_PROMPTS
 
     tok = chat_tokenizer(hf_dir)
     prompts = [tok.encode_chat(m, add_generation_prompt=True) for m in PARITY_PROMPTS]
     refs = reference_logits(source, prompts)
-    dec = OrtDecoder(graph, model_dims(hf_dir), FUSED_IO)
+    dec = OrtDecoder(graph, model_dims(hf_dir), io_for_variant(variant), precision=precision)  # its CPU settings
     kls, agree, n = [], 0, 0
     for ids, ref in zip(prompts, refs):
         got = dec.forward(np.array([ids]), dec.new_cache(capacity=len(ids)), last_only=False)[0]

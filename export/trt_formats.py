@@ -85,11 +85,16 @@ def int8_channel(w: np.ndarray, h: np.ndarray | None) -> tuple[np.ndarray, np.nd
     return np.clip(np.round(w / s), -127, 127).astype(np.int8), s.astype(np.float32)
 
 
-def _int4_blocks(w: np.ndarray, h: np.ndarray, block: int, damp: float) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric GPTQ INT4 blocks along K: (levels [K, N] in -8..7, scales [K / block, N] fp32)."""
+def _int4_blocks(w: np.ndarray, h: np.ndarray | None, block: int, damp: float) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric INT4 blocks along K: (levels [K, N] in -8..7, scales [K / block, N] fp32), GPTQ-rounded when `h`
+    is given, else round to nearest with each block's scale max |w| / 7 (`--int4-rounding minmax`)."""
+    k, n = w.shape
+    if h is None:
+        s = np.maximum(np.abs(w.reshape(k // block, block, n)).max(axis=1), 1e-8) / 7.0  # [K / block, N]
+        q = np.clip(np.round(w / np.repeat(s, block, axis=0)), -8, 7).astype(np.int8)
+        return q, s.astype(np.float32)
     from export.gptq import gptq_block_quant
 
-    k, _ = w.shape
     q, s, _ = gptq_block_quant(w, h, 4, block, damp=damp, symmetric=True)  # q [N, K / block, block], zero point 8
     return np.ascontiguousarray((q.reshape(q.shape[0], k).astype(np.int8) - 8).T), np.ascontiguousarray(s.T)
 
@@ -98,24 +103,45 @@ def _fp16_scale(s: np.ndarray) -> np.ndarray:
     return np.maximum(s, FP16_TINY).astype(np.float16)
 
 
-def _dequantize_weight(gw: GraphWeights, node, q: np.ndarray, scale: np.ndarray, axis: int, block: int = 0,
-                       zero_point: bool = False) -> None:
-    """Replace the MatMul's weight by DequantizeLinear(q, scale) right before it (in place in the node list)."""
+def _dequantize_weight(gw: GraphWeights, node, q, scale, axis: int, block: int = 0, zero_point: bool = False,
+                       shapes: tuple | None = None) -> None:
+    """Replace the MatMul's weight by DequantizeLinear(q, scale) right before it (in place in the node list).
+    `q` and `scale` are arrays, or callables computed when the graph is saved, whose (dims, dtype) `shapes` gives."""
     from onnx import helper
 
     wname = node.input[1]
     qname = wname + "_quantized"
-    gw.set(qname, q)
-    gw.set(wname + "_scale", scale)
+    (q_dims, q_type), (s_dims, s_type) = shapes or ((q.shape, q.dtype), (scale.shape, scale.dtype))
+    gw.set(qname, q, dims=q_dims, dtype=q_type)
+    gw.set(wname + "_scale", scale, dims=s_dims, dtype=s_type)
     inputs = [qname, wname + "_scale"]
     if zero_point:  # the head: export/embedding.py gathers a tied embedding's rows from it and reads its zeros
-        gw.set(wname + "_zero_point", np.zeros(scale.shape, q.dtype))
+        gw.set(wname + "_zero_point", np.zeros(s_dims, q_type))
         inputs.append(wname + "_zero_point")
     attrs = {"axis": axis} | ({"block_size": block} if block else {})
     dq = helper.make_node("DequantizeLinear", inputs, [wname + "_dq"], name=node.name + "/DequantizeLinear", **attrs)
     node.input[1] = wname + "_dq"
     nodes = gw.model.graph.node
     nodes.insert(list(nodes).index(node), dq)
+
+
+class _Once:
+    """One weight's quantization (levels, scales), computed when the first of its parts is written and dropped
+    once both are: the streamed graph holds one weight's result at a time, not the model's."""
+
+    def __init__(self, fn: Callable[[], tuple[np.ndarray, np.ndarray]]) -> None:
+        self.fn, self.value, self.read = fn, None, set()
+
+    def part(self, i: int) -> Callable[[], np.ndarray]:
+        def get() -> np.ndarray:
+            if self.value is None:
+                self.value, self.read = self.fn(), set()
+            v = self.value[i]
+            self.read.add(i)
+            if len(self.read) == 2:
+                self.value = None
+            return v
+        return get
 
 
 def _int4():
@@ -137,35 +163,55 @@ def _finish(gw: GraphWeights, dst: Path) -> None:
 
 def write_int4_qdq(fp32_dir: Path, dst: Path, block: int, hessian, promoted: set[str],
                    levels: dict | None = None, damp: float = 0.003) -> dict:
-    """The int4-qdq graph: every weight MatMul INT4 in blocks (GPTQ), the head and `promoted` INT8 per channel.
-    `levels` (MatMul name -> its GPTQ result) is filled and read, so a second graph of the same weights (the
-    budget's) rounds only what changed: GPTQ is most of the build's time (minutes per pass over 210 MatMuls)."""
-    levels = {} if levels is None else levels
+    """The int4-qdq graph of the fp32 plain graph in `fp32_dir` (see `int4_qdq_graph`)."""
     work = dst / "fp16-graph"
-    gw = fp16_graph(fp32_dir, work)
+    metrics = int4_qdq_graph(fp16_graph(fp32_dir, work), dst, block, hessian, promoted, levels, damp)
+    shutil.rmtree(work, ignore_errors=True)
+    return metrics
+
+
+def int4_qdq_graph(gw: GraphWeights, dst: Path, block: int, hessian, promoted: set[str], levels: dict | None = None,
+                   damp: float = 0.003, lazy: bool = False) -> dict:
+    """`gw` (the fp16 plain graph, untied) -> dst/model.onnx: every weight MatMul INT4 in blocks (GPTQ when
+    `hessian` is given, else round to nearest), the head and `promoted` INT8 per channel. `levels` (MatMul name
+    -> its result) is filled and read, so a second graph of the same weights (the budget's) rounds only what
+    changed: GPTQ is most of the build's time (minutes per pass over 210 MatMuls). `lazy` (the streaming build):
+    each weight is read and quantized when the graph is saved, one at a time, and nothing is kept."""
+    levels = {} if levels is None else levels
     _set_opset(gw, INT4_OPSET)
     head = head_matmul(gw.model)
     blocks: dict[str, int] = {}
     eight: list[str] = []
     for node in weight_matmuls(gw.model):
-        w = gw.array(node.input[1]).astype(np.float32)
-        k, n = w.shape
+        k, n = gw.shape(node.input[1])
         b = block_for(k, block)
-        if node is head or node.name in promoted or not b or n % 2:
-            if (node.name, 8) not in levels:
-                levels[node.name, 8] = int8_channel(w, hessian(node.name))
-            q8, s8 = levels[node.name, 8]
-            _dequantize_weight(gw, node, q8, _fp16_scale(s8), axis=1, zero_point=node is head)
+        bits = 8 if node is head or node.name in promoted or not b or n % 2 else 4
+
+        def quantized(node=node, weight=node.input[1], bits=bits, b=b) -> tuple[np.ndarray, np.ndarray]:
+            if (node.name, bits) in levels:
+                return levels[node.name, bits]
+            w = gw.array(weight).astype(np.float32)
+            h = hessian(node.name) if hessian is not None else None
+            q, s = int8_channel(w, h) if bits == 8 else _int4_blocks(w, h, b, damp)
+            q, s = (q if bits == 8 else q.astype(_int4())), _fp16_scale(s)
+            if not lazy:
+                levels[node.name, bits] = q, s
+            return q, s
+
+        s_dims = (n,) if bits == 8 else (k // b, n)
+        shapes = ((k, n), np.int8 if bits == 8 else _int4()), (s_dims, np.float16)
+        if lazy:
+            once = _Once(quantized)
+            q, s = once.part(0), once.part(1)
+        else:
+            q, s = quantized()
+        if bits == 8:
+            _dequantize_weight(gw, node, q, s, axis=1, zero_point=node is head, shapes=shapes)
             eight.append(node.name)
         else:
-            if (node.name, 4) not in levels:
-                levels[node.name, 4] = _int4_blocks(w, hessian(node.name), b, damp)
-            q4, s4 = levels[node.name, 4]
-            _dequantize_weight(gw, node, q4.astype(_int4()), _fp16_scale(s4), axis=0, block=b)
+            _dequantize_weight(gw, node, q, s, axis=0, block=b, shapes=shapes)
             blocks[node.name] = b
-        del w
     _finish(gw, dst)
-    shutil.rmtree(work, ignore_errors=True)
     return {"int4_matmuls": len(blocks), "int4_blocks": sorted(set(blocks.values())), "int8_matmuls": eight}
 
 
@@ -173,13 +219,12 @@ def int4_qdq(fp32_dir: Path, dst: Path, opts, hessian, sensitivity_feeds: Callab
     """quantize.run's int4-qdq: the all-4-bit graph, then, given a budget (int4_budget_mb / int4_extra_ratio),
     the MatMuls whose 4-bit form moves KL to fp32 most per extra byte promoted to INT8 while the file fits."""
     from export import sensitivity
-    from export.gptq import gptq_block_quant
-    from export.int4 import dequantize
 
     levels: dict = {}
     metrics = write_int4_qdq(fp32_dir, dst, opts.int4_block_size, hessian, set(), levels, opts.int4_gptq_damp)
     base = graph_bytes(dst / "model.onnx")
-    metrics |= {"int4_block_size": opts.int4_block_size, "int4_rounding": "gptq (symmetric)", "int4_all4_bytes": base}
+    metrics |= {"int4_block_size": opts.int4_block_size, "int4_all4_bytes": base,
+                "int4_rounding": f"{'gptq' if hessian is not None else 'minmax'} (symmetric)"}
     if opts.int4_budget_mb is None and opts.int4_extra_ratio <= 0:
         return metrics
     budget = int(opts.int4_budget_mb * 1e6) if opts.int4_budget_mb is not None else int(base * (1 + opts.int4_extra_ratio))
@@ -197,8 +242,8 @@ def int4_qdq(fp32_dir: Path, dst: Path, opts, hessian, sensitivity_feeds: Callab
     try:
         def quant(node: str, w: np.ndarray) -> np.ndarray:
             b = block_for(w.shape[0], opts.int4_block_size)
-            return dequantize(*gptq_block_quant(w, hessian(node), 4, b, damp=opts.int4_gptq_damp, symmetric=True),
-                              k=w.shape[0])
+            q, s = _int4_blocks(w, hessian(node) if hessian is not None else None, b, opts.int4_gptq_damp)
+            return q.astype(np.float32) * np.repeat(s, b, axis=0)
 
         sens = sensitivity.measure(probe, quant, False, skip=lambda t: t not in cost)
     finally:
