@@ -92,8 +92,10 @@ def quantize_embedding(gw: GraphWeights, dequantize_first: bool = False) -> int:
                 q[i:i + 4096] = np.clip(np.round(blk / scale[i:i + 4096]), -127, 127)
             del w
             gw.set(base + ".int8", q)
-            if dequantize_first:
-                gw.set(base + ".scale", scale.reshape(-1))  # one per row: DequantizeLinear along axis 0
+            if dequantize_first:  # one scale per row, in the table's float type (DequantizeLinear's output type:
+                # an fp16 graph's Gather must stay fp16), no smaller than its smallest normal value
+                ftype = np.dtype(helper.tensor_dtype_to_np_dtype(gw.initializer(base).data_type))
+                gw.set(base + ".scale", np.maximum(scale.reshape(-1), np.finfo(ftype).tiny).astype(ftype))
                 new = [
                     helper.make_node("DequantizeLinear", [base + ".int8", base + ".scale"], [out + ".table"], axis=0,
                                      name=pre + "/DequantizeLinear"),

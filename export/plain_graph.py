@@ -47,7 +47,11 @@ def supported(cfg: dict) -> str | None:
         return why
     if spec.packed_proj or spec.embed_scale or spec.sandwich_norm or spec.norm_offset:
         return f"{arch}'s plain graph is not written op by op yet (packed projections or Gemma's norms)"
-    if (cfg.get("rope_scaling") or {}).get("rope_type") == "longrope":
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+    if act != "silu":
+        return f"activation {act!r}: the op-by-op plain graph writes SiLU(gate) * up only"
+    rope = cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) == "longrope":
         return "LongRoPE's two rotary tables are not in the op-by-op plain graph yet"
     c = SimpleNamespace(**cfg)
     layers = range(int(cfg.get("num_hidden_layers", 0)))
@@ -71,7 +75,7 @@ def graph(model, weights: "WeightSource", cfg: dict, tensor, opset: int = 18):
     if why:
         raise ValueError(why)
     c = model.config
-    spec = arch_spec(cfg["architectures"][0])
+    spec = arch_spec((cfg.get("architectures") or ["LlamaForCausalLM"])[0])
     dims = dims_from_hf_config(cfg)
     N, KV, D, eps = dims.num_heads, dims.num_kv_heads, dims.head_dim, float(c.rms_norm_eps)
     rep = N // KV
@@ -177,9 +181,12 @@ def graph(model, weights: "WeightSource", cfg: dict, tensor, opset: int = 18):
                                       axis=2))
         nodes.append(helper.make_node("Concat", [io.past_value.format(i=i), v], [present[1]],
                                       name=f"{a}/Concat_past_v", axis=2))
+        # q scaled before the score MatMul (as the trace's SDPA does): in fp16 the unscaled q.k would overflow
+        # sqrt(head_dim) times sooner
+        q = node("Mul", [q, scale], f"{a}/Mul_scale")
         grouped = node("Reshape", [q, i64(f"{a}/group_shape", [0, KV, -1, D])], f"{a}/Reshape_group")
         keys_t = node("Transpose", [present[0]], f"{a}/Transpose_keys", perm=[0, 1, 3, 2])
-        scores = node("Mul", [node("MatMul", [grouped, keys_t], f"{a}/MatMul_scores"), scale], f"{a}/Mul_scale")
+        scores = node("MatMul", [grouped, keys_t], f"{a}/MatMul_scores")
         probs = node("Softmax", [node("Add", [scores, mask], f"{a}/Add_mask")], f"{a}/Softmax", axis=-1)
         ctx = node("MatMul", [probs, present[1]], f"{a}/MatMul_values")  # [B, KV, rep * S, D]
         ctx = node("Reshape", [ctx, i64(f"{a}/heads_shape", [0, N, -1, D])], f"{a}/Reshape_heads")

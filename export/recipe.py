@@ -116,6 +116,9 @@ class BuildOptions:
             raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
         if self.int8_rounding not in INT8_ROUNDINGS:
             raise RecipeError(f"int8_rounding must be 'gptq' or 'minmax', got {self.int8_rounding!r}")
+        if self.int4_rounding == "kquant" and INT4_QDQ in self.precisions:
+            raise RecipeError("int4-qdq's blocks are symmetric (TensorRT takes no zero points) and kquant's have an "
+                              "offset: choose --int4-rounding gptq or minmax, or build int4-qdq in a build of its own")
         from export.calibration_texts import check_domains
 
         check_domains(tuple(self.gptq_domains))
@@ -473,14 +476,12 @@ def _quantize_options(opts: BuildOptions, precision: str, nearest: bool = False)
     from export import quantize
 
     extra: dict = {}
-    if precision == INT4_WEIGHT:
-        extra = {"int4_rounding": "minmax" if nearest else opts.int4_rounding, "int4_block_size": opts.int4_block_size,
-                 "int4_lm_head_bits": opts.int4_lm_head_bits}
+    if precision in (INT4_WEIGHT, INT4_QDQ):  # int4-qdq: the int4 engine's rounding, block and budget (trt_formats.py)
+        extra = {"int4_rounding": "minmax" if nearest else opts.int4_rounding, "int4_block_size": opts.int4_block_size}
+        if precision == INT4_WEIGHT:
+            extra["int4_lm_head_bits"] = opts.int4_lm_head_bits
         if not nearest:
             extra |= {"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio}
-    elif precision == INT4_QDQ:  # the int4 engine's rounding, block size and budget (export/trt_formats.py)
-        extra = {"int4_rounding": opts.int4_rounding, "int4_block_size": opts.int4_block_size,
-                 "int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio}
     elif precision in (INT8_DYNAMIC, INT8_QDQ):  # int8-qdq: GPTQ-rounded on the smoothed inputs too
         extra = {"int8_rounding": "minmax" if nearest else opts.int8_rounding}
         if precision == INT8_QDQ:

@@ -103,13 +103,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
-def loaded_plain(d: Path) -> dict[str, Path]:
-    """A tiny model through the load stage (d/hf) and the plain fp32 export (d/plain): what a TensorRT format's
-    quantize stage starts from."""
+def loaded_plain(d: Path, **model) -> dict[str, Path]:
+    """A tiny model (`model`: make_tiny_model's options) through the load stage (d/hf) and the plain fp32 export
+    (d/plain): what a TensorRT format's quantize stage starts from."""
     from export import load, onnx_export
     from export.model_source import resolve
 
-    src = make_tiny_model(d / "src")
+    src = make_tiny_model(d / "src", **model)
     (d / "hf").mkdir()
     load.run(resolve(str(src)), d / "hf")
     (d / "plain").mkdir()

@@ -7,10 +7,34 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from test_architectures import LLAMA3_ROPE
 from test_fused_graph import FAMILIES
 
 WRITTEN = {"llama": dict(), "qwen2": dict(arch="Qwen2ForCausalLM"), "qwen3": FAMILIES["qwen3"],
-           "llama-untied-mha": dict(tie=False, heads=4, kv_heads=4)}
+           "llama-untied-mha": dict(tie=False, heads=4, kv_heads=4),
+           "llama3-rope": dict(rope_scaling=LLAMA3_ROPE, max_pos=512),
+           "qwen2-yarn": dict(arch="Qwen2ForCausalLM", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                      "original_max_position_embeddings": 128}),
+           "mistral": dict(arch="MistralForCausalLM", sliding_window=None)}
+
+
+def _tiny(path, **kw):
+    """A tiny model whose norm weights and biases are not HF's init (all ones, all zeros): a graph that dropped or
+    swapped one would still match with them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_tiny_model
+
+    src = make_tiny_model(path, **kw)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(src)
+    return src
 
 
 def _run(sess, ids, mask, pos, past) -> list[np.ndarray]:
@@ -26,12 +50,11 @@ def test_plain_graph_is_optimums_trace(case, tmp_path):
     trace computes them (padded positions excepted: both compute garbage there, differently)."""
     import onnxruntime as ort
 
-    from conftest import make_tiny_model
     from export import onnx_export
     from export.stream_build import build_graph
     from export.weight_source import SafetensorsSource
 
-    src = make_tiny_model(tmp_path / case, **WRITTEN[case])
+    src = _tiny(tmp_path / case, **WRITTEN[case])
     onnx_export.run(src, tmp_path / "trace", onnx_export.ExportOptions(fused=False, greedy_tokens=8))
     gw = build_graph(SafetensorsSource(src), tmp_path / "ours", "plain")
     (tmp_path / "ours").mkdir()
@@ -91,8 +114,8 @@ def _dequantized(path) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("rounding", ["minmax", "gptq"])
-def test_streamed_int4_qdq_is_the_quantize_stages_engine(rounding, tmp_path):
+@pytest.mark.parametrize("rounding, tie", [("minmax", True), ("gptq", True), ("minmax", False)])
+def test_streamed_int4_qdq_is_the_quantize_stages_engine(rounding, tie, tmp_path):
     """Same MatMuls in INT4 blocks (INT8 per channel for the head), the same levels and scales as the quantize stage
     makes from the traced fp16 graph, bit for bit (GPTQ's statistics here from the model run block by block, there
     from the traced graph), the same logits to fp16 rounding."""
@@ -101,7 +124,7 @@ def test_streamed_int4_qdq_is_the_quantize_stages_engine(rounding, tmp_path):
     from export.weight_source import SafetensorsSource
     from test_trt_formats import _kl_top1, _logits
 
-    d = loaded_plain(tmp_path)
+    d = loaded_plain(tmp_path, tie=tie)  # untied: the embedding's own INT8 table, dequantized in fp16
     opts = quantize.QuantizeOptions(mode="int4-qdq", int4_rounding=rounding, gptq_samples=8, int4_block_size=16)
     (tmp_path / "today").mkdir()
     today = quantize.run(d["fp32"], d["hf"], tmp_path / "today", opts)
@@ -162,10 +185,15 @@ def test_streaming_build_makes_int4_qdq_for_an_orin(fake_gpu, tmp_path, capsys):
     assert same == asked and int(asked) >= 3
 
 
-def test_int4_qdq_refuses_an_offset_rounding():
-    """int4-qdq's blocks are symmetric: kquant (a scale and an offset per block) is refused, naming the choices."""
+def test_int4_qdq_refuses_an_offset_rounding(tmp_path):
+    """int4-qdq's blocks are symmetric: kquant (a scale and an offset per block) is refused, naming the choices,
+    by the build before any stage runs (not after the engines before it were made) and by the stage's options."""
     from edge.errors import RecipeError
     from export import quantize
+    from export.recipe import BuildOptions
 
+    with pytest.raises(RecipeError, match="symmetric .* gptq or minmax"):
+        BuildOptions(output=tmp_path / "x", precisions=("int4-weight", "int4-qdq"), int4_rounding="kquant")
+    BuildOptions(output=tmp_path / "x", precisions=("int4-weight",), int4_rounding="kquant")  # int4-weight takes it
     with pytest.raises(RecipeError, match="symmetric .* 'gptq' or 'minmax'"):
         quantize.QuantizeOptions(mode="int4-qdq", int4_rounding="kquant")
