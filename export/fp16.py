@@ -76,7 +76,11 @@ def run(fp32_dir: Path, dst: Path, opts: Fp16Options = Fp16Options()) -> dict:
 
 
 def _fp16(a: np.ndarray) -> np.ndarray:
-    return np.clip(a, -FP16_MAX, FP16_MAX).astype(np.float16)
+    """`a` in fp16, values past its range at its largest finite one. Cast, then clip the fp16 copy in place (the
+    same values as clipping first): no second fp32 copy of the largest tensor, the LM head, in the streaming build."""
+    with np.errstate(over="ignore"):
+        out = np.asarray(a).astype(np.float16)
+    return np.clip(out, -FP16_MAX, FP16_MAX, out=out)
 
 
 def fp32_nodes(model, types: dict[str, int], opts: Fp16Options) -> set[str]:
