@@ -330,6 +330,26 @@ class LayerHessians:
             self._bar.close()
             self._bar = None
 
+def linear_modules(model, nodes) -> dict[str, str]:
+    """Each weight MatMul name of a streamed graph -> the Linear module it computes, in either graph: the plain
+    graph's ('/model/layers.3/mlp/up_proj/MatMul' -> 'model.layers.3.mlp.up_proj') or the fused graph's packed
+    projections (its qkv_proj / gate_up_proj -> the first Linear of the pack, whose input it reads)."""
+    import torch
+
+    from export.sensitivity import target_name
+
+    by_graph_name: dict[str, str] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            plain = "/" + re.sub(r"\.(?!\d)", "/", name) + "/MatMul"
+            by_graph_name.setdefault(target_name(plain, True), name)
+            by_graph_name.setdefault(plain, name)
+    missing = [n for n in nodes if n not in by_graph_name]
+    if missing:
+        raise ValueError(f"the graph's MatMul {missing[0]} maps to no Linear module of the model")
+    return {n: by_graph_name[n] for n in nodes}
+
+
 class StreamedLayerHessians(LayerHessians):
     """`LayerHessians` with no model loaded: the module tree built without weights (export/weight_source.py
     `empty_model`), each decoder block's weights read from the checkpoint (a `WeightSource`) when it runs and
@@ -342,24 +362,11 @@ class StreamedLayerHessians(LayerHessians):
     method = "by block (torch, each block's weights read from the checkpoint)"
 
     def __init__(self, source, input_of: dict[str, str], feeds: list[dict], threads: int | None = None) -> None:
-        import torch
-
-        from export.sensitivity import target_name
-
         self._start(feeds, threads)
         self.source, self.input_of = source, dict(input_of)
         with self._threads():
             self._load()
-            by_graph_name: dict[str, str] = {}
-            for name, mod in self.model.named_modules():
-                if isinstance(mod, torch.nn.Linear):  # 'model.layers.3.mlp.up_proj' -> '/model/layers.3/mlp/up_proj/MatMul'
-                    plain = "/" + re.sub(r"\.(?!\d)", "/", name) + "/MatMul"
-                    by_graph_name.setdefault(target_name(plain, True), name)
-                    by_graph_name.setdefault(plain, name)
-            missing = [n for n in self.input_of if n not in by_graph_name]
-            if missing:
-                raise ValueError(f"the graph's MatMul {missing[0]} maps to no Linear module of the model")
-            self.module_of = {n: by_graph_name[n] for n in self.input_of}
+            self.module_of = linear_modules(self.model, self.input_of)
             self.step_of = {node: self._step(m) for node, m in self.module_of.items()}
             if len({getattr(layer, "attention_type", None) for layer in self.layers}) > 1:
                 raise ValueError("the decoder blocks differ in attention type (each gets its own mask)")

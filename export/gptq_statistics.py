@@ -48,8 +48,12 @@ class StoredStatistics:
     `method`, `close`) over a folder of .npy files: a matrix on disk is loaded, one that is not is collected by
     `make()` (built on first need) and every matrix that pass produced is written, so the next engine finds it."""
 
-    def __init__(self, folder: Path, make: Callable[[], object], input_of: dict[str, str], rows: int) -> None:
+    def __init__(self, folder: Path, make: Callable[[], object], input_of: dict[str, str], rows: int,
+                 key_of: dict[str, str] | None = None) -> None:
+        """`key_of`: an input's name on disk, where not its graph name (the streaming build's engines of both graphs
+        name one input differently: `streamed_statistics`)."""
         self.folder, self._make, self.input_of, self.rows = folder, make, input_of, rows
+        self.key_of = key_of or {}
         folder.mkdir(parents=True, exist_ok=True)
         self._inner = None
         self._passes = 0  # of inners already closed
@@ -65,7 +69,7 @@ class StoredStatistics:
         return self._passes + (self._inner.passes if self._inner is not None else 0)
 
     def _file(self, x: str) -> Path:
-        return self.folder / (hashlib.sha256(x.encode()).hexdigest()[:24] + ".npy")
+        return self.folder / (hashlib.sha256(self.key_of.get(x, x).encode()).hexdigest()[:24] + ".npy")
 
     def __call__(self, node: str) -> np.ndarray:
         x = self.input_of[node]
@@ -133,7 +137,25 @@ def streamed_statistics(source, files: list[Path], dst: Path, feeds: list[dict],
         if shared else None
     if folder is None:
         return collect()
-    return StoredStatistics(folder, collect, input_of, sum(int(np.prod(f["input_ids"].shape)) for f in feeds))
+    return StoredStatistics(folder, collect, input_of, sum(int(np.prod(f["input_ids"].shape)) for f in feeds),
+                            key_of=module_keys(source.config, input_of))
+
+
+def module_keys(config: dict, input_of: dict[str, str]) -> dict[str, str]:
+    """Each MatMul input of a streamed graph -> the first Linear module (in the model's order) that reads it: one
+    key for the fused graph's packed q/k/v input and the plain graph's q, k and v inputs (gate/up alike), so a
+    streaming build's fused engines (int8-dynamic, int4-weight) and plain one (int4-qdq) share one pass."""
+    from export.gptq import linear_modules
+    from export.weight_source import empty_model
+
+    model = empty_model(config)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    keys: dict[str, str] = {}
+    for node, module in linear_modules(model, input_of).items():
+        x = input_of[node]
+        if x not in keys or order[module] < order[keys[x]]:
+            keys[x] = module
+    return {x: "input of " + m for x, m in keys.items()}
 
 
 def gptq_statistics(plain: Path, fused: bool, hf_dir: Path, dst: Path, feeds: list[dict], shared: bool = True):

@@ -317,17 +317,20 @@ def test_streamed_gptq_rounds_as_the_quantize_stage(case, tmp_path):
 
 def test_streaming_build_with_gptq_collects_the_statistics_once(tiny_model_dir, tmp_path):
     """The recipe's streaming build rounds by GPTQ by default: the first engine collects the statistics block by
-    block and keeps them in the build's work folder; the second reads them back (no second pass)."""
+    block and keeps them in the build's work folder; the next read them back (no second pass), the plain graph's
+    int4-qdq too, whose MatMul inputs have other names than the fused graph's (each input is kept under the first
+    Linear module reading it)."""
     from export.recipe import BuildOptions, build
 
     b = build(BuildOptions(output=tmp_path / "q.bundle", model=str(tiny_model_dir), streaming=True, skip_eval=True,
-                           precisions=("int8-dynamic", "int4-weight"), gptq_samples=4, max_context=256),
+                           precisions=("int8-dynamic", "int4-weight", "int4-qdq"), gptq_samples=4, max_context=256),
               log=lambda s: None, quiet=True)
-    q8, q4 = (s.metrics for s in b.manifest.stages[1:3])
-    assert q8["int8_rounding"] == "gptq" and q4["int4_rounding"] == "gptq"
+    q8, q4, qdq = (s.metrics for s in b.manifest.stages[1:4])
+    assert q8["int8_rounding"] == "gptq" and q4["int4_rounding"] == "gptq" and qdq["int4_rounding"].startswith("gptq")
     assert q8["gptq_passes"] == 1 and q8["gptq_statistics_computed"] > 0, q8
-    assert q4["gptq_passes"] == 0 and q4["gptq_statistics_loaded"] > 0, q4
-    assert q4["reference"]["kl_to_reference"] < 0.01
+    for m in (q4, qdq):
+        assert m["gptq_passes"] == 0 and m["gptq_statistics_loaded"] > 0, m
+        assert m["reference"]["kl_to_reference"] < 0.01
 
 
 def test_streaming_refuses_block_by_block_work_on_mixed_attention_blocks(tmp_path):
