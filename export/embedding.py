@@ -26,9 +26,12 @@ def quantize_embedding(gw: GraphWeights, dequantize_first: bool = False) -> int:
 
     model = gw.model
     inits = gw.names()
+    ids = {i.name for i in model.graph.input}
     saved = 0
     for node in list(model.graph.node):
         if node.op_type != "Gather" or node.input[0] not in inits or len(gw.shape(node.input[0])) != 2:
+            continue
+        if node.input[1] not in ids:  # the token ids' table only, not a lookup such as the rotary cos/sin at positions
             continue
         if any(node.input[0] in n.input for n in model.graph.node if n is not node):
             continue  # still shared with another consumer

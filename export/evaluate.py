@@ -215,6 +215,9 @@ def scored_with(precision: str, dec: OrtDecoder) -> str:
     if own.get("session.disable_quant_qdq") == "1":
         text += (", Q/DQ run as written (session.disable_quant_qdq=1): float arithmetic between explicit quantize "
                  "points, as TensorRT's Q/DQ semantics define, not ORT's fused int8 kernels")
+    if own.get("session.qdq_matmulnbits_accuracy_level") == "1":
+        text += (", each INT4 DequantizeLinear -> MatMul fused into MatMulNBits with fp32 compute (accuracy level 1: "
+                 "dequantized weights times float activations, W4A16's arithmetic; the weights stay 4-bit in memory)")
     return text
 
 

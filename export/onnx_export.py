@@ -2,8 +2,9 @@
 
 Two variants of the same network:
 - `model.onnx`, the plain graph (`edge.io_contract.DecoderIO`, standard ops): what TensorRT
-  and the int8-qdq recipe build from. optimum-onnx's exporter (`text-generation-with-past`)
-  does the tracing; it sits behind `EXPORTERS` so another can be plugged in.
+  and the int8-qdq recipe build from. Written op by op from the weights where export/plain_graph.py
+  covers the family, else traced by optimum-onnx's exporter (`text-generation-with-past`); both sit
+  behind `EXPORTERS` (ExportOptions.exporter).
 - `fused/model.onnx`, the fused graph (`FUSED_IO`, ONNX Runtime contrib ops, in-place KV
   buffer; see export/fused_graph.py), when the architecture has one: what the CPU/CUDA
   INT8 and INT4 engines are quantized from.
@@ -36,7 +37,9 @@ PARITY_PROMPTS = [
 @dataclass(frozen=True)
 class ExportOptions:
     opset: int = 18  # optimum's recommended minimum for these decoders; TensorRT 10's parser reads 9-20
-    exporter: str = "optimum"
+    # "auto": the plain graph written op by op (export/plain_graph.py: Llama, Mistral, Qwen2, Qwen3; equal to the trace
+    # to 1e-4, no trace's second copy of the weights), optimum's trace for the other families; or "ops" / "optimum"
+    exporter: str = "auto"
     parity_atol: float = 1e-3
     greedy_tokens: int = 64
     fused: bool = True  # also write the fused graph (when the architecture has one)
@@ -87,7 +90,8 @@ def tie_lm_head(path: Path) -> bool:
     g = gw.model.graph
     inits = gw.names()
     head = lm_head_matmul(gw.model)
-    table = next((n.input[0] for n in g.node if n.op_type == "Gather" and n.input[0] in inits
+    ids = {i.name for i in g.input}
+    table = next((n.input[0] for n in g.node if n.op_type == "Gather" and n.input[0] in inits and n.input[1] in ids
                   and len(gw.shape(n.input[0])) == 2), None)
     if head is None or table is None or gw.shape(head.input[1]) != gw.shape(table)[::-1]:
         return False
@@ -106,17 +110,46 @@ def tie_lm_head(path: Path) -> bool:
     return True
 
 
-EXPORTERS: dict[str, Callable[[Path, Path, ExportOptions], None]] = {"optimum": _export_optimum}
+def _export_ops(src: Path, dst: Path, opts: ExportOptions) -> None:
+    """The plain graph written op by op from the HF folder's weights, one tensor at a time (export/plain_graph.py):
+    no trace, so no second copy of the model's weights in memory."""
+    import onnx
+
+    from export import plain_graph
+    from export.onnx_weights import TensorFile
+    from export.weight_source import SafetensorsSource, empty_model
+
+    cfg = json.loads((src / "config.json").read_text())
+    dst.mkdir(parents=True, exist_ok=True)
+    with TensorFile(dst / "model.onnx.data") as data:
+        proto = plain_graph.graph(empty_model(cfg), SafetensorsSource(src), cfg,
+                                  lambda name, value: data.tensor(name, value() if callable(value) else value),
+                                  opts.opset)
+    onnx.save_model(proto, str(dst / "model.onnx"))
+
+
+EXPORTERS: dict[str, Callable[[Path, Path, ExportOptions], None]] = {"optimum": _export_optimum, "ops": _export_ops}
+
+
+def exporter_for(src: Path, asked: str) -> str:
+    """"auto": the op-by-op writer where it covers the family (export/plain_graph.py), else optimum's trace."""
+    if asked != "auto":
+        return asked
+    from export import plain_graph
+
+    return "optimum" if plain_graph.supported(json.loads((src / "config.json").read_text())) else "ops"
 
 
 def run(src: Path, dst: Path, opts: ExportOptions = ExportOptions()) -> dict:
     tmp = dst / "optimum-out"
-    EXPORTERS[opts.exporter](src, tmp, opts)
+    exporter = exporter_for(src, opts.exporter)
+    EXPORTERS[exporter](src, tmp, opts)
     for name in ("model.onnx", "model.onnx_data", "model.onnx.data"):
         if (tmp / name).exists():
             shutil.move(str(tmp / name), dst / name)
     shutil.rmtree(tmp, ignore_errors=True)
-    tied = tie_lm_head(dst / "model.onnx")
+    tied = tie_lm_head(dst / "model.onnx") if exporter == "optimum" else dims_from_hf_config(
+        json.loads((src / "config.json").read_text())).tie_word_embeddings  # the op-by-op graph writes it tied
     if tied and (dst / "model.onnx_data").exists():  # the exporter's data file, now rewritten as model.onnx.data
         (dst / "model.onnx_data").unlink()
     # The PyTorch reference answers every parity prompt first; the fused graph is written from the same
@@ -138,7 +171,7 @@ def run(src: Path, dst: Path, opts: ExportOptions = ExportOptions()) -> dict:
             metrics["fused"] = {"written": False, "reason": why}
         else:
             metrics["fused"] = {"written": True} | check_parity(src, dst / FUSED_DIR / "model.onnx", opts, FUSED_IO, refs=refs)
-    return metrics
+    return metrics | {"exporter": exporter}
 
 
 FUSED_DIR = "fused"  # sub-folder of the export stage that holds the fused graph

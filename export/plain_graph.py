@@ -68,7 +68,7 @@ def graph(model, weights: "WeightSource", cfg: dict, tensor, opset: int = 18):
     (value an array or a `Lazy`), as `export.fused_graph.graph` takes them."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from export.fused_graph import _rotary_tables, _transposed
+    from export.fused_graph import _transposed
     from export.weight_source import Lazy
 
     why = supported(cfg)
@@ -81,6 +81,7 @@ def graph(model, weights: "WeightSource", cfg: dict, tensor, opset: int = 18):
     rep = N // KV
     io = DecoderIO()
     inits, nodes = [], []
+    made: set[str] = set()  # names of the small constants written so far
 
     def const(name: str, array) -> str:
         inits.append(tensor(name, array))
@@ -92,8 +93,6 @@ def graph(model, weights: "WeightSource", cfg: dict, tensor, opset: int = 18):
         nodes.append(helper.make_node(op, ins, out, name=name, **attrs))
         return out[0]
 
-    made: set[str] = set()
-
     def i64(name: str, values) -> str:
         """An int64 axes/shape/index as a Constant node, as the trace writes them: shape inference (which types the
         graph for export/fp16.py without reading weights) sees its value."""
@@ -104,7 +103,10 @@ def graph(model, weights: "WeightSource", cfg: dict, tensor, opset: int = 18):
         return name
 
     def f32(name: str, value: float) -> str:
-        return const(name, np.array(value, np.float32))
+        if name not in made:
+            made.add(name)
+            const(name, np.array(value, np.float32))
+        return name
 
     def rms(x: str, weight_name: str, scope: str) -> str:
         """HF's RMSNorm: x * 1/sqrt(mean(x^2) + eps) * weight, in the scope export/fp16.py keeps in fp32."""
@@ -128,13 +130,22 @@ def graph(model, weights: "WeightSource", cfg: dict, tensor, opset: int = 18):
     seq = node("Gather", [ids_shape, i64("/model/one", 1)], "/model/Gather_S", axis=0)
     total = node("Gather", [node("Shape", [io.attention_mask], "/model/Shape_1"), "/model/one"], "/model/Gather_T",
                  axis=0)
-    cos, sin, _ = _rotary_tables(model.model.rotary_emb, c, dims.max_context)
+    # the rotary angles computed from position_ids as HF does (positions x inv_freq in fp32, then cos/sin times the
+    # rope type's attention scaling): any position, no table, and the fp32 island export/fp16.py keeps (rotary_emb)
+    rotary_emb = model.model.rotary_emb
     rot = "/model/rotary_emb"
+    inv_freq = const("/model/rotary_emb/inv_freq", rotary_emb.inv_freq.detach().float().numpy().astype(np.float32))
+    pos = node("Unsqueeze", [node("Cast", [io.position_ids], f"{rot}/Cast", to=TensorProto.FLOAT),
+                             i64(f"{rot}/axis_last", [-1])], f"{rot}/Unsqueeze")  # [B, S, 1]
+    half = node("Mul", [pos, inv_freq], f"{rot}/Mul")  # [B, S, D/2]
+    angles = node("Concat", [half, half], f"{rot}/Concat", axis=-1)
+    scaling = float(getattr(rotary_emb, "attention_scaling", 1.0))
     tables = {}
-    for k, table in (("cos", cos), ("sin", sin)):
-        half = node("Gather", [const(f"{k}_cache", table), io.position_ids], f"{rot}/Gather_{k}")  # [B, S, D/2]
-        full = node("Concat", [half, half], f"{rot}/Concat_{k}", axis=-1)
-        tables[k] = node("Unsqueeze", [full, i64(f"{rot}/axis1", [1])], f"{rot}/Unsqueeze_{k}")  # [B, 1, S, D]
+    for k, op in (("cos", "Cos"), ("sin", "Sin")):
+        t = node(op, [angles], f"{rot}/{op}")
+        if scaling != 1.0:
+            t = node("Mul", [t, f32(f"{rot}/scaling", scaling)], f"{rot}/Mul_{k}")
+        tables[k] = node("Unsqueeze", [t, i64(f"{rot}/axis1", [1])], f"{rot}/Unsqueeze_{k}")  # [B, 1, S, D]
     m = "/model/mask"
     q_pos = node("Range", [node("Sub", [total, seq], f"{m}/Sub"), total, "/model/one"], f"{m}/Range_q")
     t_pos = node("Range", [i64(f"{m}/zero", 0), total, "/model/one"], f"{m}/Range_t")

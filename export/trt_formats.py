@@ -81,8 +81,11 @@ def int8_channel(w: np.ndarray, h: np.ndarray | None) -> tuple[np.ndarray, np.nd
 
         q, s, _ = gptq_block_quant(w, h, 8, k, symmetric=True)
         return np.ascontiguousarray((q[:, 0, :k].astype(np.int16) - 128).astype(np.int8).T), s[:, 0]
-    s = np.maximum(np.abs(w).max(axis=0), 1e-8) / 127.0
-    return np.clip(np.round(w / s), -127, 127).astype(np.int8), s.astype(np.float32)
+    s = np.maximum(np.maximum(w.max(axis=0), -w.min(axis=0)), 1e-8) / 127.0
+    q = np.empty(w.shape, np.int8)
+    for j in range(0, n, 4096):  # a slab of columns at a time: no weight-sized fp32 temporaries (the LM head)
+        q[:, j:j + 4096] = np.clip(np.round(w[:, j:j + 4096] / s[j:j + 4096]), -127, 127)
+    return q, s.astype(np.float32)
 
 
 def _int4_blocks(w: np.ndarray, h: np.ndarray | None, block: int, damp: float) -> tuple[np.ndarray, np.ndarray]:

@@ -103,9 +103,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
-def loaded_plain(d: Path, **model) -> dict[str, Path]:
+def loaded_plain(d: Path, exporter: str = "auto", **model) -> dict[str, Path]:
     """A tiny model (`model`: make_tiny_model's options) through the load stage (d/hf) and the plain fp32 export
-    (d/plain): what a TensorRT format's quantize stage starts from."""
+    (d/plain, by `exporter`): what a TensorRT format's quantize stage starts from."""
     from export import load, onnx_export
     from export.model_source import resolve
 
@@ -113,7 +113,7 @@ def loaded_plain(d: Path, **model) -> dict[str, Path]:
     (d / "hf").mkdir()
     load.run(resolve(str(src)), d / "hf")
     (d / "plain").mkdir()
-    onnx_export.run(d / "hf", d / "plain", onnx_export.ExportOptions(fused=False, greedy_tokens=8))
+    onnx_export.run(d / "hf", d / "plain", onnx_export.ExportOptions(fused=False, greedy_tokens=8, exporter=exporter))
     return {"hf": d / "hf", "fp32": d / "plain"}
 
 

@@ -62,7 +62,9 @@ def test_the_build_prints_few_lines_and_logs_the_rest(tiny_model_dir, tmp_path):
         assert f"[{stage}] done in" in text
     assert "peak memory" in text and "decode tok/s" in text  # the summary tables
     logs = {p.parent.name: p.read_text() for p in (tmp_path / "quiet.bundle.work").glob("*/log.txt")}
-    assert "TracerWarning" in logs["export"] or "DeprecationWarning" in logs["export"], "the export's noise is logged"
+    # every stage has its log, where the libraries' output goes (the export writes Llama op by op since 2026-12-07:
+    # no tracer warnings to find there any more)
+    assert {"load", "export", "quantize-int8-dynamic", "quantize-int8-qdq", "quantize-int4-weight", "evaluate"} <= set(logs)
     shipped = {e["name"] for e in json.loads((out / "manifest.json").read_text())["engines"]}
     assert shipped == {"int8-dynamic", "int8-qdq", "int4-weight"}  # no fp32 graph unless asked for
 

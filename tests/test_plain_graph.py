@@ -55,7 +55,7 @@ def test_plain_graph_is_optimums_trace(case, tmp_path):
     from export.weight_source import SafetensorsSource
 
     src = _tiny(tmp_path / case, **WRITTEN[case])
-    onnx_export.run(src, tmp_path / "trace", onnx_export.ExportOptions(fused=False, greedy_tokens=8))
+    onnx_export.run(src, tmp_path / "trace", onnx_export.ExportOptions(fused=False, greedy_tokens=8, exporter="optimum"))
     gw = build_graph(SafetensorsSource(src), tmp_path / "ours", "plain")
     (tmp_path / "ours").mkdir()
     gw.save(tmp_path / "ours" / "model.onnx")
@@ -119,12 +119,14 @@ def test_streamed_int4_qdq_is_the_quantize_stages_engine(rounding, tie, tmp_path
     """Same MatMuls in INT4 blocks (INT8 per channel for the head), the same levels and scales as the quantize stage
     makes from the traced fp16 graph, bit for bit (GPTQ's statistics here from the model run block by block, there
     from the traced graph), the same logits to fp16 rounding."""
+    import onnx
+
     from conftest import loaded_plain
     from export import quantize, stream_build
     from export.weight_source import SafetensorsSource
     from test_trt_formats import _kl_top1, _logits
 
-    d = loaded_plain(tmp_path, tie=tie)  # untied: the embedding's own INT8 table, dequantized in fp16
+    d = loaded_plain(tmp_path, "optimum", tie=tie)  # untied: the embedding's own INT8 table, dequantized in fp16
     opts = quantize.QuantizeOptions(mode="int4-qdq", int4_rounding=rounding, gptq_samples=8, int4_block_size=16)
     (tmp_path / "today").mkdir()
     today = quantize.run(d["fp32"], d["hf"], tmp_path / "today", opts)
@@ -140,6 +142,10 @@ def test_streamed_int4_qdq_is_the_quantize_stages_engine(rounding, tie, tmp_path
                                        input_of, widths, shared=False)
     got = stream_build.write_quantized(SafetensorsSource(d["hf"]), tmp_path / "streamed", opts, statistics=stats)
     assert got["int4_matmuls"] == today["int4_matmuls"] > 0 and got["int8_matmuls"] == today["int8_matmuls"]
+    dq = [sum(n.op_type == "DequantizeLinear" for n in onnx.load(str(tmp_path / d / "model.onnx"),
+                                                              load_external_data=False).graph.node)
+          for d in ("today", "streamed")]
+    assert dq[0] == dq[1]  # no other tensor quantized (the rotary cos/sin tables the op-by-op graph gathers stay float)
     want_w, got_w = _dequantized(tmp_path / "today/model.onnx"), _dequantized(tmp_path / "streamed/model.onnx")
     assert sorted(got_w) == sorted(want_w)
     for name, w in want_w.items():
