@@ -41,8 +41,9 @@ class Precision:
     # and it does not dequantize the whole embedding table on every call (47 ms/call on SmolLM2 otherwise)
     cpu_session_config: tuple[tuple[str, str], ...] = ()
     min_sm: tuple[str, str] | None = None  # (compute capability, why), see the module docstring
-    # bytes per weight once ONNX Runtime's CPU provider holds the graph, where not weight_bytes: a Q/DQ graph's
-    # weights are dequantized once at load (cpu_session_config), so its session holds them in the graph's float
+    # bytes per weight once the evaluate stage holds the graph in ONNX Runtime's CPU provider, where not
+    # weight_bytes: int4-qdq is scored as its CPU twin (export/trt_formats.py cpu_twin: INT4 in MatMulNBits, the INT8
+    # head and embedding folded to fp32 at load), measured on the 1.5B Qwen (docs/models.md)
     cpu_loaded_bytes: float | None = None
 
     @property
@@ -59,11 +60,7 @@ def nbits_bytes(bits: int, block: int, symmetric: bool) -> float:
 INT4_HEAD_BLOCK = 64  # the int4-weight engine's 8-bit LM head block (export/quantize.py int4_lm_head_block)
 INT4_QDQ_BLOCK = 64  # the int4-qdq engine's default block (export/trt_formats.py)
 QDQ_CPU = (("session.disable_quant_qdq", "1"),)  # see cpu_session_config: a Q/DQ graph run as written
-# int4-qdq on CPU: each DequantizeLinear(INT4 blocks) -> MatMul fused into MatMulNBits with fp32 compute (accuracy
-# level 1: dequantized weights times float activations, W4A16's arithmetic), not folded at load. Folded, ONNX Runtime
-# holds every weight dequantized and cast to fp32 (Qwen2.5-Coder-1.5B: 7.4 GB resident after load, 10.7 GB peak);
-# fused 1.7 GB and 3.5 GB, the same top-1 on a 128-token prefill, logits within 0.2% (docs/models.md, 2026-12-07)
-INT4_QDQ_CPU = (("session.qdq_matmulnbits_accuracy_level", "1"),)
+
 # the SM facts: NVIDIA Model Optimizer's support matrix (nvidia.github.io/Model-Optimizer/guides/0_support_matrix.html:
 # W4A16 block-wise INT4 "GPUs: Ampere and Later", FP8 "GPUs: Ada and Later"); TensorRT's "Working with Quantized
 # Types" (INT4 is weight-only; FP8 GEMMs on compute capability 8.9 or later); BF16 tensor cores from Ampere
@@ -95,7 +92,8 @@ TABLE: tuple[Precision, ...] = (
     # W4A16 for TensorRT: symmetric INT4 blocks (fp16 scales) in DequantizeLinear before each MatMul of the fp16
     # graph, the head (and the budget's promotions) INT8 per channel (export/trt_formats.py)
     Precision(INT4_QDQ, "plain", 0.5 + 2 / INT4_QDQ_BLOCK, 7, cpu=5, trt_sources=(INT4_QDQ,), head_bytes=1.0,
-              embed_bytes=1.0, exported=True, quantized=True, cpu_session_config=INT4_QDQ_CPU, min_sm=AMPERE),
+              embed_bytes=1.0, exported=True, quantized=True, cpu_session_config=QDQ_CPU, min_sm=AMPERE,
+              cpu_loaded_bytes=1.0),
 )
 PRECISIONS: dict[str, Precision] = {p.name: p for p in TABLE}
 NAMES: tuple[str, ...] = tuple(PRECISIONS)

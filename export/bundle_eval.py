@@ -16,7 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from edge.errors import DataError
-from edge.precisions import FP32
+from edge.precisions import FP32, INT4_QDQ
 from export.evaluate import prose_windows, summarize, token_metrics
 
 Logits = Callable[[list[int]], np.ndarray]  # token ids -> [len - 1, vocab] logits predicting ids[1:]
@@ -60,12 +60,22 @@ def _onnx_logits(path: Path, dims, io: dict, threads: int | None, precision: str
     from edge.backends.onnxruntime import OrtDecoder
     from export.evaluate import scored
 
+    scratch = None
+    if precision == INT4_QDQ:  # scored as its CPU twin, as the evaluate stage scores it (export/trt_formats.py)
+        import tempfile
+
+        from export.trt_formats import cpu_twin
+
+        scratch = tempfile.TemporaryDirectory(prefix="edgechat-twin-")
+        path = cpu_twin(Path(path), Path(scratch.name))
     dec = OrtDecoder(path, dims, DecoderIO.from_dict(io), threads=threads, precision=precision)
 
     def run(ids: list[int]) -> np.ndarray:
         x = np.array([ids[:-1]])
         return dec.forward(x, dec.new_cache(capacity=x.shape[1]), last_only=False)[0]
-    return Scorer(run, lambda ids, rows: scored(dec, ids, rows))
+    scorer = Scorer(run, lambda ids, rows: scored(dec, ids, rows))
+    scorer.scratch = scratch  # the twin's folder lives as long as its session
+    return scorer
 
 
 def _gguf_logits(path: str, n_ctx: int, vocab: int, threads: int | None) -> Scorer:

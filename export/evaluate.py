@@ -10,6 +10,7 @@ Writes the report too.
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,9 +23,11 @@ from edge.decode.generate import Generator
 from edge.backends.onnxruntime import OrtDecoder
 from edge.decode.sampling import SamplingConfig
 from edge import precisions
-from edge.precisions import FP32
+from edge.precisions import FP32, INT4_QDQ
 from export import vocab
 from export.onnx_weights import graph_bytes
+
+TWINS = "cpu-twins"  # the evaluate stage's scratch folder of int4-qdq's CPU twins (export/trt_formats.py cpu_twin)
 
 GOLDEN = [
     {"prompt": "What is the capital of Japan?", "expect": ["Tokyo"]},
@@ -215,9 +218,9 @@ def scored_with(precision: str, dec: OrtDecoder) -> str:
     if own.get("session.disable_quant_qdq") == "1":
         text += (", Q/DQ run as written (session.disable_quant_qdq=1): float arithmetic between explicit quantize "
                  "points, as TensorRT's Q/DQ semantics define, not ORT's fused int8 kernels")
-    if own.get("session.qdq_matmulnbits_accuracy_level") == "1":
-        text += (", each INT4 DequantizeLinear -> MatMul fused into MatMulNBits with fp32 compute (accuracy level 1: "
-                 "dequantized weights times float activations, W4A16's arithmetic; the weights stay 4-bit in memory)")
+    if precision == INT4_QDQ and providers == ["CPU"]:
+        text += ("; its CPU twin: each INT4 DequantizeLinear -> MatMul as MatMulNBits with fp32 compute (the same "
+                 "levels and scales, W4A16's arithmetic; the weights stay 4-bit in memory, export/trt_formats.py)")
     return text
 
 
@@ -320,8 +323,12 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
         return model_dims(getattr(e, "dims_dir", None) or hf_dir, opts.max_context)
 
     def load(e) -> OrtDecoder:
-        return OrtDecoder(e.folder / "model.onnx", dims(e), e.io, threads=opts.threads,
-                          name=e.name, precision=e.precision)
+        path = e.folder / "model.onnx"
+        if e.precision == INT4_QDQ:  # scored as its CPU twin: the same arithmetic, its weights 4-bit in memory
+            from export.trt_formats import cpu_twin
+
+            path = cpu_twin(path, dst / TWINS / e.name)
+        return OrtDecoder(path, dims(e), e.io, threads=opts.threads, name=e.name, precision=e.precision)
 
     def logits(d: OrtDecoder, ids: list[int]) -> np.ndarray:
         x = np.array([ids[:-1]])
@@ -406,6 +413,7 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
                 del gen
             del d
             release_memory()  # the engine's arena back to the OS before the next one loads
+            shutil.rmtree(dst / TWINS, ignore_errors=True)
         results["reference_logits_bytes"] = store.bytes
     order = {e.name: k for k, e in enumerate(engines)}
     results["engines"] = {n: results["engines"][n] for n in sorted(results["engines"], key=order.get)}

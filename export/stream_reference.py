@@ -9,8 +9,12 @@ prompts' hidden states.
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 
+from edge.precisions import INT4_QDQ
 from export.weight_source import EMBED, HEAD, WeightSource
 
 
@@ -99,6 +103,10 @@ def compare(source: WeightSource, graph, hf_dir, precision: str | None = None, v
     tok = chat_tokenizer(hf_dir)
     prompts = [tok.encode_chat(m, add_generation_prompt=True) for m in PARITY_PROMPTS]
     refs = reference_logits(source, prompts)
+    if precision == INT4_QDQ:  # scored as its CPU twin, as the evaluate stage scores it (export/trt_formats.py)
+        from export.trt_formats import cpu_twin
+
+        graph = cpu_twin(Path(graph), Path(graph).parent / "cpu-twin")
     dec = OrtDecoder(graph, model_dims(hf_dir), io_for_variant(variant), precision=precision)  # its CPU settings
     kls, agree, n = [], 0, 0
     for ids, ref in zip(prompts, refs):
@@ -107,6 +115,9 @@ def compare(source: WeightSource, graph, hf_dir, precision: str | None = None, v
         kls.append(float((np.exp(p) * (p - q)).sum(-1).mean()))
         agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
         n += len(ids)
+    del dec
+    if precision == INT4_QDQ:
+        shutil.rmtree(Path(graph).parent, ignore_errors=True)
     return {"prompts": len(prompts), "tokens": n, "kl_to_reference": float(np.mean(kls)), "top1_agreement": agree / n,
             "reference": "fp32, one decoder block at a time"}
 

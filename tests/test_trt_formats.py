@@ -99,36 +99,27 @@ def test_cpu_reference_kernels_run_it_close_to_fp32(formats, mode, max_kl, min_t
     assert kl < max_kl and top1 >= min_top1, (kl, top1)
 
 
-def test_cpu_runs_int4_qdq_as_4_bit_weights_with_float_compute(formats, tmp_path):
-    """ONNX Runtime's CPU provider, with int4-qdq's session settings (edge.precisions), fuses each INT4
-    DequantizeLinear -> MatMul into MatMulNBits computing in fp32 (the weights stay 4-bit in memory; folded, the
-    session held every weight as fp32: 7.4 GB for a 1.5B model), with the logits of the graph run as written."""
-    import onnxruntime as ort
+def test_int4_qdq_is_scored_on_cpu_as_its_twin_with_4_bit_weights(formats, tmp_path):
+    """The evaluate stage scores int4-qdq on ONNX Runtime's CPU provider as its twin (export/trt_formats.py
+    cpu_twin): every INT4 DequantizeLinear -> MatMul as MatMulNBits with fp32 compute, the same levels and scales
+    (the weights stay 4-bit in memory; folded at load, the session held every weight as fp32: 7.4 GB for a 1.5B
+    model), the INT8 head left to fold; its logits are the graph's as written."""
+    from export.trt_formats import cpu_twin
 
-    from edge import precisions
-
-    so = ort.SessionOptions()
-    for key, value in precisions.get("int4-qdq").cpu_session_config:
-        so.add_session_config_entry(key, value)
-    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort.InferenceSession(str(formats["int4-qdq"] / "model.onnx"), so, providers=["CPUExecutionProvider"])
-    graph = onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False).graph
+    twin = cpu_twin(formats["int4-qdq"] / "model.onnx", tmp_path / "twin")
     written = onnx.load(str(formats["int4-qdq"] / "model.onnx"), load_external_data=False).graph
+    graph = onnx.load(str(twin), load_external_data=False).graph
     blocks = sum(n.op_type == "DequantizeLinear" and any(a.name == "block_size" for a in n.attribute)
                  for n in written.node)
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
     assert blocks and len(nbits) == blocks
-    assert all(next(a.i for a in n.attribute if a.name == "accuracy_level") == 1 for n in nbits)
+    assert all({a.name: a.i for a in n.attribute if a.name in ("accuracy_level", "bits")} == {"accuracy_level": 1, "bits": 4}
+               for n in nbits)
+    assert not any(n.op_type == "DequantizeLinear" and any(a.name == "block_size" for a in n.attribute)
+                   for n in graph.node)
     ids = np.random.default_rng(0).integers(3, 250, (1, 48))
-    fused = ort.InferenceSession(str(formats["int4-qdq"] / "model.onnx"), so, providers=["CPUExecutionProvider"])
-    n = ids.shape[1]
-    feeds = {"input_ids": ids, "attention_mask": np.ones((1, n), np.int64), "position_ids": np.arange(n)[None]}
-    for i in fused.get_inputs():
-        if i.name.startswith("past_key_values"):
-            feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float16)
-    got = fused.run(["logits"], feeds)[0][0].astype(np.float64)
-    kl, top1 = _kl_top1(_logits(formats["int4-qdq"], ids), got)
-    assert kl < 1e-4 and top1 == 1.0, (kl, top1)
+    kl, top1 = _kl_top1(_logits(formats["int4-qdq"], ids), _logits(twin.parent, ids))
+    assert kl < 1e-5 and top1 == 1.0, (kl, top1)
 
 
 @pytest.mark.parametrize("mode", ["int4-qdq", "fp8-qdq"])
