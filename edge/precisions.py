@@ -41,10 +41,11 @@ class Precision:
     # and it does not dequantize the whole embedding table on every call (47 ms/call on SmolLM2 otherwise)
     cpu_session_config: tuple[tuple[str, str], ...] = ()
     min_sm: tuple[str, str] | None = None  # (compute capability, why), see the module docstring
-    # bytes per weight once the evaluate stage holds the graph in ONNX Runtime's CPU provider, where not
-    # weight_bytes: int4-qdq is scored as its CPU twin (export/trt_formats.py cpu_twin: INT4 in MatMulNBits, the INT8
-    # head and embedding folded to fp32 at load), measured on the 1.5B Qwen (docs/models.md)
-    cpu_loaded_bytes: float | None = None
+    # bytes per element of the LM head (and of an untied embedding) once the evaluate stage holds the graph in ONNX
+    # Runtime's CPU provider, where it dequantizes them at load: int4-qdq's CPU twin (export/trt_formats.py cpu_twin:
+    # INT4 in MatMulNBits, the INT8 head folded: fp16 and fp32 copies and the source), fitted to the 1.5B Qwen's
+    # evaluate stage (4.7 GB, 2026-12-07, docs/models.md); None: the head counts as any weight
+    cpu_table_bytes: float | None = None
 
     @property
     def tensorrt(self) -> bool:
@@ -93,7 +94,7 @@ TABLE: tuple[Precision, ...] = (
     # graph, the head (and the budget's promotions) INT8 per channel (export/trt_formats.py)
     Precision(INT4_QDQ, "plain", 0.5 + 2 / INT4_QDQ_BLOCK, 7, cpu=5, trt_sources=(INT4_QDQ,), head_bytes=1.0,
               embed_bytes=1.0, exported=True, quantized=True, cpu_session_config=QDQ_CPU, min_sm=AMPERE,
-              cpu_loaded_bytes=1.0),
+              cpu_table_bytes=7.0),
 )
 PRECISIONS: dict[str, Precision] = {p.name: p for p in TABLE}
 NAMES: tuple[str, ...] = tuple(PRECISIONS)

@@ -22,8 +22,8 @@ holds the libraries, the graph's records and one weight at a time while it write
 STREAM_PER_LARGEST x the largest single tensor it makes in fp32 (the embedding / LM head, or a layer's packed
 gate+up projection), whatever the number of layers (measured with scripts/synthetic_checkpoint.py). GPTQ's
 statistics add one block's K x K matrices and the calibration texts' hidden states; its evaluate stage holds each
-engine in ONNX Runtime in turn (what the device will hold too; an int4-qdq graph's weights dequantized to fp16 at
-load, as ONNX Runtime's CPU provider runs Q/DQ as written) and one text's logits. The plan is the largest of
+engine in ONNX Runtime in turn (what the device will hold too; int4-qdq as its CPU twin, its head dequantized at
+load: `evaluated_bytes`) and one text's logits. The plan is the largest of
 the three (measured on Qwen2.5-Coder-1.5B, docs/models.md).
 """
 
@@ -73,13 +73,22 @@ def streaming_peak_bytes(dims: ModelDims, precisions: tuple[str, ...] = (), eval
         k = max(dims.hidden_size, dims.intermediate_size, dims.num_heads * dims.head_dim)
         stages.append(STREAM_BASE_BYTES + STREAM_GPTQ_MATRICES * 8 * k * k + 4 * GPTQ_TOKENS * dims.hidden_size)
     if evaluate:
-        from edge import precisions as table
-
-        engine = max(table.get(p).cpu_loaded_bytes or table.get(p).weight_bytes
-                     for p in precisions or (INT8_DYNAMIC,)) * dims.num_parameters
+        engine = max(evaluated_bytes(dims, p) for p in precisions or (INT8_DYNAMIC,))
         stages.append(STREAM_BASE_BYTES + STREAM_ENGINE_FACTOR * engine
                       + STREAM_TEXT_LOGITS * 4 * EVAL_WINDOW * dims.vocab_size)
     return max(stages)
+
+
+def evaluated_bytes(dims: ModelDims, precision: str) -> float:
+    """What ONNX Runtime's CPU session holds of an engine while the evaluate stage scores it: its weights, and for
+    int4-qdq the head (and an untied embedding) its twin dequantizes at load (edge.precisions cpu_table_bytes)."""
+    from edge import precisions as table
+
+    p = table.get(precision)
+    held = p.weight_bytes * dims.num_parameters
+    if p.cpu_table_bytes:
+        held += p.cpu_table_bytes * dims.vocab_size * dims.hidden_size * (1 if dims.tie_word_embeddings else 2)
+    return held
 
 
 def peak_stage(precisions: tuple[str, ...] = ()) -> str:

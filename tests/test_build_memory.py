@@ -85,7 +85,8 @@ def test_the_streaming_plan_is_a_base_plus_the_largest_tensor_and_covers_its_mea
         assert peak <= streaming_peak_bytes(llama32_3b, evaluate=False, gptq=False)
     # measured: Qwen2.5-Coder-1.5B-Instruct from its GGUF, --streaming, round to nearest, evaluated (docs/models.md)
     qwen15 = dataclasses.replace(dims, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
-                                 intermediate_size=8960, vocab_size=151936, num_parameters=1_777_088_000)
+                                 intermediate_size=8960, vocab_size=151936, num_parameters=1_777_088_000,
+                                 tie_word_embeddings=True)
     # (2026-12-07: docs/bench/build-qwen15-streamed-2026-12-07.json; every stage under 4 GB)
     stages = {"load": 918_560_768, "quantize-int8-dynamic": 2_786_938_880, "quantize-int4-weight": 2_830_204_928,
               "evaluate": 3_790_692_352}
@@ -94,6 +95,12 @@ def test_the_streaming_plan_is_a_base_plus_the_largest_tensor_and_covers_its_mea
     writing = streaming_peak_bytes(qwen15, evaluate=False, gptq=False)
     assert max(v for k, v in stages.items() if k != "evaluate") <= writing <= 4e9  # its engines written in < 4 GB
     assert max(stages.values()) <= 4e9 and plan <= 1.1 * max(stages.values())  # and evaluated: a plan that is not loose
+    # ...and its int4-qdq, streamed from the plain graph written op by op, evaluated as its CPU twin (2026-12-07,
+    # docs/bench/build-qwen15-streamed-int4-qdq-2026-12-07.json): 11.6 GB when ONNX Runtime folded it to fp32
+    qdq = {"load": 936_042_496, "quantize-int4-qdq": 2_742_697_984, "evaluate": 4_696_547_328}
+    plan = streaming_peak_bytes(qwen15, ("int4-qdq",), gptq=False)
+    assert max(qdq.values()) <= plan <= 1.1 * max(qdq.values()), (qdq, plan)
+    assert qdq["quantize-int4-qdq"] <= streaming_peak_bytes(qwen15, evaluate=False, gptq=False)
 
 
 def test_plan_says_where_the_streaming_build_fits():
