@@ -33,7 +33,8 @@ from export.architectures import arch_spec, dims_from_hf_config
 if TYPE_CHECKING:
     from export.weight_source import WeightSource
 
-MASKED = -65504.0  # a masked score: exp() of it is 0 in fp32 and it is fp16's lowest finite value (no -inf, no NaN)
+MASKED = float(np.finfo(np.float32).min)  # a masked score (finite: a fully masked padding row gives no NaN); the
+# Where that writes it stays in export/fp16.py's fp32 island with Softmax, so the fp16 graph keeps it too
 
 
 def supported(cfg: dict) -> str | None:
@@ -155,10 +156,10 @@ def graph(model, weights: "WeightSource", cfg: dict, tensor, opset: int = 18):
     padded = node("Unsqueeze", [node("Cast", [io.attention_mask], f"{m}/Cast", to=TensorProto.BOOL),
                                 i64(f"{m}/axes12", [1, 2])], f"{m}/Unsqueeze_pad")  # [B, 1, 1, T]
     allowed = node("And", [causal, padded], f"{m}/And")  # [B, 1, S, T]
-    mask = node("Where", [allowed, f32(f"{m}/open", 0.0), f32(f"{m}/closed", MASKED)], f"{m}/Where")
     if rep > 1:  # q's rows are [rep, S] per K/V head (below): the mask repeats per query head of the group
-        mask = node("Tile", [mask, i64(f"{m}/repeats", [1, 1, rep, 1])], f"{m}/Tile")
-    scale = f32("/model/attn_scale", float(getattr(model.model.layers[0].self_attn, "scaling", D ** -0.5)))
+        allowed = node("Tile", [allowed, i64(f"{m}/repeats", [1, 1, rep, 1])], f"{m}/Tile")
+    closed = f32(f"{m}/closed", MASKED)
+    scale = f32("/model/attn_scale_sqrt", float(getattr(model.model.layers[0].self_attn, "scaling", D ** -0.5)) ** 0.5)
 
     def heads(x: str, n: str, count: int, scope: str, norm: str | None) -> str:
         """[B, S, count * D] -> [B, count, S, D], per-head RMSNorm first if the family has one."""
@@ -192,13 +193,15 @@ def graph(model, weights: "WeightSource", cfg: dict, tensor, opset: int = 18):
                                       axis=2))
         nodes.append(helper.make_node("Concat", [io.past_value.format(i=i), v], [present[1]],
                                       name=f"{a}/Concat_past_v", axis=2))
-        # q scaled before the score MatMul (as the trace's SDPA does): in fp16 the unscaled q.k would overflow
-        # sqrt(head_dim) times sooner
-        q = node("Mul", [q, scale], f"{a}/Mul_scale")
+        # q and k each scaled by sqrt(scale) before the score MatMul, as the trace's SDPA does (the same rounding as
+        # torch; and in fp16 an unscaled q.k would overflow sqrt(head_dim) times sooner)
+        q = node("Mul", [q, scale], f"{a}/Mul_scale_q")
         grouped = node("Reshape", [q, i64(f"{a}/group_shape", [0, KV, -1, D])], f"{a}/Reshape_group")
-        keys_t = node("Transpose", [present[0]], f"{a}/Transpose_keys", perm=[0, 1, 3, 2])
+        keys_t = node("Transpose", [node("Mul", [present[0], scale], f"{a}/Mul_scale_k")], f"{a}/Transpose_keys",
+                      perm=[0, 1, 3, 2])
         scores = node("MatMul", [grouped, keys_t], f"{a}/MatMul_scores")
-        probs = node("Softmax", [node("Add", [scores, mask], f"{a}/Add_mask")], f"{a}/Softmax", axis=-1)
+        # masked scores replaced (not added to: a real model's scores can pass any finite offset), in fp32
+        probs = node("Softmax", [node("Where", [allowed, scores, closed], f"{a}/Where_mask")], f"{a}/Softmax", axis=-1)
         ctx = node("MatMul", [probs, present[1]], f"{a}/MatMul_values")  # [B, KV, rep * S, D]
         ctx = node("Reshape", [ctx, i64(f"{a}/heads_shape", [0, N, -1, D])], f"{a}/Reshape_heads")
         ctx = node("Transpose", [ctx], f"{a}/Transpose_out", perm=[0, 2, 1, 3])

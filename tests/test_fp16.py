@@ -117,8 +117,9 @@ def test_islands_compute_in_fp32_and_the_rest_in_fp16(fp16_graph, tiny_plain_gra
     assert rotary and all(types[n.output[0]] == TensorProto.FLOAT for n in rotary)
     norm_scale = [n for n in nodes if n.op_type == "Mul" and n.name.endswith("layernorm/Mul_1")]
     assert norm_scale and all(types[n.output[0]] == TensorProto.FLOAT for n in norm_scale)  # the weight too
-    masks = [n for n in nodes if n.op_type == "Add" and any(c.op_type == "Softmax" and n.output[0] in c.input for c in nodes)]
-    assert masks and all(types[n.output[0]] == TensorProto.FLOAT for n in masks)  # the mask add before softmax
+    masks = [n for n in nodes if n.op_type in ("Add", "Where")
+             and any(c.op_type == "Softmax" and n.output[0] in c.input for c in nodes)]
+    assert masks and all(types[n.output[0]] == TensorProto.FLOAT for n in masks)  # the mask (add or select) before softmax
     weights = [n for n in nodes if n.op_type == "MatMul" and "_proj/" in n.name]
     assert weights and all(types[i] == TensorProto.FLOAT16 for n in weights for i in n.input)
     io = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]}

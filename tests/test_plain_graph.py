@@ -15,12 +15,15 @@ WRITTEN = {"llama": dict(), "qwen2": dict(arch="Qwen2ForCausalLM"), "qwen3": FAM
            "llama3-rope": dict(rope_scaling=LLAMA3_ROPE, max_pos=512),
            "qwen2-yarn": dict(arch="Qwen2ForCausalLM", rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                                       "original_max_position_embeddings": 128}),
-           "mistral": dict(arch="MistralForCausalLM", sliding_window=None)}
+           "mistral": dict(arch="MistralForCausalLM", sliding_window=None),
+           # attention scores past 65504 (real Qwen2.5 reaches them: its q/k biases are large): an additive fp16-range
+           # mask let masked keys through, the 1.5B's plain graph missed parity by 0.022
+           "qwen2-large-scores": dict(arch="Qwen2ForCausalLM", massive=True)}
 
 
-def _tiny(path, **kw):
+def _tiny(path, massive: bool = False, **kw):
     """A tiny model whose norm weights and biases are not HF's init (all ones, all zeros): a graph that dropped or
-    swapped one would still match with them."""
+    swapped one would still match with them. `massive`: q/k biases that make some attention scores huge."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -33,6 +36,8 @@ def _tiny(path, **kw):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
+            if massive and name.endswith(("q_proj.bias", "k_proj.bias")):
+                p.mul_(3000.0)
     model.save_pretrained(src)
     return src
 
