@@ -42,7 +42,7 @@ class Precision:
     cpu_session_config: tuple[tuple[str, str], ...] = ()
     min_sm: tuple[str, str] | None = None  # (compute capability, why), see the module docstring
     # bytes per element of the LM head (and of an untied embedding) once the evaluate stage holds the graph in ONNX
-    # Runtime's CPU provider, where it dequantizes them at load: int4-qdq's CPU twin (export/trt_formats.py cpu_twin:
+    # Runtime's CPU provider, where it dequantizes them at load: int4-qdq's CPU twin (export/cpu_twin.py:
     # INT4 in MatMulNBits, the INT8 head folded: fp16 and fp32 copies and the source), fitted to the 1.5B Qwen's
     # evaluate stage (4.7 GB, 2026-12-07, docs/models.md); None: the head counts as any weight
     cpu_table_bytes: float | None = None

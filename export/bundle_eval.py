@@ -61,10 +61,10 @@ def _onnx_logits(path: Path, dims, io: dict, threads: int | None, precision: str
     from export.evaluate import scored
 
     scratch = None
-    if precision == INT4_QDQ:  # scored as its CPU twin, as the evaluate stage scores it (export/trt_formats.py)
+    if precision == INT4_QDQ:  # scored as its CPU twin, as the evaluate stage scores it (export/cpu_twin.py)
         import tempfile
 
-        from export.trt_formats import cpu_twin
+        from export.cpu_twin import cpu_twin
 
         scratch = tempfile.TemporaryDirectory(prefix="edgechat-twin-")
         path = cpu_twin(Path(path), Path(scratch.name))

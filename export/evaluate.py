@@ -27,7 +27,7 @@ from edge.precisions import FP32, INT4_QDQ
 from export import vocab
 from export.onnx_weights import graph_bytes
 
-TWINS = "cpu-twins"  # the evaluate stage's scratch folder of int4-qdq's CPU twins (export/trt_formats.py cpu_twin)
+TWINS = "cpu-twins"  # the evaluate stage's scratch folder of int4-qdq's CPU twins (export/cpu_twin.py)
 
 GOLDEN = [
     {"prompt": "What is the capital of Japan?", "expect": ["Tokyo"]},
@@ -220,7 +220,7 @@ def scored_with(precision: str, dec: OrtDecoder) -> str:
                  "points, as TensorRT's Q/DQ semantics define, not ORT's fused int8 kernels")
     if precision == INT4_QDQ and providers == ["CPU"]:
         text += ("; its CPU twin: each INT4 DequantizeLinear -> MatMul as MatMulNBits with fp32 compute (the same "
-                 "levels and scales, W4A16's arithmetic; the weights stay 4-bit in memory, export/trt_formats.py)")
+                 "levels and scales, W4A16's arithmetic; the weights stay 4-bit in memory, export/cpu_twin.py)")
     return text
 
 
@@ -325,7 +325,7 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
     def load(e) -> OrtDecoder:
         path = e.folder / "model.onnx"
         if e.precision == INT4_QDQ:  # scored as its CPU twin: the same arithmetic, its weights 4-bit in memory
-            from export.trt_formats import cpu_twin
+            from export.cpu_twin import cpu_twin
 
             path = cpu_twin(path, dst / TWINS / e.name)
         return OrtDecoder(path, dims(e), e.io, threads=opts.threads, name=e.name, precision=e.precision)

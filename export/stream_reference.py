@@ -103,8 +103,8 @@ def compare(source: WeightSource, graph, hf_dir, precision: str | None = None, v
     tok = chat_tokenizer(hf_dir)
     prompts = [tok.encode_chat(m, add_generation_prompt=True) for m in PARITY_PROMPTS]
     refs = reference_logits(source, prompts)
-    if precision == INT4_QDQ:  # scored as its CPU twin, as the evaluate stage scores it (export/trt_formats.py)
-        from export.trt_formats import cpu_twin
+    if precision == INT4_QDQ:  # scored as its CPU twin, as the evaluate stage scores it (export/cpu_twin.py)
+        from export.cpu_twin import cpu_twin
 
         graph = cpu_twin(Path(graph), Path(graph).parent / "cpu-twin")
     dec = OrtDecoder(graph, model_dims(hf_dir), io_for_variant(variant), precision=precision)  # its CPU settings

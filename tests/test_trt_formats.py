@@ -104,7 +104,7 @@ def test_int4_qdq_is_scored_on_cpu_as_its_twin_with_4_bit_weights(formats, tmp_p
     cpu_twin): every INT4 DequantizeLinear -> MatMul as MatMulNBits with fp32 compute, the same levels and scales
     (the weights stay 4-bit in memory; folded at load, the session held every weight as fp32: 7.4 GB for a 1.5B
     model), the INT8 head left to fold; its logits are the graph's as written."""
-    from export.trt_formats import cpu_twin
+    from export.cpu_twin import cpu_twin
 
     twin = cpu_twin(formats["int4-qdq"] / "model.onnx", tmp_path / "twin")
     written = onnx.load(str(formats["int4-qdq"] / "model.onnx"), load_external_data=False).graph
