@@ -103,7 +103,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
-def loaded_plain(d: Path, exporter: str = "auto", **model) -> dict[str, Path]:
+def loaded_plain(d: Path, exporter: str = "optimum", **model) -> dict[str, Path]:
     """A tiny model (`model`: make_tiny_model's options) through the load stage (d/hf) and the plain fp32 export
     (d/plain, by `exporter`): what a TensorRT format's quantize stage starts from."""
     from export import load, onnx_export
