@@ -136,6 +136,8 @@ EXPORTERS: dict[str, Callable[[Path, Path, ExportOptions], None]] = {"optimum": 
 def exporter_for(src: Path, asked: str) -> str:
     """"auto": the op-by-op writer where it covers the family (export/plain_graph.py), else optimum's trace."""
     if asked != "auto":
+        if asked not in EXPORTERS:
+            raise ValueError(f"unknown exporter {asked!r}: choose auto, {', '.join(EXPORTERS)}")
         return asked
     from export import plain_graph
 
