@@ -57,17 +57,14 @@ class EvalRequest:
 
 def _onnx_logits(path: Path, dims, io: dict, threads: int | None, precision: str | None = None) -> Scorer:
     from edge.io_contract import DecoderIO
+    import tempfile
+
     from edge.backends.onnxruntime import OrtDecoder
+    from export.cpu_twin import scored_graph
     from export.evaluate import scored
 
-    scratch = None
-    if precision == INT4_QDQ:  # scored as its CPU twin, as the evaluate stage scores it (export/cpu_twin.py)
-        import tempfile
-
-        from export.cpu_twin import cpu_twin
-
-        scratch = tempfile.TemporaryDirectory(prefix="edgechat-twin-")
-        path = cpu_twin(Path(path), Path(scratch.name))
+    scratch = tempfile.TemporaryDirectory(prefix="edgechat-twin-") if precision == INT4_QDQ else None
+    path = scored_graph(path, precision, Path(scratch.name) if scratch else Path())  # int4-qdq: its CPU twin
     dec = OrtDecoder(path, dims, DecoderIO.from_dict(io), threads=threads, precision=precision)
 
     def run(ids: list[int]) -> np.ndarray:

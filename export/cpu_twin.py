@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge.precisions import INT4_QDQ
 from export.onnx_weights import GraphWeights
 
 log = logging.getLogger("edgechat")
@@ -68,3 +69,9 @@ def cpu_twin(graph: Path, dst: Path) -> Path:
     gw.save(dst / "model.onnx")
     log.debug("cpu twin of %s: %d INT4 MatMuls as MatMulNBits", graph, done)
     return dst / "model.onnx"
+
+
+def scored_graph(graph: Path, precision: str | None, scratch: Path) -> Path:
+    """The graph ONNX Runtime's CPU provider scores for an engine of `precision`: int4-qdq's twin, written under
+    `scratch` (the caller removes it), else the graph itself."""
+    return cpu_twin(Path(graph), Path(scratch)) if precision == INT4_QDQ else Path(graph)

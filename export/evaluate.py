@@ -25,6 +25,7 @@ from edge.decode.sampling import SamplingConfig
 from edge import precisions
 from edge.precisions import FP32, INT4_QDQ
 from export import vocab
+from export.cpu_twin import scored_graph
 from export.onnx_weights import graph_bytes
 
 TWINS = "cpu-twins"  # the evaluate stage's scratch folder of int4-qdq's CPU twins (export/cpu_twin.py)
@@ -323,11 +324,7 @@ def run(hf_dir: Path, engines: list, dst: Path, opts: EvalOptions, stages: dict 
         return model_dims(getattr(e, "dims_dir", None) or hf_dir, opts.max_context)
 
     def load(e) -> OrtDecoder:
-        path = e.folder / "model.onnx"
-        if e.precision == INT4_QDQ:  # scored as its CPU twin: the same arithmetic, its weights 4-bit in memory
-            from export.cpu_twin import cpu_twin
-
-            path = cpu_twin(path, dst / TWINS / e.name)
+        path = scored_graph(e.folder / "model.onnx", e.precision, dst / TWINS / e.name)  # int4-qdq: its CPU twin
         return OrtDecoder(path, dims(e), e.io, threads=opts.threads, name=e.name, precision=e.precision)
 
     def logits(d: OrtDecoder, ids: list[int]) -> np.ndarray:

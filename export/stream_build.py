@@ -32,12 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
+from edge import precisions
 from edge.errors import RecipeError
 from edge.precisions import INT4_QDQ, INT4_WEIGHT, INT8_DYNAMIC
 from export.onnx_weights import INLINE_MAX, GraphWeights, graph_bytes, lm_head_matmul, untie_lm_head
 
-STREAMED = (INT8_DYNAMIC, INT4_WEIGHT, INT4_QDQ)
-PLAIN = (INT4_QDQ,)  # written as the plain graph (TensorRT's, export/plain_graph.py); the others as the fused one
+STREAMED = (INT8_DYNAMIC, INT4_WEIGHT, INT4_QDQ)  # each written as its precision's graph variant (edge.precisions)
 
 
 def build_graph(source, dst: Path, variant: str = "fused") -> GraphWeights:
@@ -50,10 +50,7 @@ def build_graph(source, dst: Path, variant: str = "fused") -> GraphWeights:
 
     cfg = source.config
     if variant == "plain":
-        why = plain_graph.supported(cfg)
-        if why:
-            raise RecipeError(f"the streaming build cannot write this model's plain graph: {why}; build without "
-                              "--streaming")
+        check_plain(cfg, ["the plain graph"])
     else:
         fused_graph.check(cfg)
     lazies: dict[str, object] = {}
@@ -72,6 +69,16 @@ def build_graph(source, dst: Path, variant: str = "fused") -> GraphWeights:
 
     proto = (plain_graph if variant == "plain" else fused_graph).graph(empty_model(cfg), source, cfg, tensor)
     return GraphWeights.in_memory(proto, dst, lazies)
+
+
+def check_plain(cfg: dict, engines: list[str]) -> None:
+    """Refuse a plain-graph engine of a family export/plain_graph.py does not write, naming the way out."""
+    from export import plain_graph
+
+    why = plain_graph.supported(cfg)
+    if why:
+        raise RecipeError(f"the streaming build cannot write {', '.join(engines)} for this model ({why}): build it "
+                          "without --streaming")
 
 
 def write_quantized(source, dst: Path, opts, num_layers: int | None = None, hessian=None, statistics=None) -> dict:
@@ -93,9 +100,10 @@ def write_quantized(source, dst: Path, opts, num_layers: int | None = None, hess
         raise RecipeError("gptq rounding needs the inputs' statistics: pass hessian= or statistics=, or round with "
                           "'minmax'")
     dst.mkdir(parents=True, exist_ok=True)
-    gw = build_graph(source, dst, "plain" if opts.mode in PLAIN else "fused")
+    variant = precisions.get(opts.mode).variant
+    gw = build_graph(source, dst, variant)
     layers = num_layers or int(source.config["num_hidden_layers"])
-    if opts.mode in PLAIN:  # TensorRT's graph is fp16 with fp32 islands, as export/fp16.py makes it from the trace
+    if variant == "plain":  # TensorRT's graph is fp16 with fp32 islands, as export/fp16.py makes it from the trace
         from export import fp16
 
         fp16.convert(gw)
@@ -264,7 +272,7 @@ def _engine(hf_dir: Path, dst: Path, opts, check: bool = True) -> dict:
     release_memory()
     try:
         metrics["reference"] = compare(source_of(hf_dir), dst / "model.onnx", hf_dir, opts.mode,
-                                       "plain" if opts.mode in PLAIN else "fused")
+                                       precisions.get(opts.mode).variant)
     except ValueError as e:  # a family the block-by-block reference does not run yet (mixed attention types)
         metrics["reference"] = {"skipped": str(e)}
     return metrics
@@ -297,13 +305,9 @@ def stages(stage, opts, hf_dir: Path, loaded: str, quantize_options) -> tuple[li
     from export import package
 
     check_blocks(hf_dir, opts)
-    if set(PLAIN) & set(opts.precisions):
-        from export import plain_graph
-
-        why = plain_graph.supported(json.loads((hf_dir / "config.json").read_text()))
-        if why:
-            raise RecipeError(f"the streaming build cannot write {', '.join(PLAIN)} for this model ({why}): build it "
-                              "without --streaming")
+    plain = [p for p in opts.precisions if precisions.get(p).variant == "plain"]
+    if plain:
+        check_plain(json.loads((hf_dir / "config.json").read_text()), plain)
     engines, records = [], []
     for precision in opts.precisions:
         qopts = quantize_options(opts, precision)
@@ -312,8 +316,7 @@ def stages(stage, opts, hf_dir: Path, loaded: str, quantize_options) -> tuple[li
                                                                                "reference_check": check},
                           lambda d, q=qopts, c=check: _engine(hf_dir, d, q, c))
         records.append(rec)
-        engines.append(package.EngineArtifact(precision, qdir, precision,
-                                              variant="plain" if precision in PLAIN else "fused"))
+        engines.append(package.EngineArtifact(precision, qdir, precision, variant=precisions.get(precision).variant))
     return engines, records
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.precisions import INT4_QDQ
 from export.weight_source import EMBED, HEAD, WeightSource
 
 
@@ -103,10 +102,10 @@ def compare(source: WeightSource, graph, hf_dir, precision: str | None = None, v
     tok = chat_tokenizer(hf_dir)
     prompts = [tok.encode_chat(m, add_generation_prompt=True) for m in PARITY_PROMPTS]
     refs = reference_logits(source, prompts)
-    if precision == INT4_QDQ:  # scored as its CPU twin, as the evaluate stage scores it (export/cpu_twin.py)
-        from export.cpu_twin import cpu_twin
+    from export.cpu_twin import scored_graph
 
-        graph = cpu_twin(Path(graph), Path(graph).parent / "cpu-twin")
+    scratch = Path(graph).parent / "cpu-twin"
+    graph = scored_graph(graph, precision, scratch)  # int4-qdq: its CPU twin, as the evaluate stage scores it
     dec = OrtDecoder(graph, model_dims(hf_dir), io_for_variant(variant), precision=precision)  # its CPU settings
     kls, agree, n = [], 0, 0
     for ids, ref in zip(prompts, refs):
@@ -116,8 +115,7 @@ def compare(source: WeightSource, graph, hf_dir, precision: str | None = None, v
         agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
         n += len(ids)
     del dec
-    if precision == INT4_QDQ:
-        shutil.rmtree(Path(graph).parent, ignore_errors=True)
+    shutil.rmtree(scratch, ignore_errors=True)
     return {"prompts": len(prompts), "tokens": n, "kl_to_reference": float(np.mean(kls)), "top1_agreement": agree / n,
             "reference": "fp32, one decoder block at a time"}
 
