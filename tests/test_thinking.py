@@ -477,9 +477,12 @@ def test_the_page_draws_the_thinking_collapsed_above_the_answer(think_bundle):
             assert group.locator(".title").inner_text().strip() == "Thinking"
             thought = page.locator("#chatbot [data-testid='bot']").first.get_attribute("aria-label")
             assert thought.removeprefix("bot's message: ").strip()  # the reasoning is there, in the accordion
+            assert "think>" not in thought  # the tags that framed it are not drawn
             assert group.inner_text().strip() == "Thinking"  # closed: its text is not drawn
             answer = page.locator("#chatbot [data-testid='bot']").last.inner_text().strip()
-            assert answer and "think>" not in page.locator("#chatbot").inner_text()
+            # the closing tag is not drawn before the answer (a sampled answer may write the tag's token again later:
+            # that is the model's text, shown as written, as llama.cpp's server does)
+            assert answer and not answer.startswith(("<think>", "</think>"))
             group.locator(".title").click()
             page.wait_for_function("document.querySelector('#chatbot .thought-group').innerText.trim() != 'Thinking'",
                                    timeout=5_000)  # open: the reasoning drawn under its title
