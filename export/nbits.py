@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from export.onnx_weights import GraphWeights, weight_matmuls
+from export.onnx_weights import ALIGN, INLINE_MAX, GraphWeights, weight_matmuls
 
 
 def nbits_bytes(k: int, n: int, bits: int, block: int, symmetric: bool) -> int:
@@ -21,10 +21,48 @@ def nbits_bytes(k: int, n: int, bits: int, block: int, symmetric: bool) -> int:
     return n * kb * block * bits // 8 + n * kb * 4 + (0 if symmetric else n * -(-kb * bits // 8))
 
 
+def nbits_footprint(k: int, n: int, bits: int, block: int, symmetric: bool) -> int:
+    """Bytes one MatMulNBits weight takes in a saved graph: each of its tensors starts on a page of the data
+    file (export/onnx_weights.py ALIGN), a small one stays inside the graph. What splitting a weight into
+    column runs costs beyond its levels (a few KB per run: noise for a whole weight, a tenth of a k_proj's)."""
+    kb = -(-k // block)
+    sizes = [n * kb * block * bits // 8, n * kb * 4] + ([] if symmetric else [n * -(-kb * bits // 8)])
+    return sum(b if b <= INLINE_MAX else -(-b // ALIGN) * ALIGN for b in sizes)
+
+
 def nbits_shapes(k: int, n: int, bits: int, block: int) -> tuple[tuple[int, ...], ...]:
     """Shapes of MatMulNBits' B, scales and zero points for a [K, N] weight (ONNX Runtime's layout)."""
     kb = -(-k // block)
     return (n, kb, block * bits // 8), (n, kb), (n, -(-kb * bits // 8))
+
+
+def split_columns(gw: GraphWeights, target: str, runs: list[tuple[int, int]]) -> list[str]:
+    """Replace the weight MatMul `target` by one MatMul per column run [a, b) of its weight, joined on the last
+    axis by a Concat into its output (MatMulNBits has one bit width per node: a packed q/k/v whose k and v are
+    kept at 8 bits and q at 4 becomes two). Returns the new MatMuls' names (`target`/colsA-B); their weights are
+    the slices, read when asked for."""
+    from onnx import helper
+
+    graph = gw.model.graph
+    node = next(n for n in graph.node if n.name == target)
+    w = node.input[1]
+    k, n = gw.shape(w)
+    if runs[0][0] != 0 or runs[-1][1] != n or any(a[1] != b[0] for a, b in zip(runs, runs[1:])):
+        raise ValueError(f"column runs {runs} do not tile {target}'s {n} columns")
+    dtype = helper.tensor_dtype_to_np_dtype(gw.initializer(w).data_type)
+    made, names = [], []
+    for a, b in runs:
+        tag = f"/cols{a}-{b}"
+        gw.set(w + tag, lambda a=a, b=b: np.ascontiguousarray(gw.array(w)[:, a:b]), dims=(k, b - a), dtype=dtype)
+        made.append(helper.make_node("MatMul", [node.input[0], w + tag], [node.output[0] + tag], name=target + tag))
+        names.append(target + tag)
+    made.append(helper.make_node("Concat", [m.output[0] for m in made], list(node.output), name=target + "/Concat",
+                                 axis=-1))
+    at = list(graph.node).index(node)
+    graph.node.remove(node)
+    for i, m in enumerate(made):
+        graph.node.insert(at + i, m)
+    return names
 
 
 class _Parts:

@@ -16,7 +16,10 @@
   8 bits, and mixed precision by measured sensitivity (export/sensitivity.py): the weight MatMuls
   whose 4-bit form moves KL to fp32 most, per extra byte, are kept at 8 bits within a byte budget
   (`int4_budget_mb`, else `int4_extra_ratio` of the all-4-bit size), as llama.cpp's k-quants spend
-  more bits on attn_v / ffn_down, but chosen by measurement. docs/quality.md has the figures.
+  more bits on attn_v / ffn_down, but chosen by measurement. The fused graph's packed q/k/v and
+  gate/up MatMuls are measured and promoted per projection (k and v are small and the most
+  sensitive): a packed MatMul promoted in part is split by columns (`promote`). docs/quality.md has
+  the figures.
 In every mode the tied embedding / LM head is stored as INT8 (a per-row
 quantized Gather and an INT8 LM-head MatMul) rather than read as fp32.
 """
@@ -37,7 +40,7 @@ from edge import precisions
 from edge.errors import RecipeError
 from edge.precisions import FP8, INT4_QDQ, INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
 from export.embedding import quantize_embedding
-from export.nbits import nbits_bytes, quantize_matmuls as _nbits  # noqa: F401 - nbits_bytes: the quantizer's API
+from export.nbits import nbits_bytes, nbits_footprint, quantize_matmuls as _nbits, split_columns  # noqa: F401 - nbits_bytes: the quantizer's API
 from export.onnx_weights import GraphWeights, graph_bytes, lm_head_matmul, untie_lm_head, weight_matmuls
 
 log = logging.getLogger("edgechat")
@@ -311,9 +314,26 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
 
     plain, fused = _plain_graph(fp32_dir)
     nodes = {n.name: gw.shape(n.input[1]) for n in weight_matmuls(gw.model)}
+    # the budget's units: each MatMul of this graph, or each projection packed into one (q, k, v; gate, up)
+    parts = {}
+    if fused:
+        pg = GraphWeights(plain)
+        parts = sensitivity.packed_columns({n.name: pg.shape(n.input[1])[1] for n in weight_matmuls(pg.model)},
+                                           {t: kn[1] for t, kn in nodes.items() if t not in special})
+        del pg
+    units = {t: (t, 0, kn[1]) for t, kn in nodes.items() if t not in special and t not in {p[0] for p in parts.values()}}
+    units |= parts
     sym = opts.int4_symmetric
-    four = {t: nbits_bytes(*nodes[t], 4, opts.int4_block_size, sym) for t in nodes}
-    cost = {t: nbits_bytes(*nodes[t], 8, promoted_block(nodes[t][0], opts), True) - four[t] for t in nodes if t not in special}
+
+    def extra(t: str, a: int, b: int) -> int:
+        """Bytes `t`'s columns [a, b) add at 8 bits: alone, so a packed MatMul is split into up to three (an upper
+        bound when several of its parts are chosen; the file is checked against the budget below)."""
+        k, n = nodes[t]
+        four = [(lo, hi) for lo, hi in ((0, a), (b, n)) if hi > lo]
+        return (nbits_footprint(k, b - a, 8, promoted_block(k, opts), True) - nbits_footprint(k, n, 4, opts.int4_block_size, sym)
+                + sum(nbits_footprint(k, hi - lo, 4, opts.int4_block_size, sym) for lo, hi in four))
+
+    cost = {u: extra(*where) for u, where in units.items()}
     # the engine at all-4-bit (special MatMuls at their bits), written and measured: what a promotion adds
     # to it is exact (the nbits_bytes difference), what the graph's own records weigh is not worth predicting
     trial = dst / "all-4-bit"
@@ -358,7 +378,7 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
             else:
                 def quant(node: str, w: np.ndarray) -> np.ndarray:
                     return fake_quant(w, 4, opts.int4_block_size, opts.int4_rounding)
-            sens = sensitivity.measure(probe, quant, fused, skip=lambda t: t not in cost)
+            sens = sensitivity.measure(probe, quant, fused, skip=lambda t: t not in cost, parts=parts)
             tokens = probe.tokens
         finally:
             del probe
@@ -371,8 +391,53 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
     chosen = sensitivity.allocate(sens, cost, budget - base)
     return {"int4_budget_bytes": budget, "int4_all4_bytes": base,
             "int4_planned_bytes": base + sum(cost[t] for t in chosen), "int4_8bit_matmuls": chosen,
+            "int4_packed_parts": {u: list(where) for u, where in parts.items()},
             "int4_sensitivity": dict(sorted(sens.items(), key=lambda kv: -kv[1])),
             "sensitivity_tokens": tokens}
+
+
+def _write_int4(gw: GraphWeights, special: dict[str, tuple[int, int]], metrics: dict, opts: QuantizeOptions,
+                hessian) -> None:
+    """int4-weight's MatMulNBits: 4 bits, the head (`special`) and the budget's chosen units at 8."""
+    promoted, renamed = promote(gw, metrics.get("int4_8bit_matmuls", []), metrics.get("int4_packed_parts", {}), opts)
+    _nbits(gw, bits=4, accuracy_level=opts.accuracy_level, symmetric=opts.int4_symmetric, special=special | promoted,
+           rounding=opts.int4_rounding,
+           block_size=opts.int4_block_size, hessian=hessian and (lambda name: hessian(renamed.get(name, name))),
+           gptq_damp4=opts.int4_gptq_damp)
+
+
+def promote(gw: GraphWeights, chosen: list[str], parts: dict[str, list], opts: QuantizeOptions
+            ) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+    """Lay out the int4 budget's 8-bit units in `gw`: a chosen MatMul whole; a packed MatMul some of whose
+    projections (`parts`: plain name -> [MatMul, first column, end]) are chosen and some not, split into MatMuls
+    over runs of columns of one width (export/nbits.py `split_columns`). Returns the 8-bit MatMuls (name -> (8,
+    block size), `quantize_matmuls`' `special`) and each split MatMul's packed MatMul (GPTQ's statistics know
+    the input by that name)."""
+    def eight(k: int) -> tuple[int, int]:
+        return 8, promoted_block(k, opts)
+
+    special = {u: eight(gw.shape(_weight_of(gw, u))[0]) for u in chosen if u not in parts}
+    runs: dict[str, list[tuple[int, int, bool]]] = {}
+    for u, (t, a, b) in parts.items():
+        runs.setdefault(t, []).append((a, b, u in chosen))
+    renamed: dict[str, str] = {}
+    for t, cols in runs.items():
+        k = gw.shape(_weight_of(gw, t))[0]
+        if all(c[2] for c in cols):
+            special[t] = eight(k)
+        if len({c[2] for c in cols}) == 1:
+            continue  # all parts at one width: the MatMul stays whole
+        merged: list[list] = []
+        for a, b, promoted in sorted(cols):
+            if merged and merged[-1][2] == promoted:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b, promoted])
+        for name, (_, _, promoted) in zip(split_columns(gw, t, [(a, b) for a, b, _ in merged]), merged):
+            renamed[name] = t
+            if promoted:
+                special[name] = eight(k)
+    return special, renamed
 
 
 def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
@@ -426,9 +491,7 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
             if head and opts.int4_lm_head_bits != 4 else {}
         if opts.int4_budget_mb is not None or opts.int4_extra_ratio > 0:
             metrics |= _int4_mixed(gw, fp32_dir, hf_dir, dst, opts, dims, special, hessian)
-            special |= {name: (8, promoted_block(gw.shape(_weight_of(gw, name))[0], opts)) for name in metrics["int4_8bit_matmuls"]}
-        _nbits(gw, bits=4, symmetric=opts.int4_symmetric, special=special, rounding=opts.int4_rounding,
-               block_size=opts.int4_block_size, hessian=hessian, gptq_damp4=opts.int4_gptq_damp)
+        _write_int4(gw, special, metrics, opts, hessian)
         metrics["lm_head_bits"] = opts.int4_lm_head_bits if head else None
         metrics["int4_rounding"] = opts.int4_rounding
         metrics["int4_block_size"] = opts.int4_block_size
@@ -452,7 +515,6 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
         if path == out:
             metrics["embedding_bytes_saved"] = saved
     chosen = list(metrics.get("int4_8bit_matmuls", []))
-    promoted = set(chosen)  # the budget's 8-bit MatMuls; `special` also holds the head, which never goes back
     while "int4_budget_bytes" in metrics and graph_bytes(out) > metrics["int4_budget_bytes"]:
         # the plan misses the graph's own growth (node and initializer records): the least KL per byte goes
         # back to 4 bits until the file fits
@@ -461,14 +523,12 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
                               f"{metrics['int4_budget_bytes'] / 1e6:.2f} MB: raise int4_budget_mb (or int4_extra_ratio), "
                               "or leave both unset")
         chosen.pop()
+        metrics["int4_8bit_matmuls"] = list(chosen)
         g = GraphWeights(fp32_dir / "model.onnx")
         untie_lm_head(g)
-        _nbits(g, bits=4, symmetric=opts.int4_symmetric, rounding=opts.int4_rounding, block_size=opts.int4_block_size,
-               special={n: b for n, b in special.items() if n not in promoted or n in chosen}, hessian=hessian,
-               gptq_damp4=opts.int4_gptq_damp)
+        _write_int4(g, special, metrics, opts, hessian)
         quantize_embedding(g)
         g.save(out)
-        metrics["int4_8bit_matmuls"] = list(chosen)
     for f in dst.iterdir():
         if f.name.startswith(("prepared.onnx", "smoothed.onnx", "stats.onnx", "stats-aug.onnx")):
             f.unlink()

@@ -33,10 +33,11 @@ from export.prune import PruneOptions
 
 BUILD_PRECISIONS = precisions.EXPORTED
 # why the default int4-weight build is not the engine docs/quality.md measures against llama.cpp's Q4_K_M
-INT4_DEFAULT_NOTE = ("all 4-bit, no size budget: the engine measured against llama.cpp's Q4_K_M at its size is "
-                     "--int4-block 64 --int4-budget-mb <that GGUF's MB> (below its KL on chats, at parity on news prose, "
-                     "above it on text unlike its calibration: docs/quality.md); not the default, as the budget is per "
-                     "model and its sensitivity pass costs minutes more")
+INT4_ACTIVATIONS = {"int8": 4, "fp32": 1}  # int4-weight's activations -> MatMulNBits' accuracy_level
+INT4_DEFAULT_NOTE = ("all 4-bit, no size budget: the engine at or below llama.cpp's Q4_K_M's KL at its size (on chats, "
+                     "news and text unlike its calibration: docs/quality.md) is --int4-block 64 --int4-budget-mb <that "
+                     "GGUF's MB> --int4-activations fp32 --int4-gptq-damp 0.03; not the default, as the budget is per "
+                     "model, its sensitivity pass costs minutes and float activations cost decode speed")
 FROM_FUSED = tuple(p for p in precisions.QUANTIZED if precisions.get(p).variant == "fused")  # quantized from the fused graph when there is one
 
 
@@ -75,6 +76,12 @@ class BuildOptions:
     # (measured per activation: minutes on a small model; 0 skips that pass; export/int8_qdq.py)
     qdq_float_ratio: float = 0.2
     int4_block_size: int = 32  # int4-weight and int4-qdq: 4-bit block size (edge-export plan says which fits)
+    # int4-weight and int4-qdq: GPTQ's damping of the 4-bit weights (0.03 held up better on text unlike the
+    # calibration's, docs/quality.md "INT4 off its calibration's domain")
+    int4_gptq_damp: float = 0.003
+    # int4-weight: what its MatMulNBits multiply the 4-bit weights with: "int8" activations (ONNX Runtime's
+    # accuracy level 4, the fast kernel) or "fp32" (level 1: less KL, slower decode; docs/quality.md)
+    int4_activations: str = "int8"
     int4_lm_head_bits: int = 8
     eval_samples: int = 64
     skip_eval: bool = False
@@ -112,6 +119,10 @@ class BuildOptions:
         check_int4_layout(self.int4_block_size, self.int4_lm_head_bits)
         from export.quantize import INT8_ROUNDINGS, ROUNDINGS
 
+        if self.int4_activations not in INT4_ACTIVATIONS:
+            raise RecipeError(f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}, got {self.int4_activations!r}")
+        if not 0 < self.int4_gptq_damp <= 1:
+            raise RecipeError(f"int4_gptq_damp must be in (0, 1] (a share of X^T X's mean diagonal), got {self.int4_gptq_damp}")
         if self.int4_rounding not in ROUNDINGS:
             raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
         if self.int8_rounding not in INT8_ROUNDINGS:
@@ -206,6 +217,7 @@ class BuildOptions:
                     int4_budget_mb=getattr(a, "int4_budget_mb", None),
                     int4_block_size=getattr(a, "int4_block", None), int4_lm_head_bits=getattr(a, "int4_head_bits", None),
                     int4_rounding=getattr(a, "int4_rounding", None), int8_rounding=getattr(a, "int8_rounding", None),
+                    int4_gptq_damp=getattr(a, "int4_gptq_damp", None), int4_activations=getattr(a, "int4_activations", None),
                     gptq_domains=tuple(a.gptq_domains.split(",")) if getattr(a, "gptq_domains", None) else None,
                     ram_check=False if getattr(a, "skip_ram_check", False) else None)
         base = cls.from_toml(a.recipe, **over) if a.recipe else \
@@ -480,6 +492,10 @@ def _quantize_options(opts: BuildOptions, precision: str, nearest: bool = False)
         extra = {"int4_rounding": "minmax" if nearest else opts.int4_rounding, "int4_block_size": opts.int4_block_size}
         if precision == INT4_WEIGHT:
             extra["int4_lm_head_bits"] = opts.int4_lm_head_bits
+            if opts.int4_activations != "int8":  # the defaults stay out of the stage key (no rebuilds)
+                extra["accuracy_level"] = INT4_ACTIVATIONS[opts.int4_activations]
+        if opts.int4_gptq_damp != 0.003 and not nearest:
+            extra["int4_gptq_damp"] = opts.int4_gptq_damp
         if not nearest:
             extra |= {"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio}
     elif precision in (INT8_DYNAMIC, INT8_QDQ):  # int8-qdq: GPTQ-rounded on the smoothed inputs too

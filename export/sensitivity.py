@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Container
 
 import numpy as np
 
@@ -22,11 +22,38 @@ FUSED = [(re.compile(r"/self_attn/(qkv|[qkv])_proj/"), "/attn/qkv_proj/"),  # Ph
          (re.compile(r"/self_attn/o_proj/"), "/attn/o_proj/"), (re.compile(r"/mlp/(gate_up|gate|up)_proj/"), "/mlp/gate_up_proj/")]
 
 
+# the projections the fused graph packs, in the order it concatenates their columns (export/fused_graph.py `_packed`)
+PACKED_PARTS = ("q", "k", "v", "gate", "up")
+_PART = re.compile(r"/(?:self_attn|mlp)/(q|k|v|gate|up)_proj/")
+
+
 def target_name(plain: str, fused: bool) -> str:
     if fused:
         for pat, rep in FUSED:
             plain = pat.sub(rep, plain)
     return plain
+
+
+def packed_columns(plain_widths: dict[str, int], fused_widths: dict[str, int]) -> dict[str, tuple[str, int, int]]:
+    """Plain MatMul -> (the fused MatMul it is packed into, its first column there, one past its last), for each
+    projection the fused graph packs from separate ones (q/k/v, gate/up), so the int4 budget can promote k and v
+    (small, the most sensitive) without q. A fused MatMul whose parts' widths do not add up to its own is left out
+    (measured and promoted whole). `*_widths`: each weight MatMul's output columns."""
+    groups: dict[str, list[str]] = {}
+    for node in plain_widths:
+        t, m = target_name(node, True), _PART.search(node)
+        if m and t != node and t in fused_widths:
+            groups.setdefault(t, []).append(node)
+    out: dict[str, tuple[str, int, int]] = {}
+    for t, nodes in groups.items():
+        nodes.sort(key=lambda node: PACKED_PARTS.index(_PART.search(node).group(1)))
+        if len(nodes) < 2 or sum(plain_widths[n] for n in nodes) != fused_widths[t]:
+            continue
+        start = 0
+        for node in nodes:
+            out[node] = (t, start, start + plain_widths[node])
+            start += plain_widths[node]
+    return out
 
 
 def _log_softmax32(x: np.ndarray) -> np.ndarray:
@@ -76,14 +103,16 @@ class Probe:
 
 
 def measure(probe: Probe, quant: Callable[[str, np.ndarray], np.ndarray], fused: bool,
-            skip: Callable[[str], bool] = lambda name: False, progress: bool = True) -> dict[str, float]:
+            skip: Callable[[str], bool] = lambda name: False, progress: bool = True,
+            parts: Container[str] = ()) -> dict[str, float]:
     """Target MatMul name -> KL to fp32 when only it is quantized by `quant(plain MatMul name, weight)`
-    (fused groups together)."""
+    (fused groups together; a plain MatMul in `parts` alone, under its own name: a packed part the budget
+    promotes by itself, `packed_columns`)."""
     from tqdm import tqdm
 
     groups: dict[str, list[tuple[str, str]]] = {}
     for node, w in probe.nodes.items():
-        t = target_name(node, fused)
+        t = node if node in parts else target_name(node, fused)
         if not skip(t):
             groups.setdefault(t, []).append((node, w))
     out = {}

@@ -130,8 +130,8 @@ def main() -> None:
             metrics = run(work / "export" if plain else fused, work / "load", dst, opts)
         took = time.time() - t
         print(f"{name}: {'scored the graph' if a.score_only else f'quantized in {took:.0f} s'}, "
-              f"{metrics['size_bytes'] / 1e6:.2f} MB, {len(metrics.get('int4_8bit_matmuls', []))} MatMuls promoted "
-              "to 8 bits", flush=True)
+              f"{metrics['size_bytes'] / 1e6:.2f} MB, {len(metrics.get('int4_8bit_matmuls', []))} weights (MatMuls or "
+              "packed projections) promoted to 8 bits", flush=True)
         # the probe's graph has the I/O of the bundle's engine of that mode, else that of the graph it was
         # quantized from (the fused graph's for int8-dynamic and int4-weight, the plain one's for the Q/DQ formats)
         same = next((e for e in m.engines if e.name == opts.mode), None)

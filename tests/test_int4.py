@@ -341,3 +341,122 @@ def test_the_sensitivity_is_not_measured_on_the_texts_gptq_fitted(mixed_bundle):
                              dims, skip=6)
     assert len(gptq) == 8 and len(sens) == 4 and not {tuple(f["input_ids"][0]) for f in gptq} & {tuple(f["input_ids"][0]) for f in sens}
     assert QuantizeOptions(mode="int8-dynamic", int4_symmetric=True).int4_symmetric  # the gptq check is int4's only
+
+
+SENSITIVE_V = "/model/layers.1/self_attn/v_proj/MatMul"  # the plain graph's name: a part of the fused qkv_proj
+
+
+def _outlier_v_model(dst: Path) -> Path:
+    """As `_outlier_model`, but the outliers are in layer 1's v_proj: one projection of the fused graph's
+    packed q/k/v MatMul, the kind llama.cpp's k-quants give more bits (attn_v)."""
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_model(dst, seed=3)
+    sd = load_file(str(dst / "model.safetensors"))
+    w = sd["model.layers.1.self_attn.v_proj.weight"] * 100  # [kv*head_dim, hidden]: blocks run along hidden
+    w[:, ::32] = 12 * w.std()
+    sd["model.layers.1.self_attn.v_proj.weight"] = w
+    sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"] * 10
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_the_budget_promotes_one_projection_of_a_packed_matmul(tmp_path):
+    """The fused graph packs q, k and v into one MatMul (and gate, up into another); the int4 budget measures and
+    promotes each projection alone, so a sensitive v costs v's bytes, not q/k/v's (5x on Llama-3-8B's shapes).
+    The packed MatMul is then split by columns into a 4-bit and an 8-bit MatMulNBits joined by a Concat, and the
+    engine decodes."""
+    from edge.bundle import Bundle
+    from edge.decode.generate import Generator
+    from edge.decode.sampling import SamplingConfig
+    from export.recipe import BuildOptions, build
+
+    src = _outlier_v_model(tmp_path / "tiny-outlier-v")
+    b = build(BuildOptions(output=tmp_path / "v.bundle", model=str(src), precisions=("int4-weight",), max_context=256,
+                           skip_eval=True, calibration_samples=4, int4_extra_ratio=0.03, int4_rounding="minmax"),
+              log=lambda s: None)
+    m = next(s for s in b.manifest.stages if s.name == "quantize-int4-weight").metrics
+    assert list(m["int4_sensitivity"])[0] == SENSITIVE_V, m["int4_sensitivity"]
+    assert "/model/layers.1/attn/qkv_proj/MatMul" not in m["int4_sensitivity"]  # measured per projection
+    assert SENSITIVE_V in m["int4_8bit_matmuls"]
+    assert m["int4_packed_parts"][SENSITIVE_V] == ["/model/layers.1/attn/qkv_proj/MatMul", 96, 128]  # q 64, k 32, v 32
+    g = onnx.load(str(b.path(b.manifest.engine("int4-weight").file)), load_external_data=False)
+    nbits = {n.name: {a.name: a.i for a in n.attribute} for n in g.graph.node if n.op_type == "MatMulNBits"}
+    qkv = "/model/layers.1/attn/qkv_proj/MatMul"
+    if "/model/layers.1/self_attn/k_proj/MatMul" in m["int4_8bit_matmuls"]:
+        four, eight = qkv + "/cols0-64_Q4", qkv + "/cols64-128_Q8"
+    else:
+        four, eight = qkv + "/cols0-96_Q4", qkv + "/cols96-128_Q8"
+    assert nbits[four]["bits"] == 4 and nbits[eight]["bits"] == 8, sorted(nbits)
+    assert nbits[four]["N"] + nbits[eight]["N"] == 128 and nbits[four]["K"] == nbits[eight]["K"] == 64
+    concat = next(n for n in g.graph.node if n.name == qkv + "/Concat")
+    assert concat.output[0] == "/model/layers.1/attn/qkv_proj/out"
+    assert graph_bytes_of(b) <= m["int4_budget_bytes"]
+    gen = Generator.from_bundle(Bundle.open(b.root), engine="int4-weight")
+    ids = gen.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    assert len(gen.tokens(ids, SamplingConfig(max_new_tokens=4, ignore_eos=True))) == 4
+
+
+def graph_bytes_of(bundle) -> int:
+    from export.onnx_weights import graph_bytes
+
+    return graph_bytes(bundle.path(bundle.manifest.engine("int4-weight").file))
+
+
+def test_split_columns_computes_what_the_packed_matmul_did(tmp_path):
+    """A MatMul split into column runs and joined by a Concat gives the same output; GPTQ rounds a column run
+    of a weight exactly as those columns of the whole (its output columns are independent), so a split 4-bit
+    part holds the levels the unsplit engine would."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from export.gptq import gptq_block_quant
+    from export.nbits import split_columns
+    from export.onnx_weights import GraphWeights
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 40)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 40])],
+                              [numpy_helper.from_array(w, "W")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "a.onnx"))
+    gw = GraphWeights(tmp_path / "a.onnx")
+    assert split_columns(gw, "mm", [(0, 24), (24, 32), (32, 40)]) == ["mm/cols0-24", "mm/cols24-32", "mm/cols32-40"]
+    gw.drop_unused()
+    (tmp_path / "b").mkdir()
+    gw.save(tmp_path / "b" / "model.onnx")
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    y = ort.InferenceSession(str(tmp_path / "b" / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not tile"):
+        split_columns(GraphWeights(tmp_path / "a.onnx"), "mm", [(0, 24), (30, 40)])
+
+    xs = _correlated_inputs(rng, 512, 64)
+    h = xs.astype(np.float64).T @ xs / len(xs)
+    whole = gptq_block_quant(w, h, 4, 32)
+    part = gptq_block_quant(np.ascontiguousarray(w[:, 24:32]), h, 4, 32)
+    for a, b in zip(whole, part):
+        np.testing.assert_array_equal(a[24:32], b)
+
+
+def test_int4_activations_choose_the_kernels_accuracy_level(mixed_bundle, tmp_path):
+    """--int4-activations fp32 writes int4-weight's MatMulNBits at accuracy level 1 (float activations: less KL,
+    docs/quality.md), int8 (the default) at level 4; the recipe refuses anything else, and GPTQ's damping is a
+    build option too."""
+    from export.quantize import QuantizeOptions, run
+    from export.recipe import BuildOptions, _quantize_options
+
+    assert _quantize_options(BuildOptions(output=tmp_path / "x"), "int4-weight").accuracy_level == 4
+    q = _quantize_options(BuildOptions(output=tmp_path / "x", int4_activations="fp32", int4_gptq_damp=0.03), "int4-weight")
+    assert (q.accuracy_level, q.int4_gptq_damp) == (1, 0.03)
+    with pytest.raises(RecipeError, match="int4_activations must be one of int8, fp32"):
+        BuildOptions(output=tmp_path / "x", int4_activations="bf16")
+    with pytest.raises(RecipeError, match="int4_gptq_damp must be in"):
+        BuildOptions(output=tmp_path / "x", int4_gptq_damp=0)
+    work = mixed_bundle.root.with_name(mixed_bundle.root.name + ".work")
+    run(work / "export" / "fused", work / "load", tmp_path, QuantizeOptions(mode="int4-weight", accuracy_level=1,
+                                                                          int4_rounding="minmax"))
+    g = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False)
+    levels = {a.i for n in g.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"}
+    assert levels == {1}
