@@ -265,8 +265,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="int4-weight: how 4-bit weights are rounded (default gptq: each weight knowing the calibration "
                         "inputs, ~1 min more on a 135M model; minmax: round to nearest; recipe key int4_rounding)")
     b.add_argument("--int4-gptq-damp", type=Bounded(float, 0, above=True), metavar="F",
-                   help="int4-weight and int4-qdq: GPTQ's damping, a share of X^T X's mean diagonal (default 0.003; 0.03 "
-                        "holds up better on text unlike the calibration's; recipe key int4_gptq_damp)")
+                   help="int4-weight and int4-qdq: GPTQ's damping, a share of X^T X's mean diagonal (default 0.03; more "
+                        "trusts the calibration text less; recipe key int4_gptq_damp; docs/quality.md)")
     b.add_argument("--int4-activations", choices=("int8", "fp32"),
                    help="int4-weight: activations the 4-bit MatMuls compute with (default int8: the fast kernel; fp32: "
                         "less KL, slower decode; recipe key int4_activations; docs/quality.md)")

@@ -119,8 +119,10 @@ class QuantizeOptions:
     # gptq_chat_share of them, the others split the rest evenly
     gptq_domains: tuple[str, ...] = ("chat", "news")
     # GPTQ's damping (of the mean diagonal of X^T X) for the 4-bit weights of both int4 engines (int4-weight and
-    # int4-qdq): more damping trusts the calibration text less (docs/quality.md, "INT4 off its calibration's domain")
-    int4_gptq_damp: float = 0.003
+    # int4-qdq): more damping trusts the calibration text less. 0.03 since 2026-12-07: on SmolLM2's int4-qdq at 96
+    # texts it beat 0.003 on chats, news prose and text unlike the calibration's (docs/quality.md, "One projection
+    # at a time"); BuildOptions' default is the same
+    int4_gptq_damp: float = 0.03
     # int8-dynamic (MatMulNBits kernel) and int8-qdq: "gptq" (symmetric GPTQ, every 8-bit MatMul and the head;
     # SmolLM2-135M int8-dynamic, held-out KL to fp32 chats 0.0044 / prose 0.0036 against min-max's 0.0063 / 0.0047,
     # docs/quality.md; int8-qdq: on the smoothed inputs' statistics) or "minmax" (ONNX Runtime's round to nearest)
@@ -359,7 +361,7 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
     code = hashlib.sha256(Path(__file__).with_name("gptq.py").read_bytes()).hexdigest()[:16] if gptq else None
     rounding = [opts.int4_rounding] + ([opts.gptq_samples, opts.gptq_tokens, opts.gptq_chat_share, opts.calibration, code]
                                        + ([list(opts.gptq_domains)] if tuple(opts.gptq_domains) != ("chat", "news") else [])
-                                       + ([opts.int4_gptq_damp] if opts.int4_gptq_damp != 0.003 else [])
+                                       + [opts.int4_gptq_damp]
                                        if gptq else [])
     key = hashlib.sha256(json.dumps([str(plain.resolve()), plain.stat().st_mtime_ns, graph_bytes(plain), rounding, opts.int4_block_size,
                                      sorted(cost), [f["input_ids"].tolist() for f in feeds]]).encode()).hexdigest()[:16]

@@ -34,10 +34,11 @@ from export.prune import PruneOptions
 BUILD_PRECISIONS = precisions.EXPORTED
 # why the default int4-weight build is not the engine docs/quality.md measures against llama.cpp's Q4_K_M
 INT4_ACTIVATIONS = {"int8": 4, "fp32": 1}  # int4-weight's activations -> MatMulNBits' accuracy_level
-INT4_DEFAULT_NOTE = ("all 4-bit, no size budget: the engine at or below llama.cpp's Q4_K_M's KL at its size (on chats, "
-                     "news and text unlike its calibration: docs/quality.md) is --int4-block 64 --int4-budget-mb <that "
-                     "GGUF's MB> --int4-activations fp32 --int4-gptq-damp 0.03; not the default, as the budget is per "
-                     "model, its sensitivity pass costs minutes and float activations cost decode speed")
+INT4_DEFAULT_NOTE = ("all 4-bit, no size budget. At llama.cpp's Q4_K_M's size, --int4-block 64 --int4-budget-mb <that "
+                     "GGUF's MB> is below its KL on chats, at parity on news prose and 1.1x on text unlike the "
+                     "calibration's; below it on all three takes float activations (--int4-activations fp32: 15x slower "
+                     "on ONNX Runtime's CPU kernels) or TensorRT's int4-qdq (docs/quality.md). Not the default: the "
+                     "budget is per model and its sensitivity pass costs minutes")
 FROM_FUSED = tuple(p for p in precisions.QUANTIZED if precisions.get(p).variant == "fused")  # quantized from the fused graph when there is one
 
 
@@ -76,9 +77,8 @@ class BuildOptions:
     # (measured per activation: minutes on a small model; 0 skips that pass; export/int8_qdq.py)
     qdq_float_ratio: float = 0.2
     int4_block_size: int = 32  # int4-weight and int4-qdq: 4-bit block size (edge-export plan says which fits)
-    # int4-weight and int4-qdq: GPTQ's damping of the 4-bit weights (0.03 held up better on text unlike the
-    # calibration's, docs/quality.md "INT4 off its calibration's domain")
-    int4_gptq_damp: float = 0.003
+    # int4-weight and int4-qdq: GPTQ's damping of the 4-bit weights (QuantizeOptions' default: docs/quality.md)
+    int4_gptq_damp: float = 0.03
     # int4-weight: what its MatMulNBits multiply the 4-bit weights with: "int8" activations (ONNX Runtime's
     # accuracy level 4, the fast kernel) or "fp32" (level 1: less KL, slower decode; docs/quality.md)
     int4_activations: str = "int8"
@@ -494,7 +494,7 @@ def _quantize_options(opts: BuildOptions, precision: str, nearest: bool = False)
             extra["int4_lm_head_bits"] = opts.int4_lm_head_bits
             if opts.int4_activations != "int8":  # the defaults stay out of the stage key (no rebuilds)
                 extra["accuracy_level"] = INT4_ACTIVATIONS[opts.int4_activations]
-        if opts.int4_gptq_damp != 0.003 and not nearest:
+        if not nearest:
             extra["int4_gptq_damp"] = opts.int4_gptq_damp
         if not nearest:
             extra |= {"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio}

@@ -152,7 +152,7 @@ def _quantize_and_save(gw, dst: Path, opts, layers: int, rounding: str, hessian)
             if head and opts.int4_lm_head_bits != 4 else {}
         quantize_matmuls(gw, bits=4, accuracy_level=opts.accuracy_level, symmetric=opts.int4_symmetric,
                          special=special, rounding=rounding, block_size=opts.int4_block_size, hessian=hessian,
-                         lazy=True)
+                         lazy=True, gptq_damp4=opts.int4_gptq_damp)
         metrics |= {"lm_head_bits": opts.int4_lm_head_bits if head else None, "int4_rounding": rounding,
                     "int4_block_size": opts.int4_block_size}
     metrics["embedding_bytes_saved"] = quantize_embedding(gw)

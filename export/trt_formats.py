@@ -165,7 +165,7 @@ def _finish(gw: GraphWeights, dst: Path) -> None:
 
 
 def write_int4_qdq(fp32_dir: Path, dst: Path, block: int, hessian, promoted: set[str],
-                   levels: dict | None = None, damp: float = 0.003) -> dict:
+                   levels: dict | None = None, damp: float = 0.03) -> dict:
     """The int4-qdq graph of the fp32 plain graph in `fp32_dir` (see `int4_qdq_graph`)."""
     work = dst / "fp16-graph"
     metrics = int4_qdq_graph(fp16_graph(fp32_dir, work), dst, block, hessian, promoted, levels, damp)
@@ -174,7 +174,7 @@ def write_int4_qdq(fp32_dir: Path, dst: Path, block: int, hessian, promoted: set
 
 
 def int4_qdq_graph(gw: GraphWeights, dst: Path, block: int, hessian, promoted: set[str], levels: dict | None = None,
-                   damp: float = 0.003, lazy: bool = False) -> dict:
+                   damp: float = 0.03, lazy: bool = False) -> dict:
     """`gw` (the fp16 plain graph, untied) -> dst/model.onnx: every weight MatMul INT4 in blocks (GPTQ when
     `hessian` is given, else round to nearest), the head and `promoted` INT8 per channel. `levels` (MatMul name
     -> its result) is filled and read, so a second graph of the same weights (the budget's) rounds only what

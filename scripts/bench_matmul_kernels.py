@@ -2,8 +2,8 @@
 """Where a prefill's time goes on CPU: ONNX Runtime's weight-MatMul kernels alone, by rows per call (M).
 
 One MatMul of a model's shape (default SmolLM2-135M's MLP: K 576 x N 1536) as each engine runs it: MatMulNBits
-8-bit and 4-bit (blocks of 32, accuracy level 4: INT8 activations, what int8-dynamic and int4-weight use) and
-fp32 MatMul (MLAS SGEMM), interleaved per round (A B C A B C), median and spread over rounds, at M = 1 (a decode
+8-bit and 4-bit (blocks of 32, accuracy level 4: INT8 activations, what int8-dynamic and int4-weight use; with
+--float-activations also level 1, what `--int4-activations fp32` writes) and fp32 MatMul (MLAS SGEMM), interleaved per round (A B C A B C), median and spread over rounds, at M = 1 (a decode
 step), 16, 64 and 344 (8 short chat prompts prefilled together). Prints a table and writes JSON. Issue 46: the
 8-user TTFT is the prefill kernel, not the serving path.
 
@@ -32,14 +32,14 @@ def session(model, threads: int):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def nbits(k: int, n: int, bits: int, threads: int, block: int = 32):
+def nbits(k: int, n: int, bits: int, threads: int, block: int = 32, accuracy: int = 4):
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
     blob = rng.integers(0, 255, size=(n, k // block, block * bits // 8), dtype=np.uint8)
     scales = (rng.random(n * (k // block), dtype=np.float32) * 0.01).astype(np.float32)
     node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], domain="com.microsoft", K=k, N=n, bits=bits,
-                            block_size=block, accuracy_level=4)
+                            block_size=block, accuracy_level=accuracy)
     g = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
                           [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
                           [numpy_helper.from_array(blob, "B"), numpy_helper.from_array(scales, "S")])
@@ -64,10 +64,15 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64,344")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--float-activations", action="store_true",
+                    help="also MatMulNBits at accuracy level 1 (fp32 activations) beside level 4 (INT8 activations)")
     ap.add_argument("--json", type=Path, default=Path("bench-results/matmul-kernels.json"))
     a = ap.parse_args()
     kernels = {"MatMulNBits 8-bit": nbits(a.k, a.n, 8, a.threads), "MatMulNBits 4-bit": nbits(a.k, a.n, 4, a.threads),
                "MatMul fp32": fp32(a.k, a.n, a.threads)}
+    if a.float_activations:  # accuracy level 1: what --int4-activations fp32 writes (docs/quality.md)
+        kernels |= {"MatMulNBits 8-bit fp32 act": nbits(a.k, a.n, 8, a.threads, accuracy=1),
+                    "MatMulNBits 4-bit fp32 act": nbits(a.k, a.n, 4, a.threads, accuracy=1)}
     rows = [int(m) for m in a.rows.split(",")]
     out = {"k": a.k, "n": a.n, "threads": a.threads, "rounds": a.rounds, "machine": platform.processor() or platform.machine(),
            "cpus": os.cpu_count(), "load_before": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
