@@ -299,12 +299,13 @@ def _info(args: argparse.Namespace) -> int:
         for line in choice.skipped:
             print(f"  skip   {line}")
         print(f"here     would run {choice.describe()}")
-        from edge.backends.determinism import batch_invariance
+        from edge.backends.determinism import batch_invariance, float_activations
 
         provider = {"onnxruntime-cpu": "CPUExecutionProvider", "onnxruntime-cuda": "CUDAExecutionProvider",
                     "onnxruntime-tensorrt": "TensorrtExecutionProvider"}.get(choice.backend, "TensorRT")
         for e in m.engines:
-            inv = batch_invariance(e.fingerprint.precision, provider)
+            inv = batch_invariance(e.fingerprint.precision, provider,
+                                   float_acts=float_activations(m, e.fingerprint.precision))
             print(f"  {e.name:14s} batched answers equal the answer alone here: "
                   f"{'yes' if inv.guaranteed else 'no'} ({inv.why})")
     except EdgeChatError as e:

@@ -267,7 +267,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--int4-gptq-damp", type=Bounded(float, 0, above=True), metavar="F",
                    help="int4-weight and int4-qdq: GPTQ's damping, a share of X^T X's mean diagonal (default 0.03; more "
                         "trusts the calibration text less; recipe key int4_gptq_damp; docs/quality.md)")
-    b.add_argument("--int4-activations", choices=("int8", "fp32"),
+    b.add_argument("--int4-activations", choices=("int8", "fp32"),  # noqa: precision (activation types)
                    help="int4-weight: activations the 4-bit MatMuls compute with (default int8: the fast kernel; fp32: "
                         "less KL, slower decode; recipe key int4_activations; docs/quality.md)")
     b.add_argument("--int8-rounding", choices=("gptq", "minmax"),

@@ -497,6 +497,7 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
         metrics["lm_head_bits"] = opts.int4_lm_head_bits if head else None
         metrics["int4_rounding"] = opts.int4_rounding
         metrics["int4_block_size"] = opts.int4_block_size
+        metrics["accuracy_level"] = opts.accuracy_level  # 1: float activations (edge/backends/determinism.py reads it)
     else:
         from export.int8_qdq import int8_qdq
 

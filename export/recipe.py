@@ -33,9 +33,9 @@ from export.prune import PruneOptions
 
 BUILD_PRECISIONS = precisions.EXPORTED
 # why the default int4-weight build is not the engine docs/quality.md measures against llama.cpp's Q4_K_M
-INT4_ACTIVATIONS = {"int8": 4, "fp32": 1}  # int4-weight's activations -> MatMulNBits' accuracy_level
+INT4_ACTIVATIONS = {"int8": 4, "fp32": 1}  # int4-weight's activations -> MatMulNBits' accuracy_level  # noqa: precision
 INT4_DEFAULT_NOTE = ("all 4-bit, no size budget. At llama.cpp's Q4_K_M's size, --int4-block 64 --int4-budget-mb <that "
-                     "GGUF's MB> is below its KL on chats, at parity on news prose and 1.1x on text unlike the "
+                     "GGUF's MB> is below its KL on chats and news prose and 1.1x on text unlike the "
                      "calibration's; below it on all three takes float activations (--int4-activations fp32: 15x slower "
                      "on ONNX Runtime's CPU kernels) or TensorRT's int4-qdq (docs/quality.md). Not the default: the "
                      "budget is per model and its sensitivity pass costs minutes")
@@ -492,7 +492,7 @@ def _quantize_options(opts: BuildOptions, precision: str, nearest: bool = False)
         extra = {"int4_rounding": "minmax" if nearest else opts.int4_rounding, "int4_block_size": opts.int4_block_size}
         if precision == INT4_WEIGHT:
             extra["int4_lm_head_bits"] = opts.int4_lm_head_bits
-            if opts.int4_activations != "int8":  # the defaults stay out of the stage key (no rebuilds)
+            if not nearest:  # a draft keeps the fast kernel: float activations decode 15x slower on CPU
                 extra["accuracy_level"] = INT4_ACTIVATIONS[opts.int4_activations]
         if not nearest:
             extra["int4_gptq_damp"] = opts.int4_gptq_damp

@@ -27,7 +27,7 @@ VARIANTS = {  # name -> export.gptq.gptq_block_quant options (None: round to nea
     "gptq": {"act_order": False, "search": 0, "damp": 0.01},
     "gptq+act": {"act_order": True, "search": 0, "damp": 0.01},
     "gptq+act+search": {"act_order": True, "search": 20, "damp": 0.01},
-    "gptq+act+search, damp 0.003 (default)": {},
+    "gptq+act+search, damp 0.003 (GPTQ's own default)": {},
 }
 
 

@@ -363,7 +363,8 @@ def _outlier_v_model(dst: Path) -> Path:
 
 def test_the_budget_promotes_one_projection_of_a_packed_matmul(tmp_path):
     """The fused graph packs q, k and v into one MatMul (and gate, up into another); the int4 budget measures and
-    promotes each projection alone, so a sensitive v costs v's bytes, not q/k/v's (5x on Llama-3-8B's shapes).
+    promotes each projection alone, so a sensitive v costs v's bytes, not q/k/v's (5-6x on SmolLM2's and Llama-3-8B's
+    shapes).
     The packed MatMul is then split by columns into a 4-bit and an 8-bit MatMulNBits joined by a Concat, and the
     engine decodes."""
     from edge.bundle import Bundle
@@ -448,8 +449,10 @@ def test_int4_activations_choose_the_kernels_accuracy_level(mixed_bundle, tmp_pa
     from export.recipe import BuildOptions, _quantize_options
 
     assert _quantize_options(BuildOptions(output=tmp_path / "x"), "int4-weight").accuracy_level == 4
-    q = _quantize_options(BuildOptions(output=tmp_path / "x", int4_activations="fp32", int4_gptq_damp=0.03), "int4-weight")
-    assert (q.accuracy_level, q.int4_gptq_damp) == (1, 0.03)
+    q = _quantize_options(BuildOptions(output=tmp_path / "x", int4_activations="fp32", int4_gptq_damp=0.05), "int4-weight")
+    assert (q.accuracy_level, q.int4_gptq_damp) == (1, 0.05)
+    draft = _quantize_options(BuildOptions(output=tmp_path / "x", int4_activations="fp32"), "int4-weight", nearest=True)
+    assert draft.accuracy_level == 4  # a draft keeps the fast kernel
     with pytest.raises(RecipeError, match="int4_activations must be one of int8, fp32"):
         BuildOptions(output=tmp_path / "x", int4_activations="bf16")
     with pytest.raises(RecipeError, match="int4_gptq_damp must be in"):
@@ -461,3 +464,47 @@ def test_int4_activations_choose_the_kernels_accuracy_level(mixed_bundle, tmp_pa
     levels = {(a["bits"], a["accuracy_level"]) for a in ({a.name: a.i for a in n.attribute} for n in g.graph.node
                                                            if n.op_type == "MatMulNBits")}
     assert levels == {(4, 1), (8, 1)}  # the 8-bit head too: with INT8 activations there it lost most of the gain
+
+
+def test_float_activations_are_not_promised_batch_invariant(tmp_path):
+    """The batch-invariance promise for int4-weight was measured at INT8 activations; an engine quantized with
+    float ones (the quantize stage records its accuracy level) runs other kernels and is not promised."""
+    from types import SimpleNamespace
+
+    from edge.backends.determinism import batch_invariance, float_activations
+    from edge.bundle import StageRecord
+
+    def manifest(level):
+        return SimpleNamespace(stages=[StageRecord("quantize-int4-weight", {}, 0.0, metrics={"accuracy_level": level})])
+
+    assert float_activations(manifest(1), "int4-weight") and not float_activations(manifest(4), "int4-weight")
+    assert not float_activations(SimpleNamespace(stages=[]), "int4-weight")  # bundles from before the record
+    vnni = {"avx2", "avx512_vnni"}
+    assert batch_invariance("int4-weight", "CPUExecutionProvider", vnni).guaranteed
+    assert not batch_invariance("int4-weight", "CPUExecutionProvider", vnni, float_acts=True).guaranteed
+
+
+def test_gptq_rounds_a_split_projection_with_its_packed_matmuls_statistics(tmp_path, monkeypatch):
+    """GPTQ finds the statistics of a MatMul split out of a packed one under the packed MatMul's input, and the
+    4-bit columns it writes are those the unsplit engine has (output columns round independently)."""
+    from export import sensitivity
+    from export.quantize import QuantizeOptions, run
+    from export.recipe import BuildOptions, build
+
+    src = _outlier_v_model(tmp_path / "m")
+    b = build(BuildOptions(output=tmp_path / "v.bundle", model=str(src), precisions=("fp32",), max_context=256,
+                           skip_eval=True, calibration_samples=4), log=lambda s: None)
+    work = b.root.with_name(b.root.name + ".work")
+    opts = dict(mode="int4-weight", samples=4, gptq_samples=4, gptq_tokens=64)
+    (tmp_path / "whole").mkdir()
+    run(work / "export" / "fused", work / "load", tmp_path / "whole", QuantizeOptions(**opts))
+    monkeypatch.setattr(sensitivity, "allocate", lambda sens, cost, budget: [SENSITIVE_V])
+    (tmp_path / "split").mkdir()
+    m = run(work / "export" / "fused", work / "load", tmp_path / "split", QuantizeOptions(**opts, int4_extra_ratio=0.5))
+    assert m["int4_8bit_matmuls"] == [SENSITIVE_V] and m["gptq_tokens"] > 0
+    whole = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(tmp_path / "whole" / "model.onnx")).graph.initializer}
+    split = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(tmp_path / "split" / "model.onnx")).graph.initializer}
+    w = "model.layers.1.attn.qkv_proj.weight"
+    assert split[w + "/cols96-128_Q8"].shape[0] == 32  # v: 32 output columns at 8 bits
+    np.testing.assert_array_equal(split[w + "/cols0-96_Q4"], whole[w + "_Q4"][:96])  # q and k: the same levels
+    np.testing.assert_array_equal(split[w + "/cols0-96_scales"], whole[w + "_scales"][:96])

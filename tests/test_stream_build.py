@@ -349,3 +349,26 @@ def test_streaming_refuses_block_by_block_work_on_mixed_attention_blocks(tmp_pat
     b = build(BuildOptions(output=tmp_path / "b.bundle", skip_eval=True, int8_rounding="minmax", **base),
               log=lambda s: None, quiet=True)
     assert b.manifest.stages[1].metrics["reference"]["skipped"]
+
+
+def test_streamed_int4_weight_rounds_with_the_chosen_gptq_damping(tmp_path, monkeypatch):
+    """int4_gptq_damp reaches the streaming build's int4-weight GPTQ (it kept GPTQ's own default while the quantize
+    stage used the option, so streamed and quantize-stage engines differed once the default moved)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_tiny_model
+    from export import gptq, quantize, stream_build
+    from export.load import META
+
+    src = make_tiny_model(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    (src / META).write_text(json.dumps({"num_parameters": sum(p.numel() for p in model.parameters()),
+                                        "eos_token_ids": [2]}))
+    seen: list[tuple[int, float | None]] = []
+    real = gptq.gptq_block_quant
+    monkeypatch.setattr(gptq, "gptq_block_quant",
+                        lambda w, h, bits, *a, **k: seen.append((bits, k.get("damp"))) or real(w, h, bits, *a, **k))
+    stream_build._engine(src, tmp_path / "q", quantize.QuantizeOptions(mode="int4-weight", gptq_samples=4, gptq_tokens=64,
+                                                                      int4_gptq_damp=0.05))
+    assert {d for b, d in seen if b == 4} == {0.05}

@@ -27,14 +27,27 @@ class BatchInvariance:
         return {"batch_invariant": self.guaranteed, "why": self.why}
 
 
-def batch_invariance(precision: str, provider: str, flags: set[str] | None = None) -> BatchInvariance:
+def float_activations(manifest, precision: str) -> bool:
+    """Whether the bundle's engine of `precision` was quantized with float activations (int4-weight built with
+    --int4-activations fp32: MatMulNBits accuracy level 1, another kernel than the measured one), by its quantize
+    stage's record."""
+    stage = next((s for s in getattr(manifest, "stages", []) if s.name == f"quantize-{precision}"), None)
+    return stage is not None and stage.metrics.get("accuracy_level", 4) != 4
+
+
+def batch_invariance(precision: str, provider: str, flags: set[str] | None = None,
+                     float_acts: bool = False) -> BatchInvariance:
     """The promise for an engine of `precision` run by ONNX Runtime's `provider` (or "TensorRT") on a CPU with
-    feature `flags` (default: this machine's)."""
+    feature `flags` (default: this machine's); `float_acts`: its MatMulNBits compute with float activations
+    (`float_activations`), whose kernels were not measured."""
     if provider != "CPUExecutionProvider":
         return BatchInvariance(False, f"not measured on {provider}: batched answers may differ from the answer "
                                       "alone in rare near-ties")
     if precision not in CPU_INVARIANT_NEEDS:
         return BatchInvariance(False, f"{precision} on CPU: batch invariance not measured")
+    if float_acts:
+        return BatchInvariance(False, f"{precision} with float activations on CPU: batch invariance not measured "
+                                      "(ONNX Runtime runs other kernels for one row and for several)")
     need = CPU_INVARIANT_NEEDS[precision]
     flags = cpu_flags() if flags is None else flags
     if need is not None and need not in flags:

@@ -72,9 +72,10 @@ class Service:
         self.precision = engine.fingerprint.precision if engine is not None else "?"
         p0 = gen.decoder.providers[0]
         self.backend = "TensorRT" if p0 == "TensorRT" else f"ONNX Runtime {p0.replace('ExecutionProvider', '')}"
-        from edge.backends.determinism import batch_invariance
+        from edge.backends.determinism import batch_invariance, float_activations
 
-        self.invariance = batch_invariance(self.precision, p0)  # what /v1/models promises about batched answers
+        # what /v1/models promises about batched answers
+        self.invariance = batch_invariance(self.precision, p0, float_acts=float_activations(m, self.precision))
         self.started = time.time()
         self.limits = limits or ConnectionLimits()
         self.lenient = lenient  # --lenient: fields this server does not support are ignored, not a 400
