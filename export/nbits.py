@@ -85,7 +85,7 @@ class _Parts:
 def quantize_matmuls(gw: GraphWeights, bits: int, accuracy_level: int = 4, symmetric: bool = True,
                      special: dict[str, tuple[int, int]] | None = None, rounding: str = "minmax", block_size: int = 32,
                      hessian: Callable[[str], np.ndarray] | None = None, lazy: bool = False,
-                     gptq_damp4: float | None = None) -> None:
+                     gptq_damp4: float | None = None, gptq_damp8: float | None = None) -> None:
     """MatMulNBits over every weight MatMul, blocks of `block_size`; the `special` ones (name -> (bits, block size))
     quantized symmetric (so a tied embedding can gather its rows from the LM head's table). `hessian`
     (this graph's MatMul name -> its input's X^T X) is what "gptq" rounding needs.
@@ -93,8 +93,8 @@ def quantize_matmuls(gw: GraphWeights, bits: int, accuracy_level: int = 4, symme
     One weight at a time, read from disk, rounded by GPTQ (export/gptq.py, any bits, symmetric or not), by
     k-quant search (4-bit asymmetric) or by ONNX Runtime's own block quantizer (min-max, the one
     `MatMulNBitsQuantizer` calls), its MatMul replaced in place: memory holds one fp32 tensor at a time.
-    `lazy`: the quantized tensors are computed when `gw` is saved (or read), not now. `gptq_damp4`: GPTQ's damping
-    for the 4-bit weights (export/gptq.py's default when None; the 8-bit ones keep it)."""
+    `lazy`: the quantized tensors are computed when `gw` is saved (or read), not now. `gptq_damp4` / `gptq_damp8`: GPTQ's damping
+    for the 4-bit / 8-bit weights (export/gptq.py's default when None)."""
     from onnx import helper
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
 
@@ -115,7 +115,7 @@ def quantize_matmuls(gw: GraphWeights, bits: int, accuracy_level: int = 4, symme
 
         def parts(wname=wname, node_name=node.name, b=b, block=block, sym=sym, q=quantizers[key]):
             w = gw.array(wname).astype(np.float32, copy=False)
-            return _quantize(w, b, block, sym, rounding, hessian, node_name, q, gptq_damp4 if b == 4 else None)
+            return _quantize(w, b, block, sym, rounding, hessian, node_name, q, gptq_damp4 if b == 4 else gptq_damp8)
 
         names = [wname + f"_Q{b}", wname + "_scales"] + ([] if sym else [wname + "_zero_points"])
         if lazy:

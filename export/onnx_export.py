@@ -38,10 +38,9 @@ PARITY_PROMPTS = [
 class ExportOptions:
     opset: int = 18  # optimum's recommended minimum for these decoders; TensorRT 10's parser reads 9-20
     # "optimum" (the trace), "ops" (the plain graph written op by op, export/plain_graph.py: Llama, Mistral, Qwen2,
-    # Qwen3; no trace's second copy of the weights) or "auto" (ops where it covers the family). The default stays the
-    # trace: built from the ops graph, the default model's int8-dynamic engine measured +1.85% perplexity in the slow
-    # tier (<= 1.5% asked; the trace's build passes), not yet explained (docs/models.md)
-    exporter: str = "optimum"
+    # Qwen3; no trace's second copy of the weights: half the 1.5B's export memory) or "auto" (ops where it covers the
+    # family, else the trace): the default since 2026-12-07 (docs/models.md says why not before)
+    exporter: str = "auto"
     parity_atol: float = 1e-3
     greedy_tokens: int = 64
     fused: bool = True  # also write the fused graph (when the architecture has one)

@@ -144,7 +144,7 @@ def _quantize_and_save(gw, dst: Path, opts, layers: int, rounding: str, hessian)
     if opts.mode == INT8_DYNAMIC:
         special = {name: (8, 16) for name in matching_matmuls(gw.model, tuple(opts.block16_nodes), layers)}
         quantize_matmuls(gw, bits=8, accuracy_level=opts.accuracy_level, special=special, rounding=rounding,
-                         hessian=hessian, lazy=True)
+                         hessian=hessian, lazy=True, gptq_damp8=opts.int8_gptq_damp)
         metrics |= {"block16_nodes": sorted(special), "int8_rounding": rounding}
     else:
         head = getattr(lm_head_matmul(gw.model), "name", None)

@@ -508,3 +508,22 @@ def test_gptq_rounds_a_split_projection_with_its_packed_matmuls_statistics(tmp_p
     assert split[w + "/cols96-128_Q8"].shape[0] == 32  # v: 32 output columns at 8 bits
     np.testing.assert_array_equal(split[w + "/cols0-96_Q4"], whole[w + "_Q4"][:96])  # q and k: the same levels
     np.testing.assert_array_equal(split[w + "/cols0-96_scales"], whole[w + "_scales"][:96])
+
+
+def test_int8_dynamic_rounds_with_its_gptq_damping(mixed_bundle, tmp_path, monkeypatch):
+    """int8_gptq_damp reaches every 8-bit GPTQ call of int8-dynamic (0.03 by default: GPTQ's own 0.003 flipped
+    SmolLM2's layer-0 down_proj levels on 1e-6 changes of the statistics, docs/models.md)."""
+    from export import gptq
+    from export.quantize import QuantizeOptions, run
+
+    seen: list[tuple[int, float | None]] = []
+    real = gptq.gptq_block_quant
+    monkeypatch.setattr(gptq, "gptq_block_quant",
+                        lambda w, h, bits, *a, **k: seen.append((bits, k.get("damp"))) or real(w, h, bits, *a, **k))
+    work = mixed_bundle.root.with_name(mixed_bundle.root.name + ".work")
+    run(work / "export" / "fused", work / "load", tmp_path, QuantizeOptions(mode="int8-dynamic", gptq_samples=4,
+                                                                          gptq_tokens=64, int8_gptq_damp=0.05))
+    assert seen and {d for _, d in seen} == {0.05}
+    assert QuantizeOptions(mode="int8-dynamic").int8_gptq_damp == 0.03
+    with pytest.raises(RecipeError, match="int8_gptq_damp must be in"):
+        QuantizeOptions(mode="int8-dynamic", int8_gptq_damp=2)
