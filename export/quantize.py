@@ -40,7 +40,7 @@ from edge import precisions
 from edge.errors import RecipeError
 from edge.precisions import FP8, INT4_QDQ, INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
 from export.embedding import quantize_embedding
-from export.nbits import nbits_bytes, nbits_footprint, quantize_matmuls as _nbits, split_columns  # noqa: F401 - nbits_bytes: the quantizer's API
+from export.nbits import nbits_footprint, quantize_matmuls as _nbits, split_columns
 from export.onnx_weights import GraphWeights, graph_bytes, lm_head_matmul, untie_lm_head, weight_matmuls
 
 log = logging.getLogger("edgechat")
@@ -329,8 +329,8 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
         parts = sensitivity.packed_columns({n.name: pg.shape(n.input[1])[1] for n in weight_matmuls(pg.model)},
                                            {t: kn[1] for t, kn in nodes.items() if t not in special})
         del pg
-    units = {t: (t, 0, kn[1]) for t, kn in nodes.items() if t not in special and t not in {p[0] for p in parts.values()}}
-    units |= parts
+    packed = {t for t, _, _ in parts.values()}
+    units = {t: (t, 0, kn[1]) for t, kn in nodes.items() if t not in special and t not in packed} | parts
     sym = opts.int4_symmetric
 
     def extra(t: str, a: int, b: int) -> int:
@@ -343,7 +343,8 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
 
     cost = {u: extra(*where) for u, where in units.items()}
     # the engine at all-4-bit (special MatMuls at their bits), written and measured: what a promotion adds
-    # to it is exact (the nbits_bytes difference), what the graph's own records weigh is not worth predicting
+    # to it is its tensors' page-rounded bytes (an upper bound for parts of one packed MatMul), what the graph's
+    # own records weigh is not worth predicting (the file is checked against the budget after writing)
     trial = dst / "all-4-bit"
     trial.mkdir(exist_ok=True)
     g = GraphWeights(fp32_dir / "model.onnx")
@@ -503,7 +504,6 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
         metrics["lm_head_bits"] = opts.int4_lm_head_bits if head else None
         metrics["int4_rounding"] = opts.int4_rounding
         metrics["int4_block_size"] = opts.int4_block_size
-        metrics["accuracy_level"] = opts.accuracy_level  # 1: float activations (edge/backends/determinism.py reads it)
     else:
         from export.int8_qdq import int8_qdq
 

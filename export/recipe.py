@@ -495,9 +495,8 @@ def _quantize_options(opts: BuildOptions, precision: str, nearest: bool = False)
             if not nearest:  # a draft keeps the fast kernel: float activations decode 15x slower on CPU
                 extra["accuracy_level"] = INT4_ACTIVATIONS[opts.int4_activations]
         if not nearest:
-            extra["int4_gptq_damp"] = opts.int4_gptq_damp
-        if not nearest:
-            extra |= {"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio}
+            extra |= {"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio,
+                      "int4_gptq_damp": opts.int4_gptq_damp}
     elif precision in (INT8_DYNAMIC, INT8_QDQ):  # int8-qdq: GPTQ-rounded on the smoothed inputs too
         extra = {"int8_rounding": "minmax" if nearest else opts.int8_rounding}
         if precision == INT8_QDQ:

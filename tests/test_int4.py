@@ -396,6 +396,9 @@ def test_the_budget_promotes_one_projection_of_a_packed_matmul(tmp_path):
     gen = Generator.from_bundle(Bundle.open(b.root), engine="int4-weight")
     ids = gen.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
     assert len(gen.tokens(ids, SamplingConfig(max_new_tokens=4, ignore_eos=True))) == 4
+    from edge.backends.determinism import float_activations
+
+    assert not float_activations(b.manifest, "int4-weight")  # the build's record: INT8 activations (level 4)
 
 
 def graph_bytes_of(bundle) -> int:
@@ -468,14 +471,14 @@ def test_int4_activations_choose_the_kernels_accuracy_level(mixed_bundle, tmp_pa
 
 def test_float_activations_are_not_promised_batch_invariant(tmp_path):
     """The batch-invariance promise for int4-weight was measured at INT8 activations; an engine quantized with
-    float ones (the quantize stage records its accuracy level) runs other kernels and is not promised."""
+    float ones (the quantize stage's options record its accuracy level) runs other kernels and is not promised."""
     from types import SimpleNamespace
 
     from edge.backends.determinism import batch_invariance, float_activations
     from edge.bundle import StageRecord
 
     def manifest(level):
-        return SimpleNamespace(stages=[StageRecord("quantize-int4-weight", {}, 0.0, metrics={"accuracy_level": level})])
+        return SimpleNamespace(stages=[StageRecord("quantize-int4-weight", {"accuracy_level": level}, 0.0)])
 
     assert float_activations(manifest(1), "int4-weight") and not float_activations(manifest(4), "int4-weight")
     assert not float_activations(SimpleNamespace(stages=[]), "int4-weight")  # bundles from before the record

@@ -30,9 +30,9 @@ class BatchInvariance:
 def float_activations(manifest, precision: str) -> bool:
     """Whether the bundle's engine of `precision` was quantized with float activations (int4-weight built with
     --int4-activations fp32: MatMulNBits accuracy level 1, another kernel than the measured one), by its quantize
-    stage's record."""
+    stage's record (its options, as the build and the streaming build record them)."""
     stage = next((s for s in getattr(manifest, "stages", []) if s.name == f"quantize-{precision}"), None)
-    return stage is not None and stage.metrics.get("accuracy_level", 4) != 4
+    return stage is not None and stage.params.get("accuracy_level", 4) != 4
 
 
 def batch_invariance(precision: str, provider: str, flags: set[str] | None = None,
