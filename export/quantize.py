@@ -166,7 +166,7 @@ class QuantizeOptions:
 
         check_domains(tuple(self.gptq_domains))
         for name in ("int4_gptq_damp", "int8_gptq_damp"):
-            if not 0 < getattr(self, name) <= 1:
+            if not isinstance(getattr(self, name), (int, float)) or not 0 < getattr(self, name) <= 1:
                 raise RecipeError(f"{name} must be in (0, 1] (a share of X^T X's mean diagonal), got {getattr(self, name)}")
         if self.gptq_samples < 1 or self.gptq_tokens < 8:
             raise RecipeError(f"gptq_samples must be >= 1 and gptq_tokens >= 8, got {self.gptq_samples} and {self.gptq_tokens}")

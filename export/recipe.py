@@ -121,7 +121,7 @@ class BuildOptions:
 
         if self.int4_activations not in INT4_ACTIVATIONS:
             raise RecipeError(f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}, got {self.int4_activations!r}")
-        if not 0 < self.int4_gptq_damp <= 1:
+        if not isinstance(self.int4_gptq_damp, (int, float)) or not 0 < self.int4_gptq_damp <= 1:
             raise RecipeError(f"int4_gptq_damp must be in (0, 1] (a share of X^T X's mean diagonal), got {self.int4_gptq_damp}")
         if self.int4_rounding not in ROUNDINGS:
             raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
