@@ -496,6 +496,61 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
+def _propagate(W, Hinv, lazy: int, round_row) -> None:
+    """GPTQ's sweep over the rows of W [K, N] (in the order they are rounded; Hinv: the upper Cholesky factor of
+    H^-1 in that order): each row rounded by `round_row(r, row, rest)` (which returns the row as rounded), its
+    error spread over the rows after it, `lazy` rows per batch (the later rows updated once per batch)."""
+    import torch
+
+    k = W.shape[0]
+    for i1 in range(0, k, lazy):
+        i2 = min(i1 + lazy, k)
+        W1 = W[i1:i2].clone()
+        E1 = torch.zeros_like(W1)
+        Hi = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            row = W1[i]
+            err = (row - round_row(i1 + i, row, W1[i:])) / Hi[i, i]
+            W1[i:] -= Hi[i, i:, None] * err[None, :]
+            E1[i] = err
+        W[i2:] -= Hinv[i1:i2, i2:].T @ E1
+
+
+def gptq_fp8(w: np.ndarray, h: np.ndarray, scale: np.ndarray, damp: float = 0.03,
+             act_order: bool = True) -> np.ndarray:
+    """w [K, N] fp32 on FP8 E4M3 levels per output channel (`scale` [N], the graph's: w ~ level x scale), GPTQ-
+    rounded on the inputs' X^T X `h` [K, K]: levels [K, N] as ml_dtypes.float8_e4m3fn. E4M3's steps are relative
+    (3 mantissa bits), so each weight's rounding error is up to 1/16 of it, and GPTQ spreads it as for INT8."""
+    import ml_dtypes
+    import torch
+
+    k, n = w.shape
+    if h.shape != (k, k) or scale.shape != (n,):
+        raise ValueError(f"GPTQ: a weight of {w.shape} needs X^T X of ({k}, {k}) and {n} scales, got {h.shape} and {scale.shape}")
+    if not (np.isfinite(w).all() and np.isfinite(h).all()):
+        raise ValueError("GPTQ: the weight or the inputs' X^T X has NaN or inf entries")
+    with _one_thread():
+        W = torch.from_numpy(np.ascontiguousarray(w, np.float32)).clone()
+        H = torch.from_numpy(np.array(h, np.float64))
+        dead = torch.diagonal(H) == 0
+        H[dead, dead] = 1.0
+        torch.diagonal(H).add_(damp * torch.diagonal(H).mean())
+        perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else torch.arange(k)
+        W, H = W[perm], H[perm[:, None], perm]
+        Hinv = _upper_inverse_cholesky(H, damp)
+        del H
+        s = torch.from_numpy(np.ascontiguousarray(scale, np.float32))
+        Q = torch.zeros(k, n, dtype=torch.float8_e4m3fn)
+
+        def round_row(r: int, row, rest):
+            q = torch.clamp(row / s, -448.0, 448.0).to(torch.float8_e4m3fn)  # round to nearest even, as QuantizeLinear
+            Q[int(perm[r])] = q
+            return q.to(torch.float32) * s
+
+        _propagate(W, Hinv, 128, round_row)
+        return Q.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+
+
 def gptq_block_quant(w: np.ndarray, h: np.ndarray, bits: int, block: int, damp: float = 0.003,
                      lazy: int = 128, act_order: bool = True, search: int = 20,
                      symmetric: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -551,27 +606,22 @@ def _gptq_block_quant(w: np.ndarray, h: np.ndarray, bits: int, block: int, damp:
     Q = torch.zeros(k, n, dtype=torch.uint8)
     scales = torch.zeros(kb, n)
     zps = torch.zeros(kb, n)
-    scale = zp = None
-    for i1 in range(0, k, lazy):
-        i2 = min(i1 + lazy, k)
-        W1 = W[i1:i2].clone()
-        E1 = torch.zeros_like(W1)
-        Hi = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            r = i1 + i
-            if act_order:
-                scale, zp = fixed[int(perm[r]) // block]
-            elif r % block == 0:  # this block's range, from the rows as the earlier errors left them
-                scale, zp = _range(W1[i:i + block], bits, search, symmetric)
-            if act_order or r % block == 0:
-                scales[int(perm[r]) // block], zps[int(perm[r]) // block] = scale, zp
-            row = W1[i]
-            q = torch.clamp(torch.round(row / scale) + zp, 0, maxq)
-            Q[int(perm[r])] = q.to(torch.uint8)
-            err = (row - (q - zp) * scale) / Hi[i, i]
-            W1[i:] -= Hi[i, i:, None] * err[None, :]
-            E1[i] = err
-        W[i2:] -= Hinv[i1:i2, i2:].T @ E1
+    state: dict = {}
+
+    def round_row(r: int, row, rest):
+        """Row r's levels into Q; returns what they dequantize to. `rest`: this lazy batch's rows from r on."""
+        if act_order:
+            state["s"] = fixed[int(perm[r]) // block]
+        elif r % block == 0:  # this block's range, from the rows as the earlier errors left them
+            state["s"] = _range(rest[:block], bits, search, symmetric)
+        scale, zp = state["s"]
+        if act_order or r % block == 0:
+            scales[int(perm[r]) // block], zps[int(perm[r]) // block] = scale, zp
+        q = torch.clamp(torch.round(row / scale) + zp, 0, maxq)
+        Q[int(perm[r])] = q.to(torch.uint8)
+        return (q - zp) * scale
+
+    _propagate(W, Hinv, lazy, round_row)
     q = torch.full((n, kb * block), 0, dtype=torch.uint8)
     q[:, :k] = Q.T
     zp_t = zps.T.to(torch.uint8)

@@ -22,6 +22,7 @@ from export.gptq import LayerHessians
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # candidates per activation, beside "not smoothed"
 CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)  # range candidates as a share of max |x| ("mse")
+FP8_CLIPS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)  # ...for FP8, whose steps are relative: it can clip deeper
 RANGE_METHODS = ("max", "mse")
 
 
@@ -69,11 +70,26 @@ def fake_int8_weight(w: np.ndarray) -> np.ndarray:
     return (np.clip(np.round(w / s), -127, 127) * s).astype(np.float32)
 
 
+def fake_fp8_activation(x: np.ndarray, r: float) -> np.ndarray:
+    """x through per-tensor FP8 E4M3 Q/DQ of range r (scale r / 448, as export/trt_formats.py writes it)."""
+    from export.trt_formats import FP8_MAX, fake_fp8
+
+    return fake_fp8(x, max(r, 1e-12) / FP8_MAX)
+
+
+def fake_fp8_weight(w: np.ndarray) -> np.ndarray:
+    """w [K, N] through FP8 E4M3 per output channel (round to nearest; the search's stand-in for GPTQ)."""
+    from export.trt_formats import FP8_MAX, fake_fp8
+
+    return fake_fp8(w, np.maximum(np.abs(w).max(axis=0), 1e-8) / FP8_MAX)
+
+
 def output_error(x: np.ndarray, weights: list[np.ndarray], refs: list[np.ndarray], s: np.ndarray, r: float,
-                 wq: list[np.ndarray] | None = None) -> float:
-    """sum over the MatMuls of |Q(x / s) Q(s W) - x W|^2 (refs: the x W; wq: the Q(s W) where already made)."""
-    xq = fake_int8_activation(x / s, r)
-    wq = wq or [fake_int8_weight(w * s[:, None]) for w in weights]
+                 wq: list[np.ndarray] | None = None, fp8: bool = False) -> float:
+    """sum over the MatMuls of |Q(x / s) Q(s W) - x W|^2 (refs: the x W; wq: the Q(s W) where already made);
+    Q: INT8, or FP8 E4M3 with `fp8`."""
+    xq = (fake_fp8_activation if fp8 else fake_int8_activation)(x / s, r)
+    wq = wq or [(fake_fp8_weight if fp8 else fake_int8_weight)(w * s[:, None]) for w in weights]
     return float(sum(np.square(xq @ q - ref, dtype=np.float32).sum(dtype=np.float64) for q, ref in zip(wq, refs)))
 
 
@@ -86,6 +102,7 @@ class Search:
     alpha: float = 0.5
     alphas: tuple[float, ...] = ALPHAS
     range_method: str = "max"
+    fp8: bool = False  # the errors of FP8 E4M3 Q/DQ (fp8-qdq) instead of INT8's
     chosen: dict[str, dict] = field(default_factory=dict)  # activation -> {"alpha", "clip", "error"}: the record
 
     def smoothing(self, act: str, weights: list[np.ndarray]) -> np.ndarray:
@@ -108,7 +125,7 @@ class Search:
         errors = {}
         for alpha in (None, *self.alphas):
             s = scales(alpha)
-            errors[alpha] = output_error(x, weights, refs, s, float(np.max(a / s)))
+            errors[alpha] = output_error(x, weights, refs, s, float(np.max(a / s)), fp8=self.fp8)
         best = min(errors, key=errors.get)
         energy = float(sum(np.square(r, dtype=np.float32).sum(dtype=np.float64) for r in refs))
         self.chosen[act] = {"alpha": best, "error": errors[best] / max(energy, 1e-30),
@@ -125,8 +142,8 @@ class Search:
         x = self.rows[act]
         ws = [w / s[:, None] for w in weights]  # back to the unsmoothed weights: the reference is x W
         refs = [x @ w for w in ws]
-        wq = [fake_int8_weight(w) for w in weights]
-        errors = {c: output_error(x, ws, refs, s, top * c, wq) for c in CLIPS}
+        wq = [(fake_fp8_weight if self.fp8 else fake_int8_weight)(w) for w in weights]
+        errors = {c: output_error(x, ws, refs, s, top * c, wq, self.fp8) for c in (FP8_CLIPS if self.fp8 else CLIPS)}
         best = min(errors, key=errors.get)
         self.chosen.setdefault(act, {})["clip"] = best
         return top * best
@@ -137,19 +154,23 @@ class Search:
 
 class QdqProbe:
     """The smoothed fp32 graph with each quantized activation behind Where(flag, Q/DQ(x), x) (a bool graph input per
-    activation) and the quantized MatMuls' weights as graph inputs: one session measures what INT8 on any one
-    activation group (its Q/DQ and its MatMuls' INT8 weights) does to the logits, nothing rebuilt per group."""
+    activation) and the quantized MatMuls' weights as graph inputs: one session measures what INT8 (`fp8`: FP8
+    E4M3) on any one activation group (its Q/DQ and its MatMuls' quantized weights) does to the logits, nothing
+    rebuilt per group."""
 
     def __init__(self, smoothed: Path, work: Path, groups: dict[str, list[str]], ranges: dict[str, float],
-                 feeds: list[dict]) -> None:
+                 feeds: list[dict], fp8: bool = False) -> None:
         import onnx
         import onnxruntime as ort
         from onnx import TensorProto, helper
 
         from export.onnx_weights import GraphWeights, weight_matmuls
         from export.sensitivity import _log_softmax32
+        from export.trt_formats import FP8_MAX, FP8_OPSET, _set_opset
 
         gw = GraphWeights(smoothed)
+        if fp8:
+            _set_opset(gw, FP8_OPSET)  # FP8 Q/DQ are opset 19's
         model = gw.model
         by_name = {n.name: n for n in weight_matmuls(model)}
         self.groups = groups
@@ -163,13 +184,14 @@ class QdqProbe:
         for n, w in self.weights.items():
             model.graph.input.append(helper.make_tensor_value_info(self.weight_input[n], TensorProto.FLOAT, list(w.shape)))
         self.flag = {}
+        top, ztype = (FP8_MAX, TensorProto.FLOAT8E4M3FN) if fp8 else (127.0, TensorProto.INT8)
         nodes = list(model.graph.node)
         for k, (x, ns) in enumerate(groups.items()):
             flag, scale, zero = f"qdq_probe/{k}/on", f"qdq_probe/{k}/scale", f"qdq_probe/{k}/zero"
             self.flag[x] = flag
             model.graph.input.append(helper.make_tensor_value_info(flag, TensorProto.BOOL, []))
-            model.graph.initializer.extend([helper.make_tensor(scale, TensorProto.FLOAT, [], [max(ranges[x], 1e-12) / 127.0]),
-                                            helper.make_tensor(zero, TensorProto.INT8, [], [0])])
+            model.graph.initializer.extend([helper.make_tensor(scale, TensorProto.FLOAT, [], [max(ranges[x], 1e-12) / top]),
+                                            helper.make_tensor(zero, ztype, [], [0])])
             extra = [helper.make_node("QuantizeLinear", [x, scale, zero], [f"qdq_probe/{k}/q"]),
                      helper.make_node("DequantizeLinear", [f"qdq_probe/{k}/q", scale, zero], [f"qdq_probe/{k}/dq"]),
                      helper.make_node("Where", [flag, f"qdq_probe/{k}/dq", x], [f"qdq_probe/{k}/x"])]
@@ -179,8 +201,11 @@ class QdqProbe:
             nodes[at:at] = extra
         del model.graph.node[:]
         model.graph.node.extend(nodes)
-        path = gw.path.parent / "qdq-probe.onnx"  # beside the weights it names
-        onnx.save_model(model, str(path))
+        path = work / "qdq-probe.onnx"
+        if gw.path.parent.resolve() == work.resolve():
+            onnx.save_model(model, str(path))  # beside the weights it names
+        else:  # never write beside another stage's files (the fp32 graph of fp8-qdq): a copy with its weights
+            gw.save(path)
         so = ort.SessionOptions()
         so.log_severity_level = 3
         so.add_session_config_entry("session.disable_quant_qdq", "1")  # the Q/DQ arithmetic as written
@@ -188,6 +213,8 @@ class QdqProbe:
             self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         finally:
             path.unlink()
+            if gw.path == path:
+                path.with_name(path.name + ".data").unlink(missing_ok=True)
         self.feeds = feeds
         self.tokens = sum(f["input_ids"].shape[1] for f in feeds)
         self.ref = [_log_softmax32(lo[0]) for lo in self.logits(None, {})]
@@ -198,7 +225,7 @@ class QdqProbe:
         return [self.session.run(["logits"], f | flags | weights)[0] for f in self.feeds]
 
     def kl(self, x: str, dequantized: dict[str, np.ndarray]) -> float:
-        """Mean KL(float || this) per token with only activation `x` and its MatMuls' weights in INT8."""
+        """Mean KL(float || this) per token with only activation `x` and its MatMuls' weights quantized."""
         from export.sensitivity import _kl
 
         lo = self.logits(x, {n: dequantized[n] for n in self.groups[x]})
@@ -206,18 +233,19 @@ class QdqProbe:
 
 
 def float_groups(smoothed: Path, work: Path, groups: dict[str, list[str]], ranges: dict[str, float],
-                 dequantized: dict[str, np.ndarray], feeds: list[dict], ratio: float) -> tuple[list[str], dict[str, float]]:
-    """The activation groups to leave float: the ones whose INT8 form moves KL to the float graph most per extra
-    byte (fp16 instead of INT8 weights in TensorRT: K x N bytes per MatMul), while the extra bytes stay within
-    `ratio` of the INT8 weights' bytes (export/sensitivity.py `allocate`, the int4 budget's rule). Returns the
-    chosen activations and every group's measured KL."""
+                 dequantized: dict[str, np.ndarray], feeds: list[dict], ratio: float,
+                 fp8: bool = False) -> tuple[list[str], dict[str, float]]:
+    """The activation groups to leave float: the ones whose INT8 (`fp8`: FP8) form moves KL to the float graph most
+    per extra byte (fp16 instead of 8-bit weights in TensorRT: K x N bytes per MatMul), while the extra bytes stay
+    within `ratio` of the 8-bit weights' bytes (export/sensitivity.py `allocate`, the int4 budget's rule). Returns
+    the chosen activations and every group's measured KL."""
     from tqdm import tqdm
 
     from export.sensitivity import allocate
 
-    probe = QdqProbe(smoothed, work, groups, ranges, feeds)
-    sens = {x: probe.kl(x, dequantized) for x in tqdm(groups, desc="int8-qdq sensitivity (KL per activation)",
-                                                      unit="activation")}
+    probe = QdqProbe(smoothed, work, groups, ranges, feeds, fp8)
+    sens = {x: probe.kl(x, dequantized) for x in tqdm(groups, desc=f"{'fp8' if fp8 else 'int8'}-qdq sensitivity "
+                                                      "(KL per activation)", unit="activation")}
     del probe
     cost = {x: sum(int(dequantized[n].size) for n in ns) for x, ns in groups.items()}
     return allocate(sens, cost, int(ratio * sum(cost.values()))), sens

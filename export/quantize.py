@@ -455,7 +455,7 @@ def run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions) -> dict:
     hess = None
     if (opts.mode in (INT4_WEIGHT, INT4_QDQ) and opts.int4_rounding == "gptq"
             or opts.mode == INT8_DYNAMIC and opts.int8_kernel == "nbits" and opts.int8_rounding == "gptq"
-            or opts.mode == INT8_QDQ and opts.int8_rounding == "gptq"):
+            or opts.mode in (INT8_QDQ, FP8) and opts.int8_rounding == "gptq"):
         hess, hessian = _gptq_statistics(fp32_dir, hf_dir, dst, opts, model_dims(hf_dir))  # shared by the build's engines
     try:
         metrics = _run(fp32_dir, hf_dir, dst, opts, hessian if hess else None)

@@ -267,10 +267,10 @@ def int4_qdq(fp32_dir: Path, dst: Path, opts, hessian, sensitivity_feeds: Callab
 
 
 def activation_ranges(plain: Path, work: Path, feeds: list[dict], names: list[str],
-                      rows_per_text: int = 0) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """max |x| of each named weight MatMul's input over the calibration feeds, on the plain fp32 graph; with
-    `rows_per_text`, also that many rows of each text's input (evenly spaced, the first included) by MatMul name,
-    for measuring what a range does to the MatMul's output."""
+                      rows_per_text: int = 16) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Max |x| per channel of each named weight MatMul's input over the calibration feeds, on the plain fp32 graph,
+    and `rows_per_text` rows of each text's input (evenly spaced, the first included), both by input tensor name
+    (export/int8_search.py `Search` reads them as int8-qdq's block-by-block pass writes them)."""
     import onnx
     import onnxruntime as ort
 
@@ -286,25 +286,22 @@ def activation_ranges(plain: Path, work: Path, feeds: list[dict], names: list[st
     gw.save(work / "ranges.onnx")
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    amax: dict[str, np.ndarray] = {}
     rows: dict[str, list[np.ndarray]] = {}
     try:
         sess = ort.InferenceSession(str(work / "ranges.onnx"), so, providers=["CPUExecutionProvider"])
         tensors = sorted(set(inputs.values()))
-        amax = dict.fromkeys(tensors, 0.0)
         for f in feeds:
             for t, v in zip(tensors, sess.run(tensors, f)):
-                amax[t] = max(amax[t], float(np.abs(v).max()))
-                if rows_per_text:
-                    v = v.reshape(-1, v.shape[-1])
-                    rows.setdefault(t, []).append(v[np.unique(np.linspace(0, len(v) - 1, min(rows_per_text, len(v))).astype(int))])
+                v = v.reshape(-1, v.shape[-1])
+                m = np.abs(v).max(axis=0)
+                amax[t] = m if t not in amax else np.maximum(amax[t], m)
+                rows.setdefault(t, []).append(v[np.unique(np.linspace(0, len(v) - 1, min(rows_per_text, len(v))).astype(int))])
     finally:
         for f in ("ranges.onnx", "ranges.onnx.data"):
             (work / f).unlink(missing_ok=True)
-    return ({name: amax[t] for name, t in inputs.items()},
-            {name: np.concatenate(rows[t]).astype(np.float32) for name, t in inputs.items() if t in rows})
-
-
-FP8_CLIPS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)  # range candidates as a share of max |x| ("mse")
+    return ({t: m.astype(np.float32) for t, m in amax.items()},
+            {t: np.concatenate(r).astype(np.float32) for t, r in rows.items()})
 
 
 def fake_fp8(x: np.ndarray, scale: np.ndarray | float) -> np.ndarray:
@@ -315,64 +312,80 @@ def fake_fp8(x: np.ndarray, scale: np.ndarray | float) -> np.ndarray:
     return q.astype(np.float32) * scale
 
 
-def fp8_clip(x: np.ndarray, weights: list[np.ndarray], top: float) -> float:
-    """The share of max |x| (`top`) whose FP8 range reproduces x W best, summed over the MatMuls reading x
-    (`weights` [K, N] fp32), their weights in FP8 per output channel as the graph has them."""
-    wq = [fake_fp8(w, np.maximum(np.abs(w).max(axis=0), 1e-8) / FP8_MAX) for w in weights]
-    refs = [x @ w for w in weights]
+def fp8_weight(w: np.ndarray, h: np.ndarray | None, damp: float) -> tuple[np.ndarray, np.ndarray]:
+    """FP8 E4M3 per output channel: (levels [K, N] float8_e4m3fn, fp16 scales [N]: max |w| / 448), GPTQ-rounded
+    on the inputs' X^T X `h` where given, else rounded to nearest."""
+    import ml_dtypes
 
-    def error(c: float) -> float:
-        xq = fake_fp8(x, max(top * c, 1e-12) / FP8_MAX)
-        return float(sum(np.square(xq @ q - r, dtype=np.float32).sum(dtype=np.float64) for q, r in zip(wq, refs)))
+    s = _fp16_scale(np.maximum(np.abs(w).max(axis=0), 1e-8) / FP8_MAX)
+    if h is not None:
+        from export.gptq import gptq_fp8
 
-    errors = {c: error(c) for c in FP8_CLIPS}
-    return min(errors, key=errors.get)
+        return gptq_fp8(w, h, s.astype(np.float32), damp), s
+    return np.clip(w / s.astype(np.float32), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn), s
 
 
-def fp8_qdq(fp32_dir: Path, dst: Path, calibration_feeds: Callable[[], list[dict]], range_method: str = "max",
-            keep_float: set[str] = frozenset()) -> dict:
-    """quantize.run's fp8-qdq: FP8 E4M3 weights per output channel and FP8 activations per tensor (calibrated:
-    `range_method` "max", or "mse": max |x| times the clip factor whose quantized output error on calibration rows
-    is least) on every weight MatMul but the LM head and those in `keep_float` (fp16)."""
+def fp8_qdq(fp32_dir: Path, dst: Path, opts, calibration_feeds: Callable[[], list[dict]],
+            keep_float: set[str] = frozenset(), hessian=None,
+            sensitivity_feeds: Callable[[], list[dict]] | None = None) -> dict:
+    """quantize.run's fp8-qdq: FP8 E4M3 weights per output channel and FP8 activations per tensor on every weight
+    MatMul but the LM head and those in `keep_float` (fp16), int8-qdq's measured choices with FP8's errors:
+
+    - ranges: `opts.qdq_range` "max", or "mse" (max |x| times the clip whose quantized output error is least);
+    - weights GPTQ-rounded on the FP8 grid with `hessian`, damping `opts.int8_gptq_damp`;
+    - with `sensitivity_feeds`, the activations whose FP8 form moves KL most per byte stay fp16 within
+      `opts.qdq_float_ratio` of the FP8 weights' bytes.
+    No SmoothQuant: per-activation SmoothQuant measured worse for FP8 on SmolLM2 (docs/quality.md, "fp8-qdq with
+    int8-qdq's measured choices")."""
     import ml_dtypes
     from onnx import helper
 
+    from export.int8_search import Search
+
+    plain = GraphWeights(fp32_dir / "model.onnx")
+    head = head_matmul(plain.model)
+    names = [n.name for n in weight_matmuls(plain.model) if n is not head and n.name not in keep_float]
+    input_of = {n.name: n.input[0] for n in weight_matmuls(plain.model)}  # the fp32 graph's tensor names
+    weight_of = {n.name: n.input[1] for n in weight_matmuls(plain.model)}
+    feeds = calibration_feeds()
+    amax, rows = activation_ranges(fp32_dir / "model.onnx", dst, feeds, names)
+    search = Search(amax, rows, range_method=opts.qdq_range, fp8=True)
+    readers: dict[str, list[str]] = {}  # q, k and v (gate and up) read one tensor: one range, one Q/DQ pair
+    for name in names:
+        readers.setdefault(input_of[name], []).append(name)
+    ranges = {x: search.range(x, [plain.array(weight_of[n]).astype(np.float32) for n in ns], None)
+              for x, ns in readers.items()}
+    del rows
+    unused = [n for x, ns in readers.items() for n in ns if not ranges[x] > 0]  # never reached: no scale > 0
+    levels = {n: fp8_weight(plain.array(weight_of[n]).astype(np.float32), hessian(n) if hessian else None,
+                            opts.int8_gptq_damp) for x, ns in readers.items() if ranges[x] > 0 for n in ns}
+    budget: dict = {}
+    if sensitivity_feeds is not None and opts.qdq_float_ratio > 0:
+        from export.int8_search import float_groups
+
+        groups = {x: ns for x, ns in readers.items() if ranges[x] > 0}
+        chosen, sens = float_groups(fp32_dir / "model.onnx", dst, groups, ranges,
+                                    {n: q.astype(np.float32) * s.astype(np.float32) for n, (q, s) in levels.items()},
+                                    sensitivity_feeds(), opts.qdq_float_ratio, fp8=True)
+        for x in chosen:
+            for n in groups[x]:
+                del levels[n]
+        budget = {"qdq_float_ratio": opts.qdq_float_ratio, "qdq_float_activations": chosen,
+                  "qdq_sensitivity": dict(sorted(sens.items(), key=lambda kv: -kv[1]))}
+    del plain
     work = dst / "fp16-graph"
     gw = fp16_graph(fp32_dir, work)
     _set_opset(gw, FP8_OPSET)
-    head = head_matmul(gw.model)
-    nodes = [n for n in weight_matmuls(gw.model) if n is not head and n.name not in keep_float]
-    feeds = calibration_feeds()
-    amax, rows = activation_ranges(fp32_dir / "model.onnx", dst, feeds, [n.name for n in nodes],
-                                   rows_per_text=16 if range_method == "mse" else 0)
-    clips: dict[str, float] = {}
-    if range_method == "mse":  # one range per input tensor: q, k and v (gate and up) share theirs
-        readers: dict[str, list] = {}
-        for n in nodes:
-            readers.setdefault(n.input[0], []).append(n)
-        for x, ns in readers.items():
-            top = max(amax[n.name] for n in ns)
-            c = fp8_clip(rows[ns[0].name], [gw.array(n.input[1]).astype(np.float32) for n in ns], top) if top > 0 else 1.0
-            for n in ns:
-                clips[n.name] = c
-                amax[n.name] = top * c
-        del rows
     zero = "fp8_zero_point"
     gw.set(zero, np.zeros((), ml_dtypes.float8_e4m3fn))
-    unused: list[str] = []
     quantized: set[str] = set()
-    for node in nodes:
-        if not amax[node.name] > 0:  # never reached by the calibration: TensorRT needs a scale > 0
-            unused.append(node.name)
-            continue
-        w = gw.array(node.input[1]).astype(np.float32)
-        s = _fp16_scale(np.maximum(np.abs(w).max(axis=0), 1e-8) / FP8_MAX)
-        q = np.clip(w / s.astype(np.float32), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    for node in [n for n in weight_matmuls(gw.model) if n.name in levels]:
+        q, s = levels.pop(node.name)
         _dequantize_weight(gw, node, q, s, axis=1)
-        x = node.input[0]
-        if x not in quantized:  # q, k and v (gate and up) read one tensor: one Q/DQ pair for them, before the first
+        x = node.input[0]  # the fp16 graph's name of input_of[node.name]
+        if x not in quantized:  # one Q/DQ pair per input tensor, before its first reader
             xs = node.name + "/input_scale"
-            gw.set(xs, _fp16_scale(np.array(amax[node.name] / FP8_MAX, np.float32)))
+            gw.set(xs, _fp16_scale(np.array(ranges[input_of[node.name]] / FP8_MAX, np.float32)))
             at = list(gw.model.graph.node).index(node)
             gw.model.graph.node.insert(at, helper.make_node("QuantizeLinear", [x, xs, zero], [x + "/fp8"],
                                                              name=node.name + "/QuantizeLinear"))
@@ -380,12 +393,15 @@ def fp8_qdq(fp32_dir: Path, dst: Path, calibration_feeds: Callable[[], list[dict
                                                                  [x + "/fp8_dq"], name=node.name + "/input/DequantizeLinear"))
             quantized.add(x)
         node.input[0] = x + "/fp8_dq"
+    fp8 = sum(1 for n in gw.model.graph.node if n.op_type == "MatMul" and n.input[0].endswith("/fp8_dq"))
+    floats = [n.name for n in weight_matmuls(gw.model) if not n.input[0].endswith("/fp8_dq")]
     _finish(gw, dst)
     shutil.rmtree(work, ignore_errors=True)
-    return {"fp8_matmuls": len(nodes) - len(unused), "calibration_samples": len(feeds),
-            "float_matmuls": ([head.name] if head else []) + sorted(keep_float) + unused, "fp8_range": range_method,
-            "activation_clips": {str(c): list(clips.values()).count(c) for c in sorted(set(clips.values()))},
-            "activation_amax": dict(sorted(amax.items()))}
+    clips = [c["clip"] for c in search.chosen.values() if "clip" in c]
+    return {"fp8_matmuls": fp8, "calibration_samples": len(feeds), "float_matmuls": floats, "never_calibrated": unused,
+            "fp8_range": opts.qdq_range, "fp8_rounding": "gptq" if hessian else "nearest",
+            "activation_clips": {str(c): clips.count(c) for c in sorted(set(clips))},
+            "activation_amax": {x: float(r) for x, r in sorted(ranges.items())}} | budget
 
 
 def run(fp32_dir: Path, dst: Path, opts, hessian, calibration_feeds: Callable[[], list[dict]],
@@ -396,5 +412,5 @@ def run(fp32_dir: Path, dst: Path, opts, hessian, calibration_feeds: Callable[[]
     if opts.mode == INT4_QDQ:
         return int4_qdq(fp32_dir, dst, opts, hessian, sensitivity_feeds)
     if opts.mode == FP8:
-        return fp8_qdq(fp32_dir, dst, calibration_feeds, opts.qdq_range, keep_float)
+        return fp8_qdq(fp32_dir, dst, opts, calibration_feeds, keep_float, hessian, sensitivity_feeds)
     raise ValueError(f"trt_formats: not a TensorRT Q/DQ format: {opts.mode}")

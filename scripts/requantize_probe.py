@@ -81,6 +81,7 @@ def main() -> None:
         ap.error(str(e))
     m = b.manifest
     work = a.bundle.with_name(a.bundle.name + ".work")
+    a.out.mkdir(parents=True, exist_ok=True)
     fused = work / "export" / "fused"
     _reuse_between_probes()
     if a.dump_feeds:
@@ -140,7 +141,9 @@ def main() -> None:
         score(name, probe, {"name": name, "options": options, "size_mb": metrics["size_bytes"] / 1e6,
                             "quantize_s": round(took), "fp32_perplexity": ref_ppl,
                             "metrics": {k: v for k, v in metrics.items() if not isinstance(v, dict)},
-                            "int4_8bit_matmuls": metrics.get("int4_8bit_matmuls", [])})
+                            "int4_8bit_matmuls": metrics.get("int4_8bit_matmuls", []),
+                            **{k: metrics[k] for k in ("qdq_sensitivity", "smoothquant_alphas", "activation_clips")
+                               if k in metrics}})
         del probe
         if not a.keep and not a.score_only:
             import shutil
@@ -177,11 +180,11 @@ def _reuse_between_probes() -> None:
             memo[key] = channel(w, h)
         return memo[key]
 
-    def float_groups(smoothed, work, grp, ranges, dequantized, feeds, ratio):
-        key = ("sens", repr(sorted(grp.items())), repr(sorted(ranges.items())),
+    def float_groups(smoothed, work, grp, ranges, dequantized, feeds, ratio, fp8=False):
+        key = ("sens", fp8, repr(sorted(grp.items())), repr(sorted(ranges.items())),
                digest(*[dequantized[n] for ns in grp.values() for n in ns]))
         if key not in memo:
-            memo[key] = groups(smoothed, work, grp, ranges, dequantized, feeds, ratio)[1]
+            memo[key] = groups(smoothed, work, grp, ranges, dequantized, feeds, ratio, fp8)[1]
         sens = memo[key]
         cost = {x: sum(int(dequantized[n].size) for n in ns) for x, ns in grp.items()}
         return sensitivity.allocate(sens, cost, int(ratio * sum(cost.values()))), sens

@@ -1,5 +1,5 @@
 """int8-qdq and fp8-qdq choices made by measurement: SmoothQuant's alpha per activation and the activation ranges
-(export/int8_search.py, export/trt_formats.py `fp8_clip`), GPTQ-rounded INT8 weights in the Q/DQ graph
+(export/int8_search.py, for INT8 and FP8), GPTQ-rounded INT8 weights in the Q/DQ graph
 (export/int8_qdq.py `gptq_weights`), and that TensorRT's importer rules still accept what they write."""
 
 from pathlib import Path
@@ -51,18 +51,23 @@ def test_mse_range_clips_rare_outliers_and_max_keeps_them():
     assert output_error(x, w, refs, ones, r_mse) < output_error(x, w, refs, ones, r_max)
 
 
-def test_fp8_clip_is_the_least_output_error():
-    from export.trt_formats import FP8_CLIPS, fake_fp8, fp8_clip
+def test_fp8_range_is_the_least_output_error():
+    """fp8-qdq's "mse" range: the clip of max |x| whose FP8 E4M3 Q/DQ output error is least."""
+    from export.int8_search import FP8_CLIPS, Search
+    from export.trt_formats import fake_fp8
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((256, 32)).astype(np.float32) * 1e-3
     x[0, 0] = 1e3  # an attention-sink-like token: at its max the small values fall below E4M3's subnormals
     w = [rng.standard_normal((32, 16)).astype(np.float32)]
-    c = fp8_clip(x, w, 1e3)
-    assert c in FP8_CLIPS
+    search = Search({"x": np.abs(x).max(axis=0)}, {"x": x}, range_method="mse", fp8=True)
+    r = search.range("x", w, None)
+    c = search.chosen["x"]["clip"]
+    assert c in FP8_CLIPS and r == pytest.approx(1e3 * c)
 
     def err(clip):
-        return float(np.square(fake_fp8(x, 1e3 * clip / 448) @ w[0] - x @ w[0]).sum())
+        wq = fake_fp8(w[0], np.abs(w[0]).max(axis=0) / 448)
+        return float(np.square(fake_fp8(x, 1e3 * clip / 448) @ wq - x @ w[0]).sum())
     assert all(err(c) <= err(o) for o in FP8_CLIPS)
 
 

@@ -1,6 +1,7 @@
 """TensorRT's Q/DQ formats (export/trt_formats.py): int4-qdq (W4A16) and fp8-qdq, their graphs, their quality on
 ONNX Runtime's CPU reference kernels, the export-time check and the stand-in's SM floors."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,8 @@ def formats(tmp_path_factory) -> dict[str, Path]:
     out = loaded_plain(d)
     for mode in ("int4-qdq", "fp8-qdq"):
         (d / mode).mkdir()
-        quantize.run(d / "plain", d / "hf", d / mode, quantize.QuantizeOptions(mode=mode, samples=8, gptq_samples=8))
+        metrics = quantize.run(d / "plain", d / "hf", d / mode, quantize.QuantizeOptions(mode=mode, samples=8, gptq_samples=8))
+        (d / mode / "metrics.json").write_text(json.dumps(metrics, default=str))
         out[mode] = d / mode
     return out
 
@@ -73,21 +75,42 @@ def test_int4_qdq_is_symmetric_int4_blocks_dequantized_before_each_matmul(format
 
 def test_fp8_qdq_is_fp8_weights_per_channel_and_activations_per_tensor(formats):
     g = onnx.load(str(formats["fp8-qdq"] / "model.onnx"))
+    m = json.loads((formats["fp8-qdq"] / "metrics.json").read_text())
     assert next(o.version for o in g.opset_import if o.domain == "") == 19
     inits = {i.name: i for i in g.graph.initializer}
     q = [n for n in g.graph.node if n.op_type == "QuantizeLinear"]
     # one per activation: q/k/v and gate/up share theirs (o has its own), 2 layers; the down_proj of the first and
-    # last block stay fp16 (qdq_float_nodes, as int8-qdq's): here both
-    assert len(q) == 6
+    # last block stay fp16 (qdq_float_nodes, as int8-qdq's): here both; and the float budget's picks (6 left)
+    floats = m["qdq_float_activations"]
+    assert 1 <= len(floats) < 6 and len(q) == 6 - len(floats)
     for n in q:
         assert inits[n.input[2]].data_type == onnx.TensorProto.FLOAT8E4M3FN
         assert numpy_helper.to_array(inits[n.input[1]]).size == 1  # per tensor
         assert numpy_helper.to_array(inits[n.input[1]]).item() > 0
     w = [n for n in g.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
          and inits[n.input[0]].data_type == onnx.TensorProto.FLOAT8E4M3FN]
-    assert len(w) == 12 and all(len(inits[n.input[1]].dims) == 1 for n in w)
-    assert not [n for n in g.graph.node if n.op_type == "MatMul" and "down_proj" in n.name
-                and any(i.endswith(("/fp8_dq", "_dq")) for i in n.input)]
+    assert len(w) == m["fp8_matmuls"] and all(len(inits[n.input[1]].dims) == 1 for n in w)
+    matmuls = [n for n in g.graph.node if n.op_type == "MatMul"]
+    assert len(w) + len(m["float_matmuls"]) == 15 and m["fp8_rounding"] == "gptq"  # every weight MatMul
+    assert not [n for n in matmuls if n.name in m["float_matmuls"] and any(i.endswith(("/fp8_dq", "_dq")) for i in n.input)]
+    assert {"/model/layers.0/mlp/down_proj/MatMul", "/model/layers.1/mlp/down_proj/MatMul"} <= set(m["float_matmuls"])
+
+
+def test_fp8_qdq_keeps_float_the_activations_that_hurt_most_per_byte(formats):
+    """fp8-qdq's float budget (as int8-qdq's, qdq_float_ratio 0.2): what it measured, and that it kept the
+    activations with the most KL per fp16 byte within the budget."""
+    from export.sensitivity import allocate
+
+    m = json.loads((formats["fp8-qdq"] / "metrics.json").read_text())
+    sens = m["qdq_sensitivity"]
+    assert len(sens) == 6 and all(v >= 0 for v in sens.values())  # q/k/v, o, gate/up: 2 layers
+    plain = onnx.load(str(formats["fp32"] / "model.onnx"), load_external_data=False)
+    dims = {i.name: i.dims for i in plain.graph.initializer}
+    cost: dict[str, int] = {}  # the fp16 bytes a float activation's MatMuls add: K x N each
+    for n in plain.graph.node:
+        if n.op_type == "MatMul" and n.input[0] in sens:
+            cost[n.input[0]] = cost.get(n.input[0], 0) + int(np.prod(dims[n.input[1]]))
+    assert sorted(m["qdq_float_activations"]) == sorted(allocate(sens, cost, int(0.2 * sum(cost.values()))))
 
 
 @pytest.mark.parametrize("mode, max_kl, min_top1", [("int4-qdq", 0.05, 0.8), ("fp8-qdq", 0.01, 0.9)])
