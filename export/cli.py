@@ -271,7 +271,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="int4-weight: activations the 4-bit MatMuls compute with (default int8: the fast kernel; fp32: "
                         "less KL, slower decode; recipe key int4_activations; docs/quality.md)")
     b.add_argument("--int8-rounding", choices=("gptq", "minmax"),
-                   help="int8-dynamic and int8-qdq: how 8-bit weights are rounded (default gptq, ~1.5 min more on a 135M model; "
+                   help="int8-dynamic, int8-qdq and fp8-qdq: how 8-bit weights are rounded (default gptq, ~1.5 min more on a 135M model; "
                         "minmax: round to nearest; recipe key int8_rounding)")
     b.add_argument("--fresh", action="store_true", help="ignore finished stages in OUT.work/ and start over")
     b.add_argument("--reuse-stale", action="store_true",

@@ -24,6 +24,8 @@ ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # candidates per activation, besid
 CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)  # range candidates as a share of max |x| ("mse")
 FP8_CLIPS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)  # ...for FP8, whose steps are relative: it can clip deeper
 RANGE_METHODS = ("max", "mse")
+FP8_OPSET = 19  # FP8 E4M3 Q/DQ is opset 19's
+FP8_MAX = 448.0  # the largest finite E4M3FN value
 
 
 class ActivationSample(LayerHessians):
@@ -70,17 +72,21 @@ def fake_int8_weight(w: np.ndarray) -> np.ndarray:
     return (np.clip(np.round(w / s), -127, 127) * s).astype(np.float32)
 
 
+def fake_fp8(x: np.ndarray, scale: np.ndarray | float) -> np.ndarray:
+    """x through FP8 E4M3 Q/DQ with `scale` (saturating, as QuantizeLinear's default)."""
+    import ml_dtypes
+
+    q = np.clip(x / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q.astype(np.float32) * scale
+
+
 def fake_fp8_activation(x: np.ndarray, r: float) -> np.ndarray:
     """x through per-tensor FP8 E4M3 Q/DQ of range r (scale r / 448, as export/trt_formats.py writes it)."""
-    from export.trt_formats import FP8_MAX, fake_fp8
-
     return fake_fp8(x, max(r, 1e-12) / FP8_MAX)
 
 
 def fake_fp8_weight(w: np.ndarray) -> np.ndarray:
     """w [K, N] through FP8 E4M3 per output channel (round to nearest; the search's stand-in for GPTQ)."""
-    from export.trt_formats import FP8_MAX, fake_fp8
-
     return fake_fp8(w, np.maximum(np.abs(w).max(axis=0), 1e-8) / FP8_MAX)
 
 
@@ -164,13 +170,11 @@ class QdqProbe:
         import onnxruntime as ort
         from onnx import TensorProto, helper
 
-        from export.onnx_weights import GraphWeights, weight_matmuls
+        from export.onnx_weights import GraphWeights, set_opset, weight_matmuls
         from export.sensitivity import _log_softmax32
-        from export.trt_formats import FP8_MAX, FP8_OPSET, _set_opset
-
         gw = GraphWeights(smoothed)
         if fp8:
-            _set_opset(gw, FP8_OPSET)  # FP8 Q/DQ are opset 19's
+            set_opset(gw, FP8_OPSET)  # FP8 Q/DQ are opset 19's
         model = gw.model
         by_name = {n.name: n for n in weight_matmuls(model)}
         self.groups = groups

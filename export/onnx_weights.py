@@ -454,3 +454,12 @@ def untie_lm_head(gw: GraphWeights) -> None:
             node.input[1] = name
             if not any(p.output[0] in n.input for n in model.graph.node):
                 model.graph.node.remove(p)
+
+
+def set_opset(gw: GraphWeights, opset: int) -> None:
+    """Raise the default-domain opset: 18 -> 19/21 changes no op this exporter writes (they add types: INT4,
+    FP8, and Cast's `saturate`), so the graph means the same."""
+    for o in gw.model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            o.version = max(o.version, opset)
+    gw.model.ir_version = max(gw.model.ir_version, 10 if opset >= 21 else 9)

@@ -86,7 +86,7 @@ class QuantizeOptions:
     # Default: the same two down_proj. SmolLM2-135M, alpha 0.8, 64 held-out chats: +3.82% -> +1.90% perplexity,
     # KL 0.123 -> 0.097, top-1 81.0% -> 83.3%, for 2 of 211 weight MatMuls (~3.5 MB at FP16) unquantized.
     qdq_float_nodes: tuple[str, ...] = ("layers.0/mlp/down_proj/", "layers.{last}/mlp/down_proj/")
-    # int8-qdq: beyond those, the activations whose INT8 form (its Q/DQ and its MatMuls' INT8 weights) moves KL to
+    # int8-qdq and fp8-qdq: beyond those, the activations whose 8-bit form (its Q/DQ and its MatMuls' 8-bit weights) moves KL to
     # fp32 most per byte, measured one at a time (export/int8_search.py), stay float while their fp16 weights add at
     # most this share of the INT8 weights' bytes to the TensorRT engine (as the int4 budget, export/sensitivity.py).
     # SmolLM2-135M (32 calibration chats, held-out prose, docs/quality.md): 0.1 kept 12 down_proj float, +6.4%
@@ -123,12 +123,13 @@ class QuantizeOptions:
     # texts it beat 0.003 on chats, news prose and text unlike the calibration's (docs/quality.md, "One projection
     # at a time"); BuildOptions' default is the same
     int4_gptq_damp: float = 0.03
-    # ...and for int8-dynamic's 8-bit weights. 0.03 since 2026-12-07: at GPTQ's 0.003, 0.3% of SmolLM2's layer-0
+    # ...and for int8-dynamic's 8-bit weights (and fp8-qdq's: 0.03 and 0.003 measured alike, docs/quality.md "fp8-qdq
+    # with int8-qdq's measured choices"). 0.03 since 2026-12-07: at GPTQ's 0.003, 0.3% of SmolLM2's layer-0
     # down_proj levels flipped between two exports whose statistics agree to 1e-6, and the engine's chat perplexity
     # moved from +0.7% to +1.9% (that layer's massive activations); at 0.03 both exports land at KL 0.0042-0.0044
     # (docs/quality.md "GPTQ's damping for 8-bit weights")
     int8_gptq_damp: float = 0.03
-    # int8-dynamic (MatMulNBits kernel) and int8-qdq: "gptq" (symmetric GPTQ, every 8-bit MatMul and the head;
+    # int8-dynamic (MatMulNBits kernel), int8-qdq and fp8-qdq (GPTQ on the E4M3 grid): "gptq" (symmetric GPTQ, every 8-bit MatMul and the head;
     # SmolLM2-135M int8-dynamic, held-out KL to fp32 chats 0.0044 / prose 0.0036 against min-max's 0.0063 / 0.0047,
     # docs/quality.md; int8-qdq: on the smoothed inputs' statistics) or "minmax" (ONNX Runtime's round to nearest)
     int8_rounding: str = "gptq"

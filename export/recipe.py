@@ -25,7 +25,7 @@ from edge.bundle import Bundle, StageRecord
 from edge import precisions
 from edge.decode.cache import cache_kind
 from edge.errors import RecipeError
-from edge.precisions import FP16, FP32, INT4_QDQ, INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
+from edge.precisions import FP8, FP16, FP32, INT4_QDQ, INT4_WEIGHT, INT8_DYNAMIC, INT8_QDQ
 from export.console import fmt_bytes
 from export.distill import DistillOptions
 from export.draft import DraftOptions
@@ -72,7 +72,7 @@ class BuildOptions:
     gptq_samples: int = 96  # gptq rounding: calibration texts (half chats, half training prose) of 512 tokens
     # ...from these domains (export/calibration_texts.py: chat, news, literature, code, docs), split evenly
     gptq_domains: tuple[str, ...] = ("chat", "news")
-    int8_rounding: str = "gptq"  # int8-dynamic and int8-qdq: "gptq" or "minmax" (export/quantize.py)
+    int8_rounding: str = "gptq"  # int8-dynamic, int8-qdq and fp8-qdq: "gptq" or "minmax" (export/quantize.py)
     # int8-qdq: the share of its INT8 weights' bytes that may stay fp16 where INT8 activations hurt most
     # (measured per activation: minutes on a small model; 0 skips that pass; export/int8_qdq.py)
     qdq_float_ratio: float = 0.2
@@ -134,8 +134,8 @@ class BuildOptions:
 
         check_domains(tuple(self.gptq_domains))
         if not isinstance(self.qdq_float_ratio, (int, float)) or not 0 <= self.qdq_float_ratio < 1:
-            raise RecipeError(f"qdq_float_ratio must be a number in [0, 1) (the share of int8-qdq's INT8 weight bytes "
-                              f"that may stay fp16; 0 turns that pass off), got {self.qdq_float_ratio!r}")
+            raise RecipeError(f"qdq_float_ratio must be a number in [0, 1) (the share of int8-qdq's and fp8-qdq's "
+                              f"8-bit weight bytes that may stay fp16; 0 turns that pass off), got {self.qdq_float_ratio!r}")
         if not isinstance(self.gptq_samples, int) or self.gptq_samples < 1:
             raise RecipeError(f"gptq_samples must be a whole number >= 1 (calibration texts for GPTQ), got {self.gptq_samples!r}")
         for name, kind in (("prune", PruneOptions), ("distill", DistillOptions), ("draft", DraftOptions)):
@@ -497,9 +497,9 @@ def _quantize_options(opts: BuildOptions, precision: str, nearest: bool = False)
         if not nearest:
             extra |= {"int4_budget_mb": opts.int4_budget_mb, "int4_extra_ratio": opts.int4_extra_ratio,
                       "int4_gptq_damp": opts.int4_gptq_damp}
-    elif precision in (INT8_DYNAMIC, INT8_QDQ):  # int8-qdq: GPTQ-rounded on the smoothed inputs too
+    elif precision in (INT8_DYNAMIC, INT8_QDQ, FP8):  # int8-qdq: on the smoothed inputs; fp8-qdq: on the E4M3 grid
         extra = {"int8_rounding": "minmax" if nearest else opts.int8_rounding}
-        if precision == INT8_QDQ:
+        if precision in (INT8_QDQ, FP8):
             extra["qdq_float_ratio"] = opts.qdq_float_ratio
     if not nearest:
         extra["gptq_samples"] = opts.gptq_samples

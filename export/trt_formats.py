@@ -30,12 +30,11 @@ import numpy as np
 
 from edge.errors import RecipeError
 from edge.precisions import FP8, INT4_QDQ
-from export.onnx_weights import GraphWeights, graph_bytes, untie_lm_head, weight_matmuls
+from export.int8_search import FP8_MAX, FP8_OPSET
+from export.onnx_weights import GraphWeights, graph_bytes, set_opset, untie_lm_head, weight_matmuls
 
 log = logging.getLogger("edgechat")
 INT4_OPSET = 21  # INT4 in DequantizeLinear and its block_size attribute are opset 21's
-FP8_OPSET = 19  # FP8 E4M3 Q/DQ is opset 19's
-FP8_MAX = 448.0  # the largest finite E4M3FN value
 FP16_TINY = float(np.finfo(np.float16).tiny)  # the smallest normal fp16 scale (TensorRT wants scales > 0)
 INT4_BLOCKS = (128, 64, 32, 16)  # the block sizes tried, largest first, when the asked one does not divide K
 
@@ -62,15 +61,6 @@ def fp16_graph(fp32_dir: Path, work: Path) -> GraphWeights:
     gw = GraphWeights(work / "model.onnx")
     untie_lm_head(gw)
     return gw
-
-
-def _set_opset(gw: GraphWeights, opset: int) -> None:
-    """Raise the default-domain opset: 18 -> 19/21 changes no op this exporter writes (they add types: INT4,
-    FP8, and Cast's `saturate`), so the graph means the same."""
-    for o in gw.model.opset_import:
-        if o.domain in ("", "ai.onnx"):
-            o.version = max(o.version, opset)
-    gw.model.ir_version = max(gw.model.ir_version, 10 if opset >= 21 else 9)
 
 
 def int8_channel(w: np.ndarray, h: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -181,7 +171,7 @@ def int4_qdq_graph(gw: GraphWeights, dst: Path, block: int, hessian, promoted: s
     changed: GPTQ is most of the build's time (minutes per pass over 210 MatMuls). `lazy` (the streaming build):
     each weight is read and quantized when the graph is saved, one at a time, and nothing is kept."""
     levels = {} if levels is None else levels
-    _set_opset(gw, INT4_OPSET)
+    set_opset(gw, INT4_OPSET)
     head = head_matmul(gw.model)
     blocks: dict[str, int] = {}
     eight: list[str] = []
@@ -304,14 +294,6 @@ def activation_ranges(plain: Path, work: Path, feeds: list[dict], names: list[st
             {t: np.concatenate(r).astype(np.float32) for t, r in rows.items()})
 
 
-def fake_fp8(x: np.ndarray, scale: np.ndarray | float) -> np.ndarray:
-    """x through FP8 E4M3 Q/DQ with `scale` (saturating, as QuantizeLinear's default)."""
-    import ml_dtypes
-
-    q = np.clip(x / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
-    return q.astype(np.float32) * scale
-
-
 def fp8_weight(w: np.ndarray, h: np.ndarray | None, damp: float) -> tuple[np.ndarray, np.ndarray]:
     """FP8 E4M3 per output channel: (levels [K, N] float8_e4m3fn, fp16 scales [N]: max |w| / 448), GPTQ-rounded
     on the inputs' X^T X `h` where given, else rounded to nearest."""
@@ -375,7 +357,7 @@ def fp8_qdq(fp32_dir: Path, dst: Path, opts, calibration_feeds: Callable[[], lis
     del plain
     work = dst / "fp16-graph"
     gw = fp16_graph(fp32_dir, work)
-    _set_opset(gw, FP8_OPSET)
+    set_opset(gw, FP8_OPSET)
     zero = "fp8_zero_point"
     gw.set(zero, np.zeros((), ml_dtypes.float8_e4m3fn))
     quantized: set[str] = set()

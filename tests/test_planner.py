@@ -37,7 +37,11 @@ def test_the_planner_counts_the_quantize_stages_float_budget():
     from export.planner import QDQ_FLOAT_RATIO
     from export.quantize import QuantizeOptions
 
-    assert QDQ_FLOAT_RATIO == QuantizeOptions(mode="int8-qdq").qdq_float_ratio
+    assert QDQ_FLOAT_RATIO == QuantizeOptions(mode="int8-qdq").qdq_float_ratio == QuantizeOptions(mode="fp8-qdq").qdq_float_ratio
+    # fp8-qdq keeps fp16 MatMuls by the same budget (export/trt_formats.py): its head fp16, its embedding an INT8 table
+    d, table = KNOWN_SIZES["7b"], 32000 * 4096
+    assert plan(d, load_profile("l4"), "fp8-qdq").weights_gb * GB == pytest.approx(
+        (1 + QDQ_FLOAT_RATIO) * (7e9 - 2 * table) + 2 * table + table)
 
 
 def test_matmulnbits_sizes_by_hand():

@@ -53,8 +53,7 @@ def test_mse_range_clips_rare_outliers_and_max_keeps_them():
 
 def test_fp8_range_is_the_least_output_error():
     """fp8-qdq's "mse" range: the clip of max |x| whose FP8 E4M3 Q/DQ output error is least."""
-    from export.int8_search import FP8_CLIPS, Search
-    from export.trt_formats import fake_fp8
+    from export.int8_search import FP8_CLIPS, Search, fake_fp8
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((256, 32)).astype(np.float32) * 1e-3
