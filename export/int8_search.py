@@ -1,4 +1,5 @@
-"""int8-qdq's choices by measurement, per activation: SmoothQuant's alpha and the activation range.
+"""int8-qdq's (and fp8-qdq's) choices by measurement, per activation: SmoothQuant's alpha, the activation range, and
+the activations left float within a byte budget (`float_groups`). `fp8`: the same with FP8 E4M3's errors.
 
 One alpha for every layer (SmoothQuant's paper uses 0.5 for most models, 0.8-0.85 for some) is a compromise:
 a layer whose inputs have a few huge channels wants more of them moved into its weights than one whose inputs
@@ -139,7 +140,7 @@ class Search:
         return scales(best)
 
     def range(self, act: str, weights: list[np.ndarray], s: np.ndarray | None) -> float:
-        """The INT8 range of the activation `act` (divided by `s` where smoothed) read by `weights` (smoothed)."""
+        """The INT8 (FP8) range of the activation `act` (divided by `s` where smoothed) read by `weights` (smoothed)."""
         s = np.ones_like(self.amax[act]) if s is None else s
         top = float(np.max(self.amax[act] / s))
         if self.range_method == "max":
@@ -159,7 +160,7 @@ class Search:
 
 
 class QdqProbe:
-    """The smoothed fp32 graph with each quantized activation behind Where(flag, Q/DQ(x), x) (a bool graph input per
+    """The (int8-qdq: smoothed) fp32 graph with each quantized activation behind Where(flag, Q/DQ(x), x) (a bool graph input per
     activation) and the quantized MatMuls' weights as graph inputs: one session measures what INT8 (`fp8`: FP8
     E4M3) on any one activation group (its Q/DQ and its MatMuls' quantized weights) does to the logits, nothing
     rebuilt per group."""

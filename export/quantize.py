@@ -88,9 +88,10 @@ class QuantizeOptions:
     qdq_float_nodes: tuple[str, ...] = ("layers.0/mlp/down_proj/", "layers.{last}/mlp/down_proj/")
     # int8-qdq and fp8-qdq: beyond those, the activations whose 8-bit form (its Q/DQ and its MatMuls' 8-bit weights) moves KL to
     # fp32 most per byte, measured one at a time (export/int8_search.py), stay float while their fp16 weights add at
-    # most this share of the INT8 weights' bytes to the TensorRT engine (as the int4 budget, export/sensitivity.py).
-    # SmolLM2-135M (32 calibration chats, held-out prose, docs/quality.md): 0.1 kept 12 down_proj float, +6.4%
-    # perplexity, KL 0.071; 0.2 kept 24 (every pick a down_proj input), +1.4%, KL 0.022, 315 MB against 257 MB
+    # most this share of the 8-bit weights' bytes to the TensorRT engine (as the int4 budget, export/sensitivity.py).
+    # SmolLM2-135M int8-qdq (32 calibration chats, held-out prose, docs/quality.md): 0.1 kept 12 down_proj float,
+    # +6.4% perplexity, KL 0.071; 0.2 kept 24 (every pick a down_proj input), +1.4%, KL 0.022, 315 MB against 257 MB;
+    # fp8-qdq at 0.2 kept 31 (mostly q/k/v inputs), KL 0.0330 -> 0.0128 on prose with GPTQ (docs/quality.md)
     qdq_float_ratio: float = 0.2
     int4_symmetric: bool = False  # int4-weight: False = per-block zero points (asymmetric), see the module docstring
     int4_lm_head_bits: int = 8  # int4-weight: the LM head (and the tied embedding that shares it) at 8 bits

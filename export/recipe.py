@@ -73,8 +73,8 @@ class BuildOptions:
     # ...from these domains (export/calibration_texts.py: chat, news, literature, code, docs), split evenly
     gptq_domains: tuple[str, ...] = ("chat", "news")
     int8_rounding: str = "gptq"  # int8-dynamic, int8-qdq and fp8-qdq: "gptq" or "minmax" (export/quantize.py)
-    # int8-qdq: the share of its INT8 weights' bytes that may stay fp16 where INT8 activations hurt most
-    # (measured per activation: minutes on a small model; 0 skips that pass; export/int8_qdq.py)
+    # int8-qdq and fp8-qdq: the share of their 8-bit weights' bytes that may stay fp16 where 8-bit activations hurt
+    # most (measured per activation: minutes on a small model; 0 skips that pass; export/int8_search.py)
     qdq_float_ratio: float = 0.2
     int4_block_size: int = 32  # int4-weight and int4-qdq: 4-bit block size (edge-export plan says which fits)
     # int4-weight and int4-qdq: GPTQ's damping of the 4-bit weights (QuantizeOptions' default: docs/quality.md)

@@ -8,10 +8,11 @@
   byte budget, the MatMuls whose 4-bit form hurts most (export/sensitivity.py) kept at INT8 per output channel,
   as the LM head always is (which the embedding gathers its rows from, export/embedding.py). Activations stay
   fp16: TensorRT runs these as weight-only GEMMs.
-- `fp8-qdq` (Ada and later): FP8 E4M3 weights per output channel, and each weight MatMul's input through
-  QuantizeLinear/DequantizeLinear to FP8 per tensor, its scale the calibrated max |x| / 448 over the
-  calibration chats' prefill on the fp32 graph (NVIDIA Model Optimizer's "max" calibration), opset 19. The LM
-  head stays fp16 (as int8-qdq keeps it float).
+- `fp8-qdq` (Ada and later): FP8 E4M3 weights per output channel (GPTQ-rounded on the E4M3 grid), and each weight
+  MatMul's input through QuantizeLinear/DequantizeLinear to FP8 per tensor, its scale the calibrated range / 448
+  over the calibration chats' prefill on the fp32 graph (max |x|, or clipped where the output error is less), opset
+  19; the activations whose FP8 form hurts most per byte stay fp16 within int8-qdq's byte budget. The LM head stays
+  fp16 (as int8-qdq keeps it float).
 
 ONNX Runtime's CPU kernels run both (DequantizeLinear with INT4 blocks and FP8 Q/DQ, checked on onnxruntime
 1.32) with `session.disable_quant_qdq` (edge/precisions.py): the float arithmetic Q/DQ defines, so the evaluate
@@ -267,9 +268,6 @@ def activation_ranges(plain: Path, work: Path, feeds: list[dict], names: list[st
     gw = GraphWeights(plain)
     model = gw.model
     inputs = {n.name: n.input[0] for n in model.graph.node if n.name in names}
-    missing = sorted(set(names) - set(inputs))
-    if missing:
-        raise RecipeError(f"fp8-qdq: the fp32 graph has no MatMul named {missing[0]} (the fp16 graph renamed it?)")
     have = {o.name for o in model.graph.output}
     for t in sorted(set(inputs.values()) - have):
         model.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
@@ -286,7 +284,8 @@ def activation_ranges(plain: Path, work: Path, feeds: list[dict], names: list[st
                 v = v.reshape(-1, v.shape[-1])
                 m = np.abs(v).max(axis=0)
                 amax[t] = m if t not in amax else np.maximum(amax[t], m)
-                rows.setdefault(t, []).append(v[np.unique(np.linspace(0, len(v) - 1, min(rows_per_text, len(v))).astype(int))])
+                if rows_per_text:
+                    rows.setdefault(t, []).append(v[np.unique(np.linspace(0, len(v) - 1, min(rows_per_text, len(v))).astype(int))])
     finally:
         for f in ("ranges.onnx", "ranges.onnx.data"):
             (work / f).unlink(missing_ok=True)
@@ -330,14 +329,16 @@ def fp8_qdq(fp32_dir: Path, dst: Path, opts, calibration_feeds: Callable[[], lis
     input_of = {n.name: n.input[0] for n in weight_matmuls(plain.model)}  # the fp32 graph's tensor names
     weight_of = {n.name: n.input[1] for n in weight_matmuls(plain.model)}
     feeds = calibration_feeds()
-    amax, rows = activation_ranges(fp32_dir / "model.onnx", dst, feeds, names)
+    amax, rows = activation_ranges(fp32_dir / "model.onnx", dst, feeds, names,
+                                   rows_per_text=16 if opts.qdq_range == "mse" else 0)
     search = Search(amax, rows, range_method=opts.qdq_range, fp8=True)
     readers: dict[str, list[str]] = {}  # q, k and v (gate and up) read one tensor: one range, one Q/DQ pair
     for name in names:
         readers.setdefault(input_of[name], []).append(name)
-    ranges = {x: search.range(x, [plain.array(weight_of[n]).astype(np.float32) for n in ns], None)
+    ranges = {x: search.range(x, [plain.array(weight_of[n]).astype(np.float32) for n in ns], None) if x in amax else 0.0
               for x, ns in readers.items()}
     del rows
+    search.rows.clear()  # the sample rows are done with: GPTQ and the probe come next
     unused = [n for x, ns in readers.items() for n in ns if not ranges[x] > 0]  # never reached: no scale > 0
     levels = {n: fp8_weight(plain.array(weight_of[n]).astype(np.float32), hessian(n) if hessian else None,
                             opts.int8_gptq_damp) for x, ns in readers.items() if ranges[x] > 0 for n in ns}
@@ -363,6 +364,8 @@ def fp8_qdq(fp32_dir: Path, dst: Path, opts, calibration_feeds: Callable[[], lis
     quantized: set[str] = set()
     for node in [n for n in weight_matmuls(gw.model) if n.name in levels]:
         q, s = levels.pop(node.name)
+        if q.shape != gw.shape(node.input[1]):
+            raise ValueError(f"fp8-qdq: {node.name}'s FP8 levels are {q.shape}, its fp16 weight {gw.shape(node.input[1])}")
         _dequantize_weight(gw, node, q, s, axis=1)
         x = node.input[0]  # the fp16 graph's name of input_of[node.name]
         if x not in quantized:  # one Q/DQ pair per input tensor, before its first reader
@@ -375,15 +378,17 @@ def fp8_qdq(fp32_dir: Path, dst: Path, opts, calibration_feeds: Callable[[], lis
                                                                  [x + "/fp8_dq"], name=node.name + "/input/DequantizeLinear"))
             quantized.add(x)
         node.input[0] = x + "/fp8_dq"
+    if levels:  # the fp16 graph renamed a MatMul: it would stay fp16 unannounced
+        raise ValueError(f"fp8-qdq: the fp16 graph has no MatMul named {next(iter(levels))}, which the fp32 graph has")
     fp8 = sum(1 for n in gw.model.graph.node if n.op_type == "MatMul" and n.input[0].endswith("/fp8_dq"))
     floats = [n.name for n in weight_matmuls(gw.model) if not n.input[0].endswith("/fp8_dq")]
     _finish(gw, dst)
     shutil.rmtree(work, ignore_errors=True)
     clips = [c["clip"] for c in search.chosen.values() if "clip" in c]
     return {"fp8_matmuls": fp8, "calibration_samples": len(feeds), "float_matmuls": floats, "never_calibrated": unused,
-            "fp8_range": opts.qdq_range, "fp8_rounding": "gptq" if hessian else "nearest",
+            "fp8_range": opts.qdq_range, "fp8_rounding": "gptq" if hessian else "minmax",
             "activation_clips": {str(c): clips.count(c) for c in sorted(set(clips))},
-            "activation_amax": {x: float(r) for x, r in sorted(ranges.items())}} | budget
+            "activation_ranges": {x: float(r) for x, r in sorted(ranges.items())}} | budget
 
 
 def run(fp32_dir: Path, dst: Path, opts, hessian, calibration_feeds: Callable[[], list[dict]],

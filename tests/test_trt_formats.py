@@ -20,6 +20,7 @@ def formats(tmp_path_factory) -> dict[str, Path]:
 
     d = tmp_path_factory.mktemp("trtfmt")
     out = loaded_plain(d)
+    (d / "plain-listing.json").write_text(json.dumps(sorted(p.name for p in (d / "plain").iterdir())))
     for mode in ("int4-qdq", "fp8-qdq"):
         (d / mode).mkdir()
         metrics = quantize.run(d / "plain", d / "hf", d / mode, quantize.QuantizeOptions(mode=mode, samples=8, gptq_samples=8))
@@ -94,6 +95,39 @@ def test_fp8_qdq_is_fp8_weights_per_channel_and_activations_per_tensor(formats):
     assert len(w) + len(m["float_matmuls"]) == 15 and m["fp8_rounding"] == "gptq"  # every weight MatMul
     assert not [n for n in matmuls if n.name in m["float_matmuls"] and any(i.endswith(("/fp8_dq", "_dq")) for i in n.input)]
     assert {"/model/layers.0/mlp/down_proj/MatMul", "/model/layers.1/mlp/down_proj/MatMul"} <= set(m["float_matmuls"])
+
+
+def test_fp8_qdq_leaves_nothing_behind(formats):
+    """Its probe and range graphs (copies of the fp32 graph with their weights) are written in its own folder and
+    deleted; nothing is ever written beside the fp32 graph, another stage's output."""
+    listing = json.loads((formats["fp32"].parent / "plain-listing.json").read_text())
+    assert sorted(p.name for p in formats["fp32"].iterdir()) == listing
+    assert sorted(p.name for p in formats["fp8-qdq"].iterdir()) == ["metrics.json", "model.onnx", "model.onnx.data"]
+
+
+def test_the_sensitivity_probe_measures_fp8_as_fp8(formats):
+    """QdqProbe(fp8=True) puts FP8 E4M3 Q/DQ on the activation (not INT8's): the same activation, weights and range
+    measure another KL, and FP8's relative steps lose less than INT8's on a range set by a rare outlier."""
+    from export import quantize
+    from export.int8_search import QdqProbe
+    from export.load import model_dims
+    from export.onnx_weights import GraphWeights, weight_matmuls
+
+    hf, plain = formats["fp32"].parent / "hf", formats["fp32"] / "model.onnx"
+    dims = model_dims(hf)
+    feeds = quantize.calibration_feeds(hf, quantize.QuantizeOptions(mode="fp8-qdq", samples=2), dims.num_layers,
+                                       dims.num_kv_heads, dims.head_dim)
+    gw = GraphWeights(plain)
+    mm = [n for n in weight_matmuls(gw.model) if "q_proj" in n.name or "k_proj" in n.name or "v_proj" in n.name][:3]
+    x = mm[0].input[0]
+    groups = {x: [n.name for n in mm if n.input[0] == x]}
+    weights = {n.name: gw.array(n.input[1]).astype(np.float32) for n in mm}
+    kl = {}
+    for fp8 in (False, True):
+        probe = QdqProbe(plain, formats["fp8-qdq"], groups, {x: 50.0}, feeds, fp8=fp8)  # a range far above the values
+        kl[fp8] = probe.kl(x, weights)
+    assert sorted(p.name for p in formats["fp8-qdq"].iterdir()) == ["metrics.json", "model.onnx", "model.onnx.data"]
+    assert 0 <= kl[True] < kl[False], kl
 
 
 def test_fp8_qdq_keeps_float_the_activations_that_hurt_most_per_byte(formats):
