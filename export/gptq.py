@@ -496,6 +496,26 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
+def _ordered(w: np.ndarray, h: np.ndarray, damp: float, act_order: bool):
+    """GPTQ's inputs in the order its rows are rounded: (W [K, N] float32, the upper Cholesky factor of the damped
+    H^-1, that order). `act_order`: rows with the largest inputs first (their error then spreads over the rest)."""
+    import torch
+
+    k = w.shape[0]
+    W = torch.from_numpy(np.ascontiguousarray(w, np.float32)).clone()
+    H = torch.from_numpy(np.array(h, np.float64))
+    # rows whose input was 0 on every calibration token: H's row and column are 0, so with a unit diagonal they
+    # are decoupled from the rest (no error reaches them, theirs reaches nobody) and are rounded to nearest.
+    # (Reference GPTQ zeroes them instead, deleting weights that only the calibration text never used.)
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1.0
+    torch.diagonal(H).add_(damp * torch.diagonal(H).mean())  # in place: no K x K identity beside H
+    perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else torch.arange(k)
+    if act_order:
+        W, H = W[perm], H[perm[:, None], perm]  # one gather: H and its permuted copy, not a third
+    return W, _upper_inverse_cholesky(H, damp), perm
+
+
 def _propagate(W, Hinv, lazy: int, round_row) -> None:
     """GPTQ's sweep over the rows of W [K, N] (in the order they are rounded; Hinv: the upper Cholesky factor of
     H^-1 in that order): each row rounded by `round_row(r, row, rest)` (which returns the row as rounded), its
@@ -530,15 +550,7 @@ def gptq_fp8(w: np.ndarray, h: np.ndarray, scale: np.ndarray, damp: float = 0.03
     if not (np.isfinite(w).all() and np.isfinite(h).all()):
         raise ValueError("GPTQ: the weight or the inputs' X^T X has NaN or inf entries")
     with _one_thread():
-        W = torch.from_numpy(np.ascontiguousarray(w, np.float32)).clone()
-        H = torch.from_numpy(np.array(h, np.float64))
-        dead = torch.diagonal(H) == 0
-        H[dead, dead] = 1.0
-        torch.diagonal(H).add_(damp * torch.diagonal(H).mean())
-        perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else torch.arange(k)
-        W, H = W[perm], H[perm[:, None], perm]
-        Hinv = _upper_inverse_cholesky(H, damp)
-        del H
+        W, Hinv, perm = _ordered(w, h, damp, act_order)
         s = torch.from_numpy(np.ascontiguousarray(scale, np.float32))
         Q = torch.zeros(k, n, dtype=torch.float8_e4m3fn)
 
@@ -589,20 +601,10 @@ def _gptq_block_quant(w: np.ndarray, h: np.ndarray, bits: int, block: int, damp:
     maxq = 2**bits - 1
     kb = -(-k // block)
     lazy = block * max(1, lazy // block)  # a block never straddles two lazy batches
-    W = torch.from_numpy(np.ascontiguousarray(w, np.float32)).clone()
-    H = torch.from_numpy(np.array(h, np.float64))
-    # rows whose input was 0 on every calibration token: H's row and column are 0, so with a unit diagonal they
-    # are decoupled from the rest (no error reaches them, theirs reaches nobody) and are rounded to nearest.
-    # (Reference GPTQ zeroes them instead, deleting weights that only the calibration text never used.)
-    dead = torch.diagonal(H) == 0
-    H[dead, dead] = 1.0
-    torch.diagonal(H).add_(damp * torch.diagonal(H).mean())  # in place: no K x K identity beside H
-    perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else torch.arange(k)
-    if act_order:  # rows with the largest inputs first; blocks' ranges fixed up front (they are not contiguous now)
-        fixed = [_range(W[b:b + block], bits, search, symmetric) for b in range(0, k, block)]
-        W, H = W[perm], H[perm[:, None], perm]  # one gather: H and its permuted copy, not a third
-    Hinv = _upper_inverse_cholesky(H, damp)
-    del H
+    if act_order:  # blocks' ranges fixed up front from the original weights (their rows are not contiguous in GPTQ's order)
+        w32 = torch.from_numpy(np.ascontiguousarray(w, np.float32))
+        fixed = [_range(w32[b:b + block], bits, search, symmetric) for b in range(0, k, block)]
+    W, Hinv, perm = _ordered(w, h, damp, act_order)
     Q = torch.zeros(k, n, dtype=torch.uint8)
     scales = torch.zeros(kb, n)
     zps = torch.zeros(kb, n)
