@@ -218,7 +218,7 @@ def int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts, feeds: list[dict],
         gptq_weights(dst, gw, nodes, scales, hessian)
     budget: dict = {}
     if search is not None and sensitivity_feeds is not None and opts.qdq_float_ratio > 0:
-        from export.int8_search import float_groups
+        from export.int8_search import budget_record, float_groups
 
         input_of = {n.name: n.input[0] for n in weight_matmuls(gw.model)}
         groups = {x: [n for n in nodes if input_of[n] == x] for x in inputs}
@@ -227,8 +227,7 @@ def int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts, feeds: list[dict],
         kept = [n for x in chosen for n in groups[x]]
         unquantize(dst, gw, kept)
         nodes = [n for n in nodes if n not in set(kept)]
-        budget = {"qdq_float_ratio": opts.qdq_float_ratio, "qdq_float_activations": chosen,
-                  "qdq_sensitivity": dict(sorted(sens.items(), key=lambda kv: -kv[1]))}
+        budget = budget_record(opts.qdq_float_ratio, chosen, sens)
     float_nodes = [n.name for n in weight_matmuls(gw.model) if n.name not in set(nodes)]
     metrics = {"smoothquant_groups": len(scales), "calibration_samples": len(feeds), "quantized_matmuls": len(nodes),
                "lm_head_float": opts.keep_lm_head_float, "float_matmuls": float_nodes,

@@ -173,6 +173,7 @@ class QdqProbe:
 
         from export.onnx_weights import GraphWeights, set_opset, weight_matmuls
         from export.sensitivity import _log_softmax32
+
         gw = GraphWeights(smoothed)
         if fp8:
             set_opset(gw, FP8_OPSET)  # FP8 Q/DQ are opset 19's
@@ -254,3 +255,9 @@ def float_groups(smoothed: Path, work: Path, groups: dict[str, list[str]], range
     del probe
     cost = {x: sum(int(dequantized[n].size) for n in ns) for x, ns in groups.items()}
     return allocate(sens, cost, int(ratio * sum(cost.values()))), sens
+
+
+def budget_record(ratio: float, chosen: list[str], sens: dict[str, float]) -> dict:
+    """The quantize stage's record of `float_groups`' choice (int8-qdq's and fp8-qdq's metrics)."""
+    return {"qdq_float_ratio": ratio, "qdq_float_activations": chosen,
+            "qdq_sensitivity": dict(sorted(sens.items(), key=lambda kv: -kv[1]))}

@@ -325,26 +325,27 @@ def fp8_qdq(fp32_dir: Path, dst: Path, opts, calibration_feeds: Callable[[], lis
 
     plain = GraphWeights(fp32_dir / "model.onnx")
     head = head_matmul(plain.model)
-    names = [n.name for n in weight_matmuls(plain.model) if n is not head and n.name not in keep_float]
-    input_of = {n.name: n.input[0] for n in weight_matmuls(plain.model)}  # the fp32 graph's tensor names
-    weight_of = {n.name: n.input[1] for n in weight_matmuls(plain.model)}
+    matmuls = {n.name: n for n in weight_matmuls(plain.model) if n is not head and n.name not in keep_float}
+    readers: dict[str, list[str]] = {}  # by the fp32 graph's tensor: q, k and v (gate and up) share one range and Q/DQ
+    for n in matmuls.values():
+        readers.setdefault(n.input[0], []).append(n.name)
     feeds = calibration_feeds()
-    amax, rows = activation_ranges(fp32_dir / "model.onnx", dst, feeds, names,
+    amax, rows = activation_ranges(fp32_dir / "model.onnx", dst, feeds, list(matmuls),
                                    rows_per_text=16 if opts.qdq_range == "mse" else 0)
     search = Search(amax, rows, range_method=opts.qdq_range, fp8=True)
-    readers: dict[str, list[str]] = {}  # q, k and v (gate and up) read one tensor: one range, one Q/DQ pair
-    for name in names:
-        readers.setdefault(input_of[name], []).append(name)
-    ranges = {x: search.range(x, [plain.array(weight_of[n]).astype(np.float32) for n in ns], None) if x in amax else 0.0
-              for x, ns in readers.items()}
     del rows
-    search.rows.clear()  # the sample rows are done with: GPTQ and the probe come next
-    unused = [n for x, ns in readers.items() for n in ns if not ranges[x] > 0]  # never reached: no scale > 0
-    levels = {n: fp8_weight(plain.array(weight_of[n]).astype(np.float32), hessian(n) if hessian else None,
-                            opts.int8_gptq_damp) for x, ns in readers.items() if ranges[x] > 0 for n in ns}
+    ranges: dict[str, float] = {}
+    levels: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for x, ns in readers.items():  # each weight read once: its range's error, then its levels
+        weights = [plain.array(matmuls[n].input[1]).astype(np.float32) for n in ns]
+        ranges[x] = search.range(x, weights, None) if x in amax else 0.0
+        search.rows.pop(x, None)  # its sample rows are done with
+        if ranges[x] > 0:  # else never reached by the calibration: no scale > 0, the MatMuls stay fp16
+            levels |= {n: fp8_weight(w, hessian(n) if hessian else None, opts.int8_gptq_damp) for n, w in zip(ns, weights)}
+    unused = [n for x, ns in readers.items() for n in ns if not ranges[x] > 0]
     budget: dict = {}
     if sensitivity_feeds is not None and opts.qdq_float_ratio > 0:
-        from export.int8_search import float_groups
+        from export.int8_search import budget_record, float_groups
 
         groups = {x: ns for x, ns in readers.items() if ranges[x] > 0}
         chosen, sens = float_groups(fp32_dir / "model.onnx", dst, groups, ranges,
@@ -353,8 +354,7 @@ def fp8_qdq(fp32_dir: Path, dst: Path, opts, calibration_feeds: Callable[[], lis
         for x in chosen:
             for n in groups[x]:
                 del levels[n]
-        budget = {"qdq_float_ratio": opts.qdq_float_ratio, "qdq_float_activations": chosen,
-                  "qdq_sensitivity": dict(sorted(sens.items(), key=lambda kv: -kv[1]))}
+        budget = budget_record(opts.qdq_float_ratio, chosen, sens)
     del plain
     work = dst / "fp16-graph"
     gw = fp16_graph(fp32_dir, work)
@@ -367,10 +367,10 @@ def fp8_qdq(fp32_dir: Path, dst: Path, opts, calibration_feeds: Callable[[], lis
         if q.shape != gw.shape(node.input[1]):
             raise ValueError(f"fp8-qdq: {node.name}'s FP8 levels are {q.shape}, its fp16 weight {gw.shape(node.input[1])}")
         _dequantize_weight(gw, node, q, s, axis=1)
-        x = node.input[0]  # the fp16 graph's name of input_of[node.name]
+        x = node.input[0]  # the fp16 graph's name of the fp32 graph's matmuls[node.name].input[0]
         if x not in quantized:  # one Q/DQ pair per input tensor, before its first reader
             xs = node.name + "/input_scale"
-            gw.set(xs, _fp16_scale(np.array(ranges[input_of[node.name]] / FP8_MAX, np.float32)))
+            gw.set(xs, _fp16_scale(np.array(ranges[matmuls[node.name].input[0]] / FP8_MAX, np.float32)))
             at = list(gw.model.graph.node).index(node)
             gw.model.graph.node.insert(at, helper.make_node("QuantizeLinear", [x, xs, zero], [x + "/fp8"],
                                                              name=node.name + "/QuantizeLinear"))
