@@ -50,6 +50,11 @@ INT8_ROUNDINGS = ("gptq", "minmax")  # int8-dynamic (symmetric: no k-quant searc
 ABLATION = "no-smoothquant"  # sub-folder of the int8-qdq stage: same graph without SmoothQuant (report only)
 
 
+def is_number(v) -> bool:
+    """A recipe's number: an int or a float, not a string and not TOML's true (which Python counts as 1)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class QuantizeOptions:
     mode: str
@@ -168,7 +173,7 @@ class QuantizeOptions:
 
         check_domains(tuple(self.gptq_domains))
         for name in ("int4_gptq_damp", "int8_gptq_damp"):
-            if not isinstance(getattr(self, name), (int, float)) or not 0 < getattr(self, name) <= 1:
+            if not is_number(getattr(self, name)) or not 0 < getattr(self, name) <= 1:
                 raise RecipeError(f"{name} must be in (0, 1] (a share of X^T X's mean diagonal), got {getattr(self, name)}")
         if self.gptq_samples < 1 or self.gptq_tokens < 8:
             raise RecipeError(f"gptq_samples must be >= 1 and gptq_tokens >= 8, got {self.gptq_samples} and {self.gptq_tokens}")

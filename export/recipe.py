@@ -117,11 +117,11 @@ class BuildOptions:
         from export.planner import check_int4_layout
 
         check_int4_layout(self.int4_block_size, self.int4_lm_head_bits)
-        from export.quantize import INT8_ROUNDINGS, ROUNDINGS
+        from export.quantize import INT8_ROUNDINGS, ROUNDINGS, is_number
 
         if self.int4_activations not in INT4_ACTIVATIONS:
             raise RecipeError(f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}, got {self.int4_activations!r}")
-        if not isinstance(self.int4_gptq_damp, (int, float)) or not 0 < self.int4_gptq_damp <= 1:
+        if not is_number(self.int4_gptq_damp) or not 0 < self.int4_gptq_damp <= 1:
             raise RecipeError(f"int4_gptq_damp must be in (0, 1] (a share of X^T X's mean diagonal), got {self.int4_gptq_damp}")
         if self.int4_rounding not in ROUNDINGS:
             raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
@@ -133,7 +133,7 @@ class BuildOptions:
         from export.calibration_texts import check_domains
 
         check_domains(tuple(self.gptq_domains))
-        if not isinstance(self.qdq_float_ratio, (int, float)) or not 0 <= self.qdq_float_ratio < 1:
+        if not is_number(self.qdq_float_ratio) or not 0 <= self.qdq_float_ratio < 1:
             raise RecipeError(f"qdq_float_ratio must be a number in [0, 1) (the share of int8-qdq's and fp8-qdq's "
                               f"8-bit weight bytes that may stay fp16; 0 turns that pass off), got {self.qdq_float_ratio!r}")
         if not isinstance(self.gptq_samples, int) or self.gptq_samples < 1:

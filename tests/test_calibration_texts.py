@@ -153,6 +153,6 @@ def test_qdq_float_ratio_recipe_key_reaches_the_int8_qdq_stage(tmp_path):
     # fp8-qdq has the same budget and 8-bit rounding (export/trt_formats.py): the recipe's and flags' values reach it
     assert _quantize_options(r, "fp8-qdq").qdq_float_ratio == 0
     assert _quantize_options(BuildOptions(output=tmp_path / "x.bundle", int8_rounding="minmax"), "fp8-qdq").int8_rounding == "minmax"
-    for bad in (1, -0.1, "some"):
+    for bad in (1, -0.1, "some", False):  # TOML's false is not 0
         with pytest.raises(RecipeError, match="qdq_float_ratio must be a number in"):
             BuildOptions(output=tmp_path / "x.bundle", qdq_float_ratio=bad)

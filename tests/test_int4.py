@@ -458,9 +458,11 @@ def test_int4_activations_choose_the_kernels_accuracy_level(mixed_bundle, tmp_pa
     assert draft.accuracy_level == 4  # a draft keeps the fast kernel
     with pytest.raises(RecipeError, match="int4_activations must be one of int8, fp32"):
         BuildOptions(output=tmp_path / "x", int4_activations="bf16")
-    for bad in (0, float("nan"), "lots"):  # a recipe's wrong type too: a RecipeError, not a TypeError
+    for bad in (0, float("nan"), "lots", True):  # a recipe's wrong type too (TOML's true is not 1.0): a RecipeError
         with pytest.raises(RecipeError, match="int4_gptq_damp must be in"):
             BuildOptions(output=tmp_path / "x", int4_gptq_damp=bad)
+        with pytest.raises(RecipeError, match="int8_gptq_damp must be in"):
+            QuantizeOptions(mode="int8-dynamic", int8_gptq_damp=bad)
     work = mixed_bundle.root.with_name(mixed_bundle.root.name + ".work")
     run(work / "export" / "fused", work / "load", tmp_path, QuantizeOptions(mode="int4-weight", accuracy_level=1,
                                                                           int4_rounding="minmax"))
