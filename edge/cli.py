@@ -338,7 +338,7 @@ def _serve(args: argparse.Namespace) -> int:
                      auth=auth, ui=not args.no_ui, prompt_cache_mb=args.prompt_cache_mb, sock=sock,
                      request_timeout_s=args.request_timeout, lenient=args.lenient,
                      reasoning_budget=args.reasoning_budget, context_overflow=args.context_overflow,
-                     limits=ConnectionLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                     prefill_batch_tokens=args.prefill_batch_tokens, limits=ConnectionLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                                              max_connections=args.max_connections))
     finally:
         sock.close()
@@ -464,6 +464,11 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-cache-mb", type=Bounded(float, 0), default=None,
                    help="memory for the K/V of recent conversations, so a prompt that starts like one of them (the "
                         "system prompt, the chat so far) prefills only what is new (fused graphs; default 64, 0: off)")
+    s.add_argument("--prefill-batch-tokens", type=Bounded(int, 0), metavar="N",
+                   help="prompts that arrive together are prefilled in batched calls of at most N tokens (rows x the "
+                        "longest prompt, up to its first 64 tokens; 0: all in one call). Default: 64 on CPU (ONNX "
+                        "Runtime's kernels cost about the same per token beyond it, and a larger call makes every user "
+                        "in it wait for all the others' prompts), no limit on a GPU")
     _add_budget_flag(s)
     s.add_argument("--context-overflow", choices=("shift", "error"), default="shift",
                    help="a chat longer than the context: shift drops its oldest turns (never the system prompt or the "

@@ -10,7 +10,7 @@ import pytest
 
 from edge.decode.cache import BatchCache, SharedBatchCache
 from edge.decode.scheduler import QueueFullError, Scheduler
-from edge.errors import ContextOverflowError
+from edge.errors import ContextOverflowError, EdgeChatError
 from edge.serve.metrics import Metrics
 from edge.backends.decoder import boundary_at_or_below
 
@@ -161,10 +161,12 @@ def test_batched_step_logits_equal_single_row_logits(tiny_bundle, engine):
     assert_batched_steps_equal_alone(dec, prompts, [40, 41, 42], capacity=16, atol=1e-5)
 
 
-def test_requests_that_arrive_together_get_their_single_user_answers(fused_generator, monkeypatch):
-    """Fused graphs: requests waiting together share ONE batched call for their prompts' first prefill span (not
-    one call each in turn: the last to arrive waited for everyone's prefill), and each answer equals its
-    single-user answer."""
+@pytest.mark.parametrize("budget", [None, 64, 100])
+def test_requests_that_arrive_together_get_their_single_user_answers(fused_generator, monkeypatch, budget):
+    """Fused graphs: requests waiting together share batched calls for their prompts' first prefill span, as many
+    prompts per call as the decoder's `batched_prefill_tokens` allows (rows x the longest span; None, a GPU's: ONE
+    call for all four; on CPU runs of them in arrival order, a call no larger than the budget unless one prompt
+    alone is), and each answer equals its single-user answer."""
     gen = fused_generator
     cfgs = [gen.sampling(max_new_tokens=20 + 3 * i, ignore_eos=True) for i in range(4)]
     alone = [gen.complete(_ids(gen, p), c)[1].token_ids for p, c in zip(PROMPTS, cfgs)]
@@ -177,6 +179,7 @@ def test_requests_that_arrive_together_get_their_single_user_answers(fused_gener
         return real(ids, *a, **kw)
 
     monkeypatch.setattr(gen.decoder, "run_fused", spy)
+    monkeypatch.setattr(type(gen.decoder), "batched_prefill_tokens", property(lambda self: budget))
     s = Scheduler(gen, max_batch=4, max_queue=8).start()
     try:
         with s._cv:  # hold the loop off so all four are waiting when it looks
@@ -185,8 +188,64 @@ def test_requests_that_arrive_together_get_their_single_user_answers(fused_gener
     finally:
         s.stop()
     assert got == alone
-    assert all(len(_ids(gen, p)) <= 64 for p in PROMPTS)  # each prompt fits the first span: one call in all
-    assert [b for b, _ in prefill_calls] == [4], prefill_calls
+    lengths = [len(_ids(gen, p)) for p in PROMPTS[:4]]
+    assert all(n <= 64 for n in lengths)  # each prompt fits the first span: one call row each
+    want, run = [], []  # the runs the budget allows, in arrival order
+    for n in lengths:
+        if run and (budget is None or (len(run) + 1) * max(run + [n]) <= budget):
+            run.append(n)
+        else:
+            want, run = want + ([run] if run else []), [n]
+    want.append(run)
+    assert [b for b, _ in prefill_calls] == [len(r) for r in want], (prefill_calls, lengths)
+    assert [w for _, w in prefill_calls] == [max(r) for r in want]
+    if budget is None:
+        assert len(prefill_calls) == 1
+    if budget == 64:  # chat prompts of 37-50 tokens: one after another
+        assert [b for b, _ in prefill_calls] == [1, 1, 1, 1]
+    if budget == 100:  # two by two
+        assert [b for b, _ in prefill_calls] == [2, 2]
+
+
+@pytest.mark.parametrize("override, calls", [(0, [4]), (100, [2, 2]), (None, [1, 1, 1, 1])])
+def test_prefill_batch_tokens_overrides_the_decoders_budget(fused_generator, monkeypatch, override, calls):
+    """`serve --prefill-batch-tokens` (Admission.prefill_batch_tokens): 0 puts every prompt that arrives together in
+    one call even on CPU, N cuts runs at N tokens, None keeps the decoder's (64 on CPU: 37-50 token chat prompts one
+    at a time). Set through the server's Service, as the CLI does."""
+    from edge.serve.service import Service
+
+    gen = fused_generator
+    cfgs = [gen.sampling(max_new_tokens=4, ignore_eos=True) for _ in range(4)]
+    calls_seen: list[int] = []
+    real = gen.decoder.run_fused
+
+    def spy(ids, *a, **kw):
+        if ids.shape[1] > 1:
+            calls_seen.append(ids.shape[0])
+        return real(ids, *a, **kw)
+
+    monkeypatch.setattr(gen.decoder, "run_fused", spy)
+    service = Service(gen, max_users=4, prompt_cache_mb=0, prefill_batch_tokens=override)
+    s = service.scheduler.start()
+    try:
+        with s._cv:
+            reqs = [s.submit(_ids(gen, p), c) for p, c in zip(PROMPTS, cfgs)]
+        for r in reqs:
+            r.answer(timeout=60)
+    finally:
+        s.stop()
+    assert calls_seen == calls
+    with pytest.raises(EdgeChatError, match="--prefill-batch-tokens must be >= 0"):
+        Service(gen, max_users=4, prompt_cache_mb=0, prefill_batch_tokens=-1)
+
+
+def test_cpu_decoders_prefill_one_span_per_batched_call(fused_generator):
+    """ONNX Runtime on CPU: a batched first call carries at most one first span's worth of tokens (its kernels cost
+    the same per token beyond it); the GPU's decoders have no limit."""
+    from edge.backends.decoder import PREFILL_BOUNDARY_FIRST
+
+    assert fused_generator.decoder.device == "cpu"
+    assert fused_generator.decoder.batched_prefill_tokens == PREFILL_BOUNDARY_FIRST
 
 
 @pytest.mark.parametrize("engine", ["int8-dynamic", "int4-weight"])

@@ -84,6 +84,16 @@ class Decoder(ABC):
         self.present_names = io.present_names(dims.num_layers)
         self.prefill_chunk = io.prefill_chunk  # most prompt tokens one plain-graph call takes
 
+    @property
+    def batched_prefill_tokens(self) -> int | None:
+        """At most how many tokens (rows x the longest first span) one batched first-prefill call should carry
+        (the scheduler groups prompts that arrive together by it; SharedBatchCache.admit_together); None: no limit.
+        On CPU one first span's worth (64): ONNX Runtime's CPU kernels cost about the same per prompt token from a
+        few dozen tokens a call, so a bigger call saves nothing and every user in it waits for all the others'
+        prompts (8 chat prompts together: TTFT p50 365 ms in one call, 221 ms one after another, same tokens/s;
+        docs/speed.md). On a GPU one call of several prompts costs about what one prompt's does: no limit."""
+        return PREFILL_BOUNDARY_FIRST if self.device == "cpu" else None
+
     # -- what a backend implements ------------------------------------------------------------------
     @abstractmethod
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> KVCache:

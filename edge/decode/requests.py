@@ -56,12 +56,16 @@ class Admission:
     - `interleaved_span`: tokens of a long prompt prefilled between two steps; None = the decoder's own
       `prefill_span` (up to the next prefill boundary, <= 128 tokens, on a fused graph), so the prompt runs
       the calls it would run alone. Benchmarks set it to compare "all at once".
+    - `prefill_batch_tokens`: prompts that arrive together share batched first-prefill calls of at most this many
+      tokens (rows x the longest first span; `serve --prefill-batch-tokens`); None = the decoder's own
+      `batched_prefill_tokens` (64 on CPU, no limit on a GPU), 0 = no limit (all in one call).
     - A request is refused (429, Retry-After) when `max_queue` are already waiting and every row is taken;
       Retry-After is `retry_steps` decode steps at the running mean step time (a typical answer's rest).
     """
 
     long_prompt: int = 512
     interleaved_span: int | None = None
+    prefill_batch_tokens: int | None = None
     max_queue: int = 32
     retry_steps: int = 64
 

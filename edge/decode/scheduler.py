@@ -3,9 +3,10 @@
 Continuous batching: many conversations share one decode step. Each active request owns a row of one
 batched KV cache (edge.decode.cache). A single-user generation (the CLI, the REPL, the export's evaluation)
 is this same loop with one row, run in the caller's thread (`Scheduler.generate`); the server runs it
-on its own thread. New requests join the batch between steps; requests that arrive together share one batched
-call for their prompts' first prefill span (a short chat prompt's whole prefill), each row computing what its
-prefill alone computes (the calls are fixed by position, so an answer does not depend on who arrived with it or
+on its own thread. New requests join the batch between steps; requests that arrive together share batched
+calls for their prompts' first prefill span (a short chat prompt's whole prefill), as many per call as the
+decoder's `batched_prefill_tokens` allows (on CPU one after another: a larger call is no cheaper per token),
+each row computing what its prefill alone computes (the calls are fixed by position, so an answer does not depend on who arrived with it or
 on what the prompt cache held, where the engine is batch invariant: edge.backends.determinism). On a fused graph a long prompt is prefilled a span at a time into the last slot, one span
 between decode steps, so the answers already streaming keep streaming instead of freezing for the
 whole prefill; it then joins the batch. A finished, cancelled or timed-out request leaves at once and
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import numpy as np
 
+from edge.backends.decoder import next_boundary
 from edge.decode.cache import PROMPT_CACHE_MB, batch_cache
 from edge.errors import ContextOverflowError, EdgeChatError
 from edge.decode.sampling import Sampler, SamplingConfig
@@ -416,20 +418,43 @@ class Scheduler:
         return took
 
     def _prefill_group(self, group: list[tuple[Request, _Row]]) -> None:
-        """Short prompts taken together: those the prompt cache has nothing for are prefilled in one batched
-        first call (`cache.admit_together`: users who arrive together wait for one call, not for each other's
-        prefill in turn), the others one at a time from their cached start. If the batched call fails, each is
-        tried alone, so a failure stays with the request that causes it."""
-        together = []
-        if len(group) > 1:
-            together = [g for g in group if self.cache.cached_start(g[0].prompt_ids) == 0]
-        if len(together) < 2:
-            together = []
+        """Short prompts taken together: those the prompt cache has something for are prefilled one at a time from
+        their cached start; the others in consecutive groups that share one batched first call each
+        (`cache.admit_together`: users who arrive together wait for one call, not for each other's prefill in
+        turn), a group as large as the decoder's `batched_prefill_tokens` allows (rows x the longest first span:
+        on CPU one span's worth, so 8 chat prompts run one after another and the first answers start while the
+        later prompts are prefilled). A failed batched call is retried one prompt at a time, so a failure stays
+        with the request that causes it."""
+        fresh = [g for g in group if self.cache.cached_start(g[0].prompt_ids) == 0] if len(group) > 1 else []
         for req, row in group:
-            if not any(req is r for r, _ in together):
+            if not any(req is r for r, _ in fresh):
                 self._prefill(req, row)
-        if not together:
-            return
+        for together in self._call_groups(fresh):
+            if len(together) == 1:
+                self._prefill(*together[0])
+            else:
+                self._prefill_together(together)
+
+    def _call_groups(self, fresh: list[tuple[Request, _Row]]) -> list[list[tuple[Request, _Row]]]:
+        """`fresh` in arrival order, cut into runs whose batched first call (rows x the longest first span)
+        stays within the budget (`Admission.prefill_batch_tokens`, else the decoder's `batched_prefill_tokens`; a
+        prompt alone may exceed it)."""
+        budget = self.admission.prefill_batch_tokens
+        budget = self.gen.decoder.batched_prefill_tokens if budget is None else budget or None
+        groups: list[list[tuple[Request, _Row]]] = []
+        widest = 0
+        for g in fresh:
+            span = min(len(g[0].prompt_ids), next_boundary(0))
+            if groups and (budget is None or (len(groups[-1]) + 1) * max(widest, span) <= budget):
+                groups[-1].append(g)
+                widest = max(widest, span)
+            else:
+                groups.append([g])
+                widest = span
+        return groups
+
+    def _prefill_together(self, together: list[tuple[Request, _Row]]) -> None:
+        """One batched first call for `together` (see `_prefill_group`); each row joins and takes its first token."""
         try:
             logits = self.cache.admit_together([req.prompt_ids for req, _ in together])
         except Exception:

@@ -48,7 +48,7 @@ def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: 
           auth: tuple[str, str] | None = None, ui: bool = True, prompt_cache_mb: float | None = None,
           sock: socket.socket | None = None, request_timeout_s: float | None = None, lenient: bool = False,
           limits: "ConnectionLimits | None" = None, reasoning_budget: int | None = None,
-          context_overflow: str = "shift") -> int:
+          context_overflow: str = "shift", prefill_batch_tokens: int | None = None) -> int:
     import uvicorn
 
     from edge.serve.limits import ConnectionLimits, timed_h11_protocol
@@ -58,7 +58,8 @@ def serve(gen: Generator, host: str = "127.0.0.1", port: int = 7860, max_users: 
     sock = sock if sock is not None else bind_socket(host, port)
     service = Service(gen, max_users=max_users, max_queue=max_queue, prompt_cache_mb=prompt_cache_mb,
                       request_timeout_s=request_timeout_s, lenient=lenient, limits=limits,
-                      reasoning_budget=reasoning_budget, context_overflow=context_overflow)
+                      reasoning_budget=reasoning_budget, context_overflow=context_overflow,
+                      prefill_batch_tokens=prefill_batch_tokens)
     service.scheduler.start()
     app = create_app(service, auth=auth, ui=ui)
     shown = f"[{host}]" if ":" in host else host

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import os
 import threading
@@ -48,7 +49,8 @@ class Service:
     def __init__(self, gen: Generator, max_users: int = 8, max_queue: int | None = None,
                  prompt_cache_mb: float | None = None, request_timeout_s: float | None = None,
                  lenient: bool = False, limits: ConnectionLimits | None = None,
-                 reasoning_budget: int | None = None, context_overflow: str = "shift") -> None:
+                 reasoning_budget: int | None = None, context_overflow: str = "shift",
+                 prefill_batch_tokens: int | None = None) -> None:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise EdgeChatError(f"--request-timeout must be > 0 seconds, got {request_timeout_s}")
         if context_overflow not in ("shift", "error"):
@@ -62,6 +64,11 @@ class Service:
         self.scheduler = Scheduler(gen, max_batch=max_users, max_queue=4 * max_users if max_queue is None else max_queue,
                                    metrics=self.metrics,
                                    **({} if prompt_cache_mb is None else {"prompt_cache_mb": prompt_cache_mb}))
+        if prefill_batch_tokens is not None:  # --prefill-batch-tokens (edge.decode.requests.Admission)
+            if prefill_batch_tokens < 0:
+                raise EdgeChatError(f"--prefill-batch-tokens must be >= 0 (0: no limit), got {prefill_batch_tokens}")
+            self.scheduler.admission = dataclasses.replace(self.scheduler.admission,
+                                                           prefill_batch_tokens=prefill_batch_tokens)
         # speculative steps only while one answer is decoding (edge.decode.speculative)
         self.scheduler.speculator = gen.make_speculator()
         # served greedy answers equal the plain answer: only unseeded sampled answers speculate (see Scheduler._draftable)
