@@ -3,7 +3,8 @@
 
 One MatMul of a model's shape (default SmolLM2-135M's MLP: K 576 x N 1536) as each engine runs it: MatMulNBits
 8-bit and 4-bit (blocks of 32, accuracy level 4: INT8 activations, what int8-dynamic and int4-weight use; with
---float-activations also level 1, what `--int4-activations fp32` writes) and fp32 MatMul (MLAS SGEMM), interleaved per round (A B C A B C), median and spread over rounds, at M = 1 (a decode
+--float-activations also level 1, what `--int4-activations fp32` writes; with --integer also MatMulInteger on
+activations quantized per row) and fp32 MatMul (MLAS SGEMM), interleaved per round (A B C A B C), median and spread over rounds, at M = 1 (a decode
 step), 16, 64 and 344 (8 short chat prompts prefilled together). Prints a table and writes JSON. Issue 46: the
 8-user TTFT is the prefill kernel, not the serving path.
 
@@ -47,6 +48,30 @@ def nbits(k: int, n: int, bits: int, threads: int, block: int = 32, accuracy: in
                                                        helper.make_opsetid("com.microsoft", 1)]), threads)
 
 
+def rows_int8(k: int, n: int, threads: int):
+    """MatMulInteger (u8 x s8: MLAS's VNNI / dot-product GEMM) on activations quantized per row: one scale per
+    token (its max |x| / 127) and the zero point 128 for every row (ONNX Runtime's MatMulInteger takes one zero
+    point for A), the weight INT8 per output channel; the int32 result scaled back by row and by column."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    scalars = {"inv": np.float32(1 / 127), "eps": np.float32(1e-30), "f128": np.float32(128), "z128": np.uint8(128)}
+    consts = [numpy_helper.from_array(rng.integers(-127, 128, size=(k, n), dtype=np.int8), "B"),
+              numpy_helper.from_array(rng.random((1, n), dtype=np.float32) * 0.01, "BS"),
+              numpy_helper.from_array(np.array([-1], np.int64), "last")]
+    consts += [numpy_helper.from_array(np.array(v), name) for name, v in scalars.items()]
+    op = helper.make_node
+    nodes = [op("Abs", ["A"], ["abs"]), op("ReduceMax", ["abs", "last"], ["mx"], keepdims=1),
+             op("Max", ["mx", "eps"], ["mx1"]), op("Mul", ["mx1", "inv"], ["s"]),  # the row's scale
+             op("Div", ["A", "s"], ["d"]), op("Round", ["d"], ["r"]), op("Add", ["r", "f128"], ["u"]),
+             op("Cast", ["u"], ["aq"], to=TensorProto.UINT8),  # |x| / s <= 127: no clip needed
+             op("MatMulInteger", ["aq", "B", "z128"], ["yi"]), op("Cast", ["yi"], ["yf"], to=TensorProto.FLOAT),
+             op("Mul", ["yf", "s"], ["y1"]), op("Mul", ["y1", "BS"], ["Y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], consts)
+    return session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), threads)
+
+
 def fp32(k: int, n: int, threads: int):
     from onnx import TensorProto, helper, numpy_helper
 
@@ -66,10 +91,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--float-activations", action="store_true",
                     help="also MatMulNBits at accuracy level 1 (fp32 activations) beside level 4 (INT8 activations)")
+    ap.add_argument("--integer", action="store_true",
+                    help="also MatMulInteger (u8 x s8) on activations quantized per row, weights per channel")
     ap.add_argument("--json", type=Path, default=Path("bench-results/matmul-kernels.json"))
     a = ap.parse_args()
     kernels = {"MatMulNBits 8-bit": nbits(a.k, a.n, 8, a.threads), "MatMulNBits 4-bit": nbits(a.k, a.n, 4, a.threads),
                "MatMul fp32": fp32(a.k, a.n, a.threads)}
+    if a.integer:  # what a W8A8 engine would run (scripts/w8a8_probe_graphs.py: what it would cost in quality)
+        kernels["MatMulInteger, INT8 per row"] = rows_int8(a.k, a.n, a.threads)
     if a.float_activations:  # accuracy level 1: what --int4-activations fp32 writes (docs/quality.md)
         kernels |= {"MatMulNBits 8-bit fp32 act": nbits(a.k, a.n, 8, a.threads, accuracy=1),
                     "MatMulNBits 4-bit fp32 act": nbits(a.k, a.n, 4, a.threads, accuracy=1)}

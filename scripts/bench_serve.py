@@ -9,11 +9,13 @@ runs one server per size, with and without the prompt cache, in the same run. Pr
 
 `--rounds N` interleaves, per level and round: the server, the raw decoder (the same engine, prompts and threads
 without a server: `users` rows prefilled together, then batched greedy steps) and, with `--llama-server GGUF`,
-llama.cpp's server; the "server/raw" column is what the serving path costs (issue 46).
+llama.cpp's server; the "server/raw" column is what the serving path costs (issue 46). `--variant NAME=ARGS` adds
+our server started with other `edge-chat serve` arguments as one more side in the same rounds (its tok/s per round
+as a ratio to the plain server's, and its TTFT).
 
   .venv/bin/python scripts/bench_serve.py smollm2.bundle --engine int8-dynamic --prompt-cache-mb 64,0
   .venv/bin/python scripts/bench_serve.py smollm2.bundle --engine int8-dynamic --threads 2 --users 1,8,16 \
-      --rounds 3 --prompt-cache-mb 0 [--llama-server q8_0.gguf]
+      --rounds 3 --prompt-cache-mb 0 [--llama-server q8_0.gguf] [--variant together='--prefill-batch-tokens 0']
 """
 
 from __future__ import annotations
@@ -129,23 +131,39 @@ def start_llama_server(gguf: str, slots: int, threads: int | None, ctx_per_slot:
     sys.exit("llama-server did not start in 120 s")
 
 
-def raw_decoder(bundle: str, engine: str | None, users: int, threads: int | None, max_tokens: int,
-                requests: int = 1) -> dict:
+class RawDecoder:
     """The decoder alone on the prompts the server's clients send (same engine and threads, in its own process,
     the session options of scripts/bench_decode.py), measured the way run_level measures the server: `users`
-    rows prefilled one by one, then batched greedy steps until each has `max_tokens`, `requests` times over;
+    rows prefilled together, then batched greedy steps until each has `max_tokens`, `requests` times over;
     total tok/s = every token / the whole time, prefills included. What the server adds is the gap between
-    this and the server's rate."""
-    spec = {"bundle": bundle, "engine": engine, "users": users, "threads": threads, "max_tokens": max_tokens,
-            "requests": requests}
-    out = subprocess.run([sys.executable, __file__, bundle, "--_raw", json.dumps(spec)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=1200)
-    if out.returncode:
-        sys.exit(f"the raw decoder run failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    this and the server's rate. A process started with the servers (and in turn with them, --fresh-processes)
+    that loads the engine once and measures on each `run`."""
+
+    def __init__(self, bundle: str, engine: str | None, threads: int | None) -> None:
+        spec = {"bundle": bundle, "engine": engine, "threads": threads}
+        self.proc = subprocess.Popen([sys.executable, __file__, bundle, "--_raw", json.dumps(spec)], cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            self.proc.kill()
+            sys.exit(f"the raw decoder did not start (try: {sys.executable} {__file__} {bundle} --_raw '{json.dumps(spec)}')")
+
+    def run(self, users: int, max_tokens: int, requests: int = 1) -> dict:
+        self.proc.stdin.write(json.dumps({"users": users, "max_tokens": max_tokens, "requests": requests}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            sys.exit("the raw decoder process ended while measuring")
+        return json.loads(line)
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def wait(self, timeout: float) -> None:
+        self.proc.wait(timeout)
 
 
-def _raw_child(spec: dict) -> dict:
+def _raw_child(spec: dict) -> None:
+    """RawDecoder's process: load, say "ready", then measure one JSON line of {users, max_tokens, requests} each."""
     import numpy as np
 
     sys.path.insert(0, str(ROOT))
@@ -155,30 +173,33 @@ def _raw_child(spec: dict) -> dict:
     from edge.decode.generate import Generator
 
     gen = Generator.from_bundle(Bundle.open(spec["bundle"]), engine=spec["engine"], threads=spec["threads"])
-    n, new = spec["users"], spec["max_tokens"]
+    print("ready", flush=True)
+    for line in sys.stdin:
+        ask = json.loads(line)
+        n, new = ask["users"], ask["max_tokens"]
 
-    def prompts(k: int) -> list[list[int]]:  # run_level's questions: client i's k-th request
-        return [prompt(gen.tokenizer, [{"role": "user", "content": QUESTIONS[(i + k) % len(QUESTIONS)]
-                                        + f" (user {i})"}]).ids for i in range(n)]
+        def prompts(k: int) -> list[list[int]]:  # run_level's questions: client i's k-th request
+            return [prompt(gen.tokenizer, [{"role": "user", "content": QUESTIONS[(i + k) % len(QUESTIONS)]
+                                            + f" (user {i})"}]).ids for i in range(n)]
 
-    def once(ps: list[list[int]]) -> tuple[float, float, float]:
-        cache = batch_cache(gen.decoder, n)
-        t0 = time.perf_counter()
-        toks = cache.prefill_rows(ps).argmax(-1).tolist()  # together, as the server admits users who arrive at once
-        first = t1 = time.perf_counter()
-        first -= t0  # every row's first token is known after this one call
-        for _ in range(new - 1):
-            toks = np.asarray(cache.step(toks)).argmax(-1).tolist()
-        t2 = time.perf_counter()
-        return first, t1 - t0, t2 - t1
+        def once(ps: list[list[int]]) -> tuple[float, float, float]:
+            cache = batch_cache(gen.decoder, n)
+            t0 = time.perf_counter()
+            toks = cache.prefill_rows(ps).argmax(-1).tolist()  # together, as the server admits users who arrive at once
+            first = t1 = time.perf_counter()
+            first -= t0  # every row's first token is known after this one call
+            for _ in range(new - 1):
+                toks = np.asarray(cache.step(toks)).argmax(-1).tolist()
+            t2 = time.perf_counter()
+            return first, t1 - t0, t2 - t1
 
-    once(prompts(0))  # warm-up: first-call allocations
-    runs = [once(prompts(k)) for k in range(spec.get("requests", 1))]
-    wall = sum(p + s for _, p, s in runs)
-    steps = sum(s for _, _, s in runs)
-    return {"users": n, "prefill_ms": 1000 * statistics.median(f for f, _, _ in runs),
-            "total_tok_s": n * new * len(runs) / wall, "step_tok_s": n * (new - 1) * len(runs) / steps,
-            "step_ms": 1000 * steps / ((new - 1) * len(runs))}
+        once(prompts(0))  # warm-up: first-call allocations of this batch size
+        runs = [once(prompts(k)) for k in range(ask.get("requests", 1))]
+        wall = sum(p + s for _, p, s in runs)
+        steps = sum(s for _, _, s in runs)
+        print(json.dumps({"users": n, "prefill_ms": 1000 * statistics.median(f for f, _, _ in runs),
+                          "total_tok_s": n * new * len(runs) / wall, "step_tok_s": n * (new - 1) * len(runs) / steps,
+                          "step_ms": 1000 * steps / ((new - 1) * len(runs))}), flush=True)
 
 
 def run_level(url: str, users: int, requests: int, max_tokens: int, sampling: dict | None = None) -> dict:
@@ -236,11 +257,17 @@ def main() -> int:
                     "server's do; fairer on a loaded machine; default: llama.cpp's own)")
     ap.add_argument("--no-draft", action="store_true", help="serve without the bundle's own draft model (edge-chat "
                     "serve --no-draft; by default a bundle built with --draft drafts while one answer decodes)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="with --rounds: also serve with these extra `edge-chat serve` arguments, as its own side in the "
+                         "same rounds (e.g. together='--prefill-batch-tokens 0'); repeatable")
+    ap.add_argument("--fresh-processes", action="store_true",
+                    help="with --rounds: start every server anew for each round (identical servers on this 2-core VM "
+                         "ran 7-13%% apart for their whole life, so one process per side is one draw; docs/speed.md)")
     ap.add_argument("--json", default="bench-results/serve.json")
     ap.add_argument("--_raw", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._raw:
-        print(json.dumps(_raw_child(json.loads(args._raw))))
+        _raw_child(json.loads(args._raw))
         return 0
     try:
         bad = [x for x in args.users.split(",") if int(x) < 1]
@@ -250,6 +277,15 @@ def main() -> int:
         ap.error(f"--users takes user counts >= 1 (got {args.users}), --requests and --max-tokens >= 1")
     if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    variants = []
+    for spec in args.variant:
+        name, _, extra = spec.partition("=")
+        if not name or not extra.strip() or name in ("edgechat", "raw decoder", "llama-server"):
+            ap.error(f"--variant takes NAME=ARGS with a new name and some serve arguments, got {spec!r}")
+        variants.append((name, tuple(extra.split())))
+    args.variants = variants
+    if variants and not args.rounds:
+        ap.error("--variant compares in interleaved rounds: give --rounds")
     if args.llama_server or args.rounds:
         return versus(args)
     levels = [int(x) for x in args.users.split(",")]
@@ -292,39 +328,66 @@ def main() -> int:
 
 def versus(args) -> int:
     """Per level and round, in turn: our server, the raw decoder (the same engine, prompts and threads, no
-    server), and llama-server when --llama-server is given (both servers up at once, each idle while the other
-    is measured). Medians, spreads and per-round ratios: "server / raw decoder" is what the serving path costs."""
+    server), and llama-server when --llama-server is given (all servers up at once, each idle while another is
+    measured; `--fresh-processes`: started anew for each round). Medians, spreads and per-round ratios: "server / raw decoder" is what the serving path costs."""
     levels = [int(x) for x in args.users.split(",")]
     rounds = args.rounds or 1
     if args.prompt_cache_mb and "," in args.prompt_cache_mb:
         sys.exit("--rounds / --llama-server take one --prompt-cache-mb (0: every prompt prefilled, as the raw "
                  "decoder does)")
     mb = float(args.prompt_cache_mb) if args.prompt_cache_mb else None
-    ours, url = start_server(args.bundle, args.engine, max(levels), args.threads, mb,
-                             extra=("--no-draft",) if args.no_draft else ())
-    theirs, lurl = start_llama_server(args.llama_server, max(levels), args.threads, poll=args.llama_poll) \
-        if args.llama_server else (None, None)
-    health = json.loads(urllib.request.urlopen(url + "/health").read())
-    sides = [("edgechat", url), ("raw decoder", None)] + ([("llama-server", lurl)] if lurl else [])
-    rows: dict = {}
-    try:
-        for _, u in sides:
-            if u:
-                one_request(u, "Hello!", 8)  # warm-up
-        for n in levels:
-            for r in range(rounds):
-                for name, u in sides:
-                    load = os.getloadavg()[0]
-                    print(f"... {n} users, round {r + 1}, {name} (load {load:.1f})", file=sys.stderr, flush=True)
-                    got = run_level(u, n, args.requests, args.max_tokens) if u else \
-                        raw_decoder(args.bundle, args.engine, n, args.threads, args.max_tokens, args.requests)
-                    rows.setdefault(n, {}).setdefault(name, []).append(got | {"load_avg_1m": load})
-    finally:
-        for p in (ours, theirs):
+
+    def start_all(r: int = 0) -> list[tuple[str, object, str | None]]:
+        """(name, process, url) of every side in measuring order, servers up and warmed. Started in an order
+        rotated by round `r` (--fresh-processes): a process started earlier ran slower here for its whole life
+        (docs/speed.md), so each side takes each place in turn."""
+        makers = [("edgechat", lambda: start_server(args.bundle, args.engine, max(levels), args.threads, mb,
+                                                    extra=("--no-draft",) if args.no_draft else ()))]
+        makers += [(name, lambda extra=extra: start_server(args.bundle, args.engine, max(levels), args.threads, mb,
+                                                          extra=(("--no-draft",) if args.no_draft else ()) + extra))
+                   for name, extra in args.variants]
+        makers.append(("raw decoder", lambda: (RawDecoder(args.bundle, args.engine, args.threads), None)))
+        if args.llama_server:
+            makers.append(("llama-server", lambda: start_llama_server(args.llama_server, max(levels), args.threads,
+                                                                      poll=args.llama_poll)))
+        k = r % len(makers)
+        started: dict[str, tuple] = {}
+        try:
+            for name, make in makers[k:] + makers[:k]:
+                started[name] = make()
+            for proc, u in started.values():
+                if u:
+                    one_request(u, "Hello!", 8)  # warm-up
+        except BaseException:
+            stop_all([(name, *v) for name, v in started.items()])
+            raise
+        return [(name, *started[name]) for name, _ in makers]
+
+    def stop_all(started) -> None:
+        for _, p, _ in started:
             if p is not None:
                 p.terminate()
                 p.wait(30)
-    names = [name for name, _ in sides]
+
+    sides = start_all()
+    url, lurl = sides[0][2], next((u for name, _, u in sides if name == "llama-server"), None)
+    health = json.loads(urllib.request.urlopen(url + "/health").read())
+    rows: dict = {}
+    try:
+        for n in levels:
+            for r in range(rounds):
+                if args.fresh_processes and (n, r) != (levels[0], 0):  # each round on new processes (see --help)
+                    stop_all(sides)
+                    sides = start_all(r)
+                for name, proc, u in sides:
+                    load = os.getloadavg()[0]
+                    print(f"... {n} users, round {r + 1}, {name} (load {load:.1f})", file=sys.stderr, flush=True)
+                    got = run_level(u, n, args.requests, args.max_tokens) if u else \
+                        proc.run(n, args.max_tokens, args.requests)
+                    rows.setdefault(n, {}).setdefault(name, []).append(got | {"load_avg_1m": load})
+    finally:
+        stop_all(sides)
+    names = [name for name, _, _ in sides]
     print(f"\n{health['model']} [{health['precision']}, {health['backend']}]" +
           (f" vs llama-server ({Path(args.llama_server).name})" if lurl else "") +
           f", {args.max_tokens} tokens/answer, {args.requests} answers/user, greedy, EOS ignored, {rounds} rounds "
@@ -345,6 +408,11 @@ def versus(args) -> int:
                       "server_over_raw_median": statistics.median(raw), "ttft_p50_ms": ttft,
                       "raw_prefill_ms": prefill,
                       "raw_step_ms": statistics.median(x["step_ms"] for x in by["raw decoder"])}
+        for name, _ in args.variants:  # each variant against the server as it is, per round
+            summary[n][name] = {"over_edgechat": [a / b for a, b in zip(tok[name], tok["edgechat"])],
+                                "ttft_p50_ms": statistics.median(x["ttft_p50_ms"] for x in by[name]),
+                                "ttft_p95_ms": statistics.median(x["ttft_p95_ms"] for x in by[name])}
+        summary[n]["ttft_p95_ms"] = statistics.median(x["ttft_p95_ms"] for x in by["edgechat"])
         if lurl:
             summary[n] |= {"ours_over_llama": vs, "ours_over_llama_median": statistics.median(vs),
                            "llama_ttft_p50_ms": statistics.median(x["ttft_p50_ms"] for x in by["llama-server"])}
@@ -356,12 +424,18 @@ def versus(args) -> int:
               + (f" {cell(vs, 'x'):>17}" if lurl else "") + f" {ttft:>12.0f}ms {prefill:>10.0f}ms"
               + (f" {summary[n]['llama_ttft_p50_ms']:>9.0f}ms" if lurl else "")
               + f"  cached {statistics.median(x['cached_prompt_tokens'] / x['requests'] for x in by['edgechat']):.0f}")
+        for name, _ in args.variants:
+            v = summary[n][name]
+            print(f"{'':>5} {name}: tok/s {cell(v['over_edgechat'], 'x')} of edgechat's, TTFT p50 {v['ttft_p50_ms']:.0f} ms "
+                  f"(edgechat {ttft:.0f}), p95 {v['ttft_p95_ms']:.0f} ms (edgechat {summary[n]['ttft_p95_ms']:.0f})")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"script": "scripts/bench_serve.py", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                "server": health, "engine": args.engine, "llama_poll": args.llama_poll,
                                "gguf": args.llama_server, "threads": args.threads, "max_tokens": args.max_tokens,
-                               "requests": args.requests, "rounds": rounds, "prompt_cache_mb": mb, "rows": rows, "summary": summary,
+                               "requests": args.requests, "rounds": rounds,
+                               "variants": {name: list(extra) for name, extra in args.variants},
+                               "fresh_processes": args.fresh_processes, "prompt_cache_mb": mb, "rows": rows, "summary": summary,
                                "machine": {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
                                            "platform": platform.platform(), "load_avg_at_end": os.getloadavg()}},
                               indent=2))

@@ -75,6 +75,21 @@ def main() -> None:
             pairs.append((name, options, QuantizeOptions(**options)))
         except (TypeError, ValueError, EdgeChatError) as e:  # bad JSON, an unknown option name, a bad value
             ap.error(f"{name}: {e}")
+    if a.out.exists() and not a.out.is_dir():
+        ap.error(f"--out {a.out} is a file: give a folder for the probes' graphs and JSON")
+    graphs = []
+    for spec in a.graph:
+        name, _, rest = spec.partition("=")
+        precision, _, path = rest.partition(":")
+        if not name or not path:
+            ap.error(f"--graph takes NAME=PRECISION:PATH, got {spec!r}")
+        try:
+            precisions.get(precision)
+        except ValueError as e:
+            ap.error(f"--graph {spec}: {e}")
+        if not Path(path).is_file():
+            ap.error(f"--graph {spec}: no graph file at {path}")
+        graphs.append((name, precision, path))
     try:
         b = Bundle.open(a.bundle)
     except EdgeChatError as e:
@@ -108,14 +123,13 @@ def main() -> None:
                   f"{s['perplexity']:.2f} ({s['perplexity'] / ref_ppl[kind] - 1:+.1%})", flush=True)
         (a.out / f"{name}.json").write_text(json.dumps(out, indent=1, default=str))
 
-    for spec in a.graph:
-        name, rest = spec.split("=", 1)
-        precision, path = rest.split(":", 1)
-        probe = _onnx_logits(Path(path), m.model, m.engine_io(fp32), None, precision=precision)
-        score(name, probe, {"name": name, "graph": path, "precision": precision, "fp32_perplexity": ref_ppl})
-        del probe
     from edge.io_contract import io_for_variant
 
+    for name, precision, path in graphs:  # with the I/O of the graph its precision is quantized from (fused: CPU engines)
+        variant = "plain" if precisions.get(precision).variant == "plain" or not fused.is_dir() else "fused"
+        probe = _onnx_logits(Path(path), m.model, io_for_variant(variant).to_dict(), None, precision=precision)
+        score(name, probe, {"name": name, "graph": path, "precision": precision, "fp32_perplexity": ref_ppl})
+        del probe
     for name, options, opts in pairs:
         plain = precisions.get(opts.mode).variant == "plain" or not fused.is_dir()
         dst = a.out / name
