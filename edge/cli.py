@@ -465,10 +465,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="memory for the K/V of recent conversations, so a prompt that starts like one of them (the "
                         "system prompt, the chat so far) prefills only what is new (fused graphs; default 64, 0: off)")
     s.add_argument("--prefill-batch-tokens", type=Bounded(int, 0), metavar="N",
-                   help="prompts that arrive together are prefilled in batched calls of at most N tokens (rows x the "
-                        "longest prompt, up to its first 64 tokens; 0: all in one call). Default: 64 on CPU (ONNX "
-                        "Runtime's kernels cost about the same per token beyond it, and a larger call makes every user "
-                        "in it wait for all the others' prompts), no limit on a GPU")
+                   help="fused graphs: prompts that arrive together are prefilled in batched calls of at most N "
+                        "tokens (rows x the longest prompt, up to its first 64 tokens; 0: all in one call). Default 64: "
+                        "ONNX Runtime's CPU kernels cost about the same per token beyond it, and a larger call makes "
+                        "every user in it wait for all the others' prompts")
     _add_budget_flag(s)
     s.add_argument("--context-overflow", choices=("shift", "error"), default="shift",
                    help="a chat longer than the context: shift drops its oldest turns (never the system prompt or the "

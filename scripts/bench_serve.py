@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import socket
 import statistics
 import subprocess
@@ -137,29 +138,62 @@ class RawDecoder:
     rows prefilled together, then batched greedy steps until each has `max_tokens`, `requests` times over;
     total tok/s = every token / the whole time, prefills included. What the server adds is the gap between
     this and the server's rate. A process started with the servers (and in turn with them, --fresh-processes)
-    that loads the engine once and measures on each `run`."""
+    that loads the engine once and measures on each `run`; its answers are the stdout lines that start with
+    RAW_REPLY, its stderr goes to a file shown if it fails."""
 
-    def __init__(self, bundle: str, engine: str | None, threads: int | None) -> None:
+    def __init__(self, bundle: str, engine: str | None, threads: int | None, timeout: float = 1200) -> None:
+        import tempfile
+
         spec = {"bundle": bundle, "engine": engine, "threads": threads}
+        self.timeout = timeout
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-serve-raw-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, __file__, bundle, "--_raw", json.dumps(spec)], cwd=ROOT,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        if self.proc.stdout.readline().strip() != "ready":
-            self.proc.kill()
-            sys.exit(f"the raw decoder did not start (try: {sys.executable} {__file__} {bundle} --_raw '{json.dumps(spec)}')")
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self._reply("ready")
+
+    def _reply(self, what: str):
+        """The child's next RAW_REPLY line (other output skipped), or exit with its log's tail."""
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        end = time.monotonic() + self.timeout
+        try:
+            while time.monotonic() < end:
+                if not sel.select(timeout=max(0.0, end - time.monotonic())):
+                    break
+                line = self.proc.stdout.readline()
+                if not line:
+                    break
+                if line.startswith(RAW_REPLY):
+                    return json.loads(line[len(RAW_REPLY):])
+        finally:
+            sel.close()
+        self.terminate()
+        self.wait(30)
+        self.log.seek(0)
+        sys.exit(f"the raw decoder process gave no {what} in {self.timeout:.0f} s (or ended); its log "
+                 f"({self.log.name}) ends:\n{self.log.read()[-3000:]}")
 
     def run(self, users: int, max_tokens: int, requests: int = 1) -> dict:
-        self.proc.stdin.write(json.dumps({"users": users, "max_tokens": max_tokens, "requests": requests}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            sys.exit("the raw decoder process ended while measuring")
-        return json.loads(line)
+        try:
+            self.proc.stdin.write(json.dumps({"users": users, "max_tokens": max_tokens, "requests": requests}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it ended: _reply says so, with its log
+        return self._reply("measurement")
 
     def terminate(self) -> None:
         self.proc.terminate()
 
     def wait(self, timeout: float) -> None:
         self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+RAW_REPLY = "RAW_REPLY "
 
 
 def _raw_child(spec: dict) -> None:
@@ -173,7 +207,7 @@ def _raw_child(spec: dict) -> None:
     from edge.decode.generate import Generator
 
     gen = Generator.from_bundle(Bundle.open(spec["bundle"]), engine=spec["engine"], threads=spec["threads"])
-    print("ready", flush=True)
+    print(RAW_REPLY + json.dumps("ready"), flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
         n, new = ask["users"], ask["max_tokens"]
@@ -197,7 +231,7 @@ def _raw_child(spec: dict) -> None:
         runs = [once(prompts(k)) for k in range(ask.get("requests", 1))]
         wall = sum(p + s for _, p, s in runs)
         steps = sum(s for _, _, s in runs)
-        print(json.dumps({"users": n, "prefill_ms": 1000 * statistics.median(f for f, _, _ in runs),
+        print(RAW_REPLY + json.dumps({"users": n, "prefill_ms": 1000 * statistics.median(f for f, _, _ in runs),
                           "total_tok_s": n * new * len(runs) / wall, "step_tok_s": n * (new - 1) * len(runs) / steps,
                           "step_ms": 1000 * steps / ((new - 1) * len(runs))}), flush=True)
 
@@ -261,8 +295,9 @@ def main() -> int:
                     help="with --rounds: also serve with these extra `edge-chat serve` arguments, as its own side in the "
                          "same rounds (e.g. together='--prefill-batch-tokens 0'); repeatable")
     ap.add_argument("--fresh-processes", action="store_true",
-                    help="with --rounds: start every server anew for each round (identical servers on this 2-core VM "
-                         "ran 7-13%% apart for their whole life, so one process per side is one draw; docs/speed.md)")
+                    help="with --rounds: start every process (servers, raw decoder, llama-server) anew for each round, "
+                         "started and measured in an order rotated by round (identical servers on this 2-core VM ran "
+                         "7-13%% apart for their whole life, so one process per side is one draw; docs/speed.md)")
     ap.add_argument("--json", default="bench-results/serve.json")
     ap.add_argument("--_raw", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -280,9 +315,11 @@ def main() -> int:
     variants = []
     for spec in args.variant:
         name, _, extra = spec.partition("=")
-        if not name or not extra.strip() or name in ("edgechat", "raw decoder", "llama-server"):
-            ap.error(f"--variant takes NAME=ARGS with a new name and some serve arguments, got {spec!r}")
-        variants.append((name, tuple(extra.split())))
+        taken = {"edgechat", "raw decoder", "llama-server"} | {n for n, _ in variants}
+        if not name or not extra.strip() or name in taken:
+            ap.error(f"--variant takes NAME=ARGS with a new name (not {', '.join(sorted(taken))}) and some serve "
+                     f"arguments, got {spec!r}")
+        variants.append((name, tuple(shlex.split(extra))))
     args.variants = variants
     if variants and not args.rounds:
         ap.error("--variant compares in interleaved rounds: give --rounds")
@@ -364,9 +401,15 @@ def versus(args) -> int:
         return [(name, *started[name]) for name, _ in makers]
 
     def stop_all(started) -> None:
-        for _, p, _ in started:
-            if p is not None:
-                p.terminate()
+        """Every process told to stop first, then each waited for (killed if it does not stop in 30 s)."""
+        procs = [p for _, p, _ in started if p is not None]
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
                 p.wait(30)
 
     sides = start_all()
@@ -379,7 +422,8 @@ def versus(args) -> int:
                 if args.fresh_processes and (n, r) != (levels[0], 0):  # each round on new processes (see --help)
                     stop_all(sides)
                     sides = start_all(r)
-                for name, proc, u in sides:
+                k = r % len(sides) if args.fresh_processes else 0  # the measuring order rotates with the start order
+                for name, proc, u in sides[k:] + sides[:k]:
                     load = os.getloadavg()[0]
                     print(f"... {n} users, round {r + 1}, {name} (load {load:.1f})", file=sys.stderr, flush=True)
                     got = run_level(u, n, args.requests, args.max_tokens) if u else \

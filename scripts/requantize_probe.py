@@ -125,8 +125,11 @@ def main() -> None:
 
     from edge.io_contract import io_for_variant
 
-    for name, precision, path in graphs:  # with the I/O of the graph its precision is quantized from (fused: CPU engines)
-        variant = "plain" if precisions.get(precision).variant == "plain" or not fused.is_dir() else "fused"
+    for name, precision, path in graphs:  # with the I/O its inputs show: fused (seqlens_k, in-place K/V) or plain
+        import onnx
+
+        inputs = {i.name for i in onnx.load(path, load_external_data=False).graph.input}
+        variant = "fused" if "seqlens_k" in inputs else "plain"
         probe = _onnx_logits(Path(path), m.model, io_for_variant(variant).to_dict(), None, precision=precision)
         score(name, probe, {"name": name, "graph": path, "precision": precision, "fp32_perplexity": ref_ppl})
         del probe

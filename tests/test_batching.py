@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -161,26 +162,33 @@ def test_batched_step_logits_equal_single_row_logits(tiny_bundle, engine):
     assert_batched_steps_equal_alone(dec, prompts, [40, 41, 42], capacity=16, atol=1e-5)
 
 
-@pytest.mark.parametrize("budget", [None, 64, 100])
-def test_requests_that_arrive_together_get_their_single_user_answers(fused_generator, monkeypatch, budget):
-    """Fused graphs: requests waiting together share batched calls for their prompts' first prefill span, as many
-    prompts per call as the decoder's `batched_prefill_tokens` allows (rows x the longest span; None, a GPU's: ONE
-    call for all four; on CPU runs of them in arrival order, a call no larger than the budget unless one prompt
-    alone is), and each answer equals its single-user answer."""
-    gen = fused_generator
-    cfgs = [gen.sampling(max_new_tokens=20 + 3 * i, ignore_eos=True) for i in range(4)]
-    alone = [gen.complete(_ids(gen, p), c)[1].token_ids for p, c in zip(PROMPTS, cfgs)]
-    prefill_calls: list[tuple[int, int]] = []
+def _spy_prefill_rows(monkeypatch, gen) -> list[tuple[int, int]]:
+    """(rows, tokens) of every prefill call (more than one token a row) the fused decoder runs from now on."""
+    calls: list[tuple[int, int]] = []
     real = gen.decoder.run_fused
 
     def spy(ids, *a, **kw):
         if ids.shape[1] > 1:
-            prefill_calls.append(ids.shape)
+            calls.append(ids.shape)
         return real(ids, *a, **kw)
 
     monkeypatch.setattr(gen.decoder, "run_fused", spy)
-    monkeypatch.setattr(type(gen.decoder), "batched_prefill_tokens", property(lambda self: budget))
-    s = Scheduler(gen, max_batch=4, max_queue=8).start()
+    return calls
+
+
+@pytest.mark.parametrize("budget", [0, 64, 100])
+def test_requests_that_arrive_together_get_their_single_user_answers(fused_generator, monkeypatch, budget):
+    """Fused graphs: requests waiting together share batched calls for their prompts' first prefill span, as many
+    prompts per call as `Admission.prefill_batch_tokens` allows (rows x the longest span; 0: ONE call for all four;
+    else runs of them in arrival order, a call no larger than the budget unless one prompt alone is), and each
+    answer equals its single-user answer."""
+    gen = fused_generator
+    cfgs = [gen.sampling(max_new_tokens=20 + 3 * i, ignore_eos=True) for i in range(4)]
+    alone = [gen.complete(_ids(gen, p), c)[1].token_ids for p, c in zip(PROMPTS, cfgs)]
+    prefill_calls = _spy_prefill_rows(monkeypatch, gen)
+    s = Scheduler(gen, max_batch=4, max_queue=8)
+    s.admission = dataclasses.replace(s.admission, prefill_batch_tokens=budget)
+    s.start()
     try:
         with s._cv:  # hold the loop off so all four are waiting when it looks
             reqs = [s.submit(_ids(gen, p), c) for p, c in zip(PROMPTS, cfgs)]
@@ -192,39 +200,26 @@ def test_requests_that_arrive_together_get_their_single_user_answers(fused_gener
     assert all(n <= 64 for n in lengths)  # each prompt fits the first span: one call row each
     want, run = [], []  # the runs the budget allows, in arrival order
     for n in lengths:
-        if run and (budget is None or (len(run) + 1) * max(run + [n]) <= budget):
+        if run and (not budget or (len(run) + 1) * max(run + [n]) <= budget):
             run.append(n)
         else:
             want, run = want + ([run] if run else []), [n]
     want.append(run)
     assert [b for b, _ in prefill_calls] == [len(r) for r in want], (prefill_calls, lengths)
     assert [w for _, w in prefill_calls] == [max(r) for r in want]
-    if budget is None:
-        assert len(prefill_calls) == 1
-    if budget == 64:  # chat prompts of 37-50 tokens: one after another
-        assert [b for b, _ in prefill_calls] == [1, 1, 1, 1]
-    if budget == 100:  # two by two
-        assert [b for b, _ in prefill_calls] == [2, 2]
+    assert [b for b, _ in prefill_calls] == {0: [4], 64: [1, 1, 1, 1], 100: [2, 2]}[budget]  # prompts of 37-50
 
 
 @pytest.mark.parametrize("override, calls", [(0, [4]), (100, [2, 2]), (None, [1, 1, 1, 1])])
-def test_prefill_batch_tokens_overrides_the_decoders_budget(fused_generator, monkeypatch, override, calls):
-    """`serve --prefill-batch-tokens` (Admission.prefill_batch_tokens): 0 puts every prompt that arrives together in
-    one call even on CPU, N cuts runs at N tokens, None keeps the decoder's (64 on CPU: 37-50 token chat prompts one
-    at a time). Set through the server's Service, as the CLI does."""
+def test_prefill_batch_tokens_sets_the_runs(fused_generator, monkeypatch, override, calls):
+    """`serve --prefill-batch-tokens` (Admission.prefill_batch_tokens), set through the server's Service as the CLI
+    does: 0 puts every prompt that arrives together in one call, N cuts runs at N tokens, unset keeps the default
+    (64: 37-50 token chat prompts one at a time)."""
     from edge.serve.service import Service
 
     gen = fused_generator
     cfgs = [gen.sampling(max_new_tokens=4, ignore_eos=True) for _ in range(4)]
-    calls_seen: list[int] = []
-    real = gen.decoder.run_fused
-
-    def spy(ids, *a, **kw):
-        if ids.shape[1] > 1:
-            calls_seen.append(ids.shape[0])
-        return real(ids, *a, **kw)
-
-    monkeypatch.setattr(gen.decoder, "run_fused", spy)
+    prefill_calls = _spy_prefill_rows(monkeypatch, gen)
     service = Service(gen, max_users=4, prompt_cache_mb=0, prefill_batch_tokens=override)
     s = service.scheduler.start()
     try:
@@ -234,18 +229,90 @@ def test_prefill_batch_tokens_overrides_the_decoders_budget(fused_generator, mon
             r.answer(timeout=60)
     finally:
         s.stop()
-    assert calls_seen == calls
+    assert [b for b, _ in prefill_calls] == calls
     with pytest.raises(EdgeChatError, match="--prefill-batch-tokens must be >= 0"):
         Service(gen, max_users=4, prompt_cache_mb=0, prefill_batch_tokens=-1)
 
 
-def test_cpu_decoders_prefill_one_span_per_batched_call(fused_generator):
-    """ONNX Runtime on CPU: a batched first call carries at most one first span's worth of tokens (its kernels cost
-    the same per token beyond it); the GPU's decoders have no limit."""
-    from edge.backends.decoder import PREFILL_BOUNDARY_FIRST
+def test_a_failed_batched_run_among_several_keeps_every_answer(fused_generator, monkeypatch):
+    """Runs of two (budget 100): the second run's batched call fails, so its prompts are prefilled one at a time;
+    a row that ends on its first token leaves between runs. Every answer is still its single-user answer and the
+    scheduler is left idle."""
+    gen = fused_generator
+    cfgs = [gen.sampling(max_new_tokens=1 if i == 0 else 6 + i, ignore_eos=True) for i in range(4)]
+    alone = [gen.complete(_ids(gen, p), c)[1].token_ids for p, c in zip(PROMPTS, cfgs)]
+    s = Scheduler(gen, max_batch=4, max_queue=8)
+    s.admission = dataclasses.replace(s.admission, prefill_batch_tokens=100)
+    real = s.cache.admit_together
+    tries: list[int] = []
 
-    assert fused_generator.decoder.device == "cpu"
-    assert fused_generator.decoder.batched_prefill_tokens == PREFILL_BOUNDARY_FIRST
+    def fail_second(prompts):
+        tries.append(len(prompts))
+        if len(tries) == 2:
+            raise RuntimeError("a batched call that fails")
+        return real(prompts)
+
+    monkeypatch.setattr(s.cache, "admit_together", fail_second)
+    s.start()
+    try:
+        with s._cv:
+            reqs = [s.submit(_ids(gen, p), c) for p, c in zip(PROMPTS, cfgs)]
+        got = [r.answer(timeout=60)[1].token_ids for r in reqs]
+        assert got == alone
+        assert tries == [2, 2]
+        assert _idle(s)
+    finally:
+        s.stop()
+
+
+def test_a_request_gone_before_its_run_is_not_prefilled(fused_generator, monkeypatch):
+    """Prompts one after another (the default budget): a request cancelled while the earlier ones are prefilled is
+    closed with its reason, not prefilled, and emits no token."""
+    gen = fused_generator
+    cfg = gen.sampling(max_new_tokens=3, ignore_eos=True)
+    prefill_calls = _spy_prefill_rows(monkeypatch, gen)
+    s = Scheduler(gen, max_batch=4, max_queue=8)
+    real = s.cache.admit
+    reqs: list = []
+
+    def admit_then_cancel_the_last(prompt):
+        out = real(prompt)
+        reqs[-1].cancel()  # while the first prompts are prefilled
+        return out
+
+    monkeypatch.setattr(s.cache, "admit", admit_then_cancel_the_last)
+    s.start()
+    try:
+        with s._cv:
+            reqs += [s.submit(_ids(gen, p), cfg) for p in PROMPTS[:3]]
+        finals = [r.answer(timeout=60)[1] for r in reqs]
+    finally:
+        s.stop()
+    assert [f.finish_reason for f in finals[:2]] == ["length", "length"]
+    assert finals[2].finish_reason == "cancelled" and finals[2].token_ids == []
+    assert len(prefill_calls) == 2
+
+
+def test_a_cache_that_does_not_batch_admits_each_prompt_alone(tiny_generator, monkeypatch):
+    """A plain graph (its BatchCache prefills prompts one after another anyway): requests that arrive together are
+    admitted one at a time, each first token as soon as its own prompt is in, not all or none at the end."""
+    gen = tiny_generator
+    cfg = gen.sampling(max_new_tokens=3, ignore_eos=True)
+    s = Scheduler(gen, max_batch=4, max_queue=8)
+    assert not s.cache.batches_first_prefill
+    seen: list[str] = []
+    real_one, real_all = s.cache.admit, s.cache.admit_together
+    monkeypatch.setattr(s.cache, "admit", lambda p: seen.append("admit") or real_one(p))
+    monkeypatch.setattr(s.cache, "admit_together", lambda ps: seen.append("together") or real_all(ps))
+    s.start()
+    try:
+        with s._cv:
+            reqs = [s.submit(_ids(gen, p), cfg) for p in PROMPTS[:3]]
+        for r in reqs:
+            r.answer(timeout=60)
+    finally:
+        s.stop()
+    assert seen == ["admit", "admit", "admit"]
 
 
 @pytest.mark.parametrize("engine", ["int8-dynamic", "int4-weight"])

@@ -27,7 +27,7 @@ from edge.io_contract import DecoderIO
 # prompt cache reuses K/V only up to one of them: a prompt whose start came from the cache then runs exactly the
 # calls (same kernels, same past) it would have run without it, so its answer does not depend on what was asked
 # before. The first span is 64 so a short chat prompt (SmolLM2's system prompt and a question: ~43 tokens) is one
-# call, and users who arrive together share it (SharedBatchCache.admit_together); it was 16 (16, 32, 64, 128),
+# call, and users who arrive together may share it (SharedBatchCache.admit_together); it was 16 (16, 32, 64, 128),
 # which made such a prompt three calls, each paying a read of every weight (docs/speed.md). 128 after that so a
 # long prompt does not pay a weight read per handful of tokens.
 PREFILL_BOUNDARY_FIRST, PREFILL_BOUNDARY_STEP = 64, 128
@@ -83,16 +83,6 @@ class Decoder(ABC):
         self.past_names = io.past_names(dims.num_layers)
         self.present_names = io.present_names(dims.num_layers)
         self.prefill_chunk = io.prefill_chunk  # most prompt tokens one plain-graph call takes
-
-    @property
-    def batched_prefill_tokens(self) -> int | None:
-        """At most how many tokens (rows x the longest first span) one batched first-prefill call should carry
-        (the scheduler groups prompts that arrive together by it; SharedBatchCache.admit_together); None: no limit.
-        On CPU one first span's worth (64): ONNX Runtime's CPU kernels cost about the same per prompt token from a
-        few dozen tokens a call, so a bigger call saves nothing and every user in it waits for all the others'
-        prompts (8 chat prompts together: TTFT p50 365 ms in one call, 221 ms one after another, same tokens/s;
-        docs/speed.md). On a GPU one call of several prompts costs about what one prompt's does: no limit."""
-        return PREFILL_BOUNDARY_FIRST if self.device == "cpu" else None
 
     # -- what a backend implements ------------------------------------------------------------------
     @abstractmethod

@@ -37,6 +37,9 @@ class RowCache(Protocol):
 
     def __len__(self) -> int: ...
     def admit(self, prompt: list[int]) -> np.ndarray: ...
+    # admit_together runs one batched call (True) or the prompts one after another (False: the scheduler then
+    # admits each alone, so each user's first token does not wait for the others' prompts)
+    batches_first_prefill: bool
     def admit_together(self, prompts: list[list[int]]) -> np.ndarray: ...
     def cached_start(self, prompt: list[int]) -> int: ...
     def step(self, tokens: list[int]) -> np.ndarray: ...
@@ -57,6 +60,7 @@ class _NoVerify:
     so the scheduler never calls them). Its `admit_together` admits the prompts one at a time, all or none."""
 
     can_verify = False
+    batches_first_prefill = False
 
     def admit_together(self, prompts: list[list[int]]) -> np.ndarray:
         n = len(self)
@@ -240,6 +244,7 @@ class SharedBatchCache:
     """
 
     can_verify = True  # a rejected draft is forgotten by setting the row's length back (see rollback)
+    batches_first_prefill = True
 
     def __init__(self, decoder: Decoder, slots: int, capacity: int = 256, prompt_cache_bytes: int = 0) -> None:
         if decoder.device != "cpu":
@@ -357,7 +362,8 @@ class SharedBatchCache:
         prefill span (up to the first boundary, edge.backends.decoder.next_boundary) in ONE call of batch k, each
         row padded to the longest (ONNX Runtime's GroupQueryAttention runs several tokens per row in a batch only
         with no past: a first call), then the rest of each prompt as `admit` runs it. A short chat
-        prompt fits the first span whole, so k users arriving together wait for one call instead of k in a row.
+        prompt fits the first span whole, so k users arriving together wait for one call instead of k in a row
+        (the scheduler sizes k by Admission.prefill_batch_tokens: on CPU a larger call saves nothing per token).
         Each row's logits and K/V equal its prefill alone where the engine's kernels are batch invariant
         (edge.backends.determinism; tests/test_batching.py checks it per engine)."""
         n, k = len(self.lengths), len(prompts)

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from edge.backends.decoder import PREFILL_BOUNDARY_FIRST
 from edge.decode.sampling import SamplingConfig
 from edge.decode.text_stream import StreamEvent
 from edge.errors import EdgeChatError
@@ -57,15 +58,18 @@ class Admission:
       `prefill_span` (up to the next prefill boundary, <= 128 tokens, on a fused graph), so the prompt runs
       the calls it would run alone. Benchmarks set it to compare "all at once".
     - `prefill_batch_tokens`: prompts that arrive together share batched first-prefill calls of at most this many
-      tokens (rows x the longest first span; `serve --prefill-batch-tokens`); None = the decoder's own
-      `batched_prefill_tokens` (64 on CPU, no limit on a GPU), 0 = no limit (all in one call).
+      tokens (rows x the longest first span; `serve --prefill-batch-tokens`), 0 = no limit (all in one call), on
+      a cache that batches them (the fused graph's on CPU; the others prefill each prompt alone). 64, one first
+      span: ONNX Runtime's CPU kernels cost about the same per prompt token from a few dozen rows a call, so a
+      larger call saves nothing and makes every user in it wait for all the others' prompts (8 chat prompts
+      together: TTFT p50 350 ms in one call, 228 ms one after another, same tokens/s; docs/speed.md).
     - A request is refused (429, Retry-After) when `max_queue` are already waiting and every row is taken;
       Retry-After is `retry_steps` decode steps at the running mean step time (a typical answer's rest).
     """
 
     long_prompt: int = 512
     interleaved_span: int | None = None
-    prefill_batch_tokens: int | None = None
+    prefill_batch_tokens: int = PREFILL_BOUNDARY_FIRST
     max_queue: int = 32
     retry_steps: int = 64
 

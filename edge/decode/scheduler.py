@@ -4,8 +4,8 @@ Continuous batching: many conversations share one decode step. Each active reque
 batched KV cache (edge.decode.cache). A single-user generation (the CLI, the REPL, the export's evaluation)
 is this same loop with one row, run in the caller's thread (`Scheduler.generate`); the server runs it
 on its own thread. New requests join the batch between steps; requests that arrive together share batched
-calls for their prompts' first prefill span (a short chat prompt's whole prefill), as many per call as the
-decoder's `batched_prefill_tokens` allows (on CPU one after another: a larger call is no cheaper per token),
+calls for their prompts' first prefill span (a short chat prompt's whole prefill), as many per call as
+`Admission.prefill_batch_tokens` allows (chat prompts one after another: a larger call is no cheaper per token),
 each row computing what its prefill alone computes (the calls are fixed by position, so an answer does not depend on who arrived with it or
 on what the prompt cache held, where the engine is batch invariant: edge.backends.determinism). On a fused graph a long prompt is prefilled a span at a time into the last slot, one span
 between decode steps, so the answers already streaming keep streaming instead of freezing for the
@@ -419,33 +419,40 @@ class Scheduler:
 
     def _prefill_group(self, group: list[tuple[Request, _Row]]) -> None:
         """Short prompts taken together: those the prompt cache has something for are prefilled one at a time from
-        their cached start; the others in consecutive groups that share one batched first call each
+        their cached start; the others in consecutive runs that share one batched first call each
         (`cache.admit_together`: users who arrive together wait for one call, not for each other's prefill in
-        turn), a group as large as the decoder's `batched_prefill_tokens` allows (rows x the longest first span:
-        on CPU one span's worth, so 8 chat prompts run one after another and the first answers start while the
-        later prompts are prefilled). A failed batched call is retried one prompt at a time, so a failure stays
-        with the request that causes it."""
+        turn), a run as large as `Admission.prefill_batch_tokens` allows (rows x the longest first span: by default
+        one span's worth, so chat prompts go one after another and each user's first token comes as soon as its own
+        prompt is in; the second waits until the whole group is). A request gone meanwhile is closed, not
+        prefilled. A failed batched call is retried one prompt at a time, so a failure stays with the request that
+        causes it."""
         fresh = [g for g in group if self.cache.cached_start(g[0].prompt_ids) == 0] if len(group) > 1 else []
         for req, row in group:
             if not any(req is r for r, _ in fresh):
                 self._prefill(req, row)
-        for together in self._call_groups(fresh):
-            if len(together) == 1:
-                self._prefill(*together[0])
-            else:
-                self._prefill_together(together)
+        for run in self._call_groups(fresh):
+            run = [(req, row) for req, row in run if not self._closed_if_gone(req, row)]
+            if len(run) == 1:
+                self._prefill(*run[0])
+            elif run:
+                self._prefill_together(run)
+
+    def _closed_if_gone(self, req: Request, row: _Row) -> bool:
+        why = req.gone()
+        if why:
+            self._emit_final(req, row.text, why)
+        return bool(why)
 
     def _call_groups(self, fresh: list[tuple[Request, _Row]]) -> list[list[tuple[Request, _Row]]]:
         """`fresh` in arrival order, cut into runs whose batched first call (rows x the longest first span)
-        stays within the budget (`Admission.prefill_batch_tokens`, else the decoder's `batched_prefill_tokens`; a
-        prompt alone may exceed it)."""
-        budget = self.admission.prefill_batch_tokens
-        budget = self.gen.decoder.batched_prefill_tokens if budget is None else budget or None
+        stays within `Admission.prefill_batch_tokens` (0: no limit; a prompt alone may exceed it). One prompt a run
+        on a cache whose `admit_together` is not one call (it would only make each user wait for the others)."""
+        budget = self.admission.prefill_batch_tokens if self.cache.batches_first_prefill else 1
         groups: list[list[tuple[Request, _Row]]] = []
         widest = 0
         for g in fresh:
             span = min(len(g[0].prompt_ids), next_boundary(0))
-            if groups and (budget is None or (len(groups[-1]) + 1) * max(widest, span) <= budget):
+            if groups and (not budget or (len(groups[-1]) + 1) * max(widest, span) <= budget):
                 groups[-1].append(g)
                 widest = max(widest, span)
             else:
