@@ -80,7 +80,7 @@ def one_request(url: str, question: str, max_tokens: int, sampling: dict | None 
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}} | (sampling or {})
     t0 = time.perf_counter()
-    first = None
+    first = second = None
     tokens = cached = chunks = 0
     request = client.build_request("POST", url + "/v1/chat/completions", json=body)
     try:
@@ -99,11 +99,14 @@ def one_request(url: str, question: str, max_tokens: int, sampling: dict | None 
                 cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             elif chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
                 chunks += 1
-                first = first or time.perf_counter()
+                now = time.perf_counter()
+                second = second or (now if first else None)
+                first = first or now
     finally:
         r.close()
     t1 = time.perf_counter()
-    return {"ttft_s": (first or t1) - t0, "total_s": t1 - t0, "tokens": tokens or chunks, "cached": cached}
+    return {"ttft_s": (first or t1) - t0, "second_s": (second or t1) - t0, "total_s": t1 - t0,
+            "tokens": tokens or chunks, "cached": cached}
 
 
 def start_llama_server(gguf: str, slots: int, threads: int | None, ctx_per_slot: int = 512,
@@ -267,6 +270,8 @@ def run_level(url: str, users: int, requests: int, max_tokens: int, sampling: di
             "total_tok_s": tokens / wall, "per_user_tok_s": statistics.median(per_user),
             "ttft_p50_ms": 1000 * statistics.median(ttfts),
             "ttft_p95_ms": 1000 * ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
+            # the second streamed chunk: whether the rest of the answer follows the first token or waits
+            "second_chunk_p50_ms": 1000 * statistics.median(r["second_s"] for r in results),
             "cached_prompt_tokens": sum(r["cached"] for r in results)}
 
 
@@ -455,8 +460,11 @@ def versus(args) -> int:
         for name, _ in args.variants:  # each variant against the server as it is, per round
             summary[n][name] = {"over_edgechat": [a / b for a, b in zip(tok[name], tok["edgechat"])],
                                 "ttft_p50_ms": statistics.median(x["ttft_p50_ms"] for x in by[name]),
+                                "second_chunk_p50_ms": statistics.median(x["second_chunk_p50_ms"] for x in by[name]),
                                 "ttft_p95_ms": statistics.median(x["ttft_p95_ms"] for x in by[name])}
         summary[n]["ttft_p95_ms"] = statistics.median(x["ttft_p95_ms"] for x in by["edgechat"])
+        summary[n]["second_chunk_p50_ms"] = {k: statistics.median(x["second_chunk_p50_ms"] for x in v)
+                                             for k, v in by.items() if k != "raw decoder"}
         if lurl:
             summary[n] |= {"ours_over_llama": vs, "ours_over_llama_median": statistics.median(vs),
                            "llama_ttft_p50_ms": statistics.median(x["ttft_p50_ms"] for x in by["llama-server"])}
@@ -468,6 +476,7 @@ def versus(args) -> int:
               + (f" {cell(vs, 'x'):>17}" if lurl else "") + f" {ttft:>12.0f}ms {prefill:>10.0f}ms"
               + (f" {summary[n]['llama_ttft_p50_ms']:>9.0f}ms" if lurl else "")
               + f"  cached {statistics.median(x['cached_prompt_tokens'] / x['requests'] for x in by['edgechat']):.0f}")
+        print(f"{'':>5} second chunk p50: " + ", ".join(f"{k} {v:.0f} ms" for k, v in summary[n]["second_chunk_p50_ms"].items()))
         for name, _ in args.variants:
             v = summary[n][name]
             print(f"{'':>5} {name}: tok/s {cell(v['over_edgechat'], 'x')} of edgechat's, TTFT p50 {v['ttft_p50_ms']:.0f} ms "
