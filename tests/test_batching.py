@@ -293,6 +293,33 @@ def test_a_request_gone_before_its_run_is_not_prefilled(fused_generator, monkeyp
     assert len(prefill_calls) == 2
 
 
+def test_decoding_rows_step_between_prompt_runs(fused_generator, monkeypatch):
+    """Prompts that arrive together, one run each (the default budget): after the first run the rows that are
+    decoding take a step before the next run is prefilled (prefill, step, prefill, step, ...), so an admitted
+    answer goes on while later prompts are prefilled instead of stalling after its first token; every answer is
+    still its single-user answer."""
+    gen = fused_generator
+    cfgs = [gen.sampling(max_new_tokens=12, ignore_eos=True) for _ in range(4)]
+    alone = [gen.complete(_ids(gen, p), c)[1].token_ids for p, c in zip(PROMPTS, cfgs)]
+    calls: list[str] = []
+    real = gen.decoder.run_fused
+
+    def spy(ids, *a, **kw):
+        calls.append("P" if ids.shape[1] > 1 else "S")
+        return real(ids, *a, **kw)
+
+    monkeypatch.setattr(gen.decoder, "run_fused", spy)
+    s = Scheduler(gen, max_batch=4, max_queue=8).start()
+    try:
+        with s._cv:
+            reqs = [s.submit(_ids(gen, p), c) for p, c in zip(PROMPTS, cfgs)]
+        got = [r.answer(timeout=60)[1].token_ids for r in reqs]
+    finally:
+        s.stop()
+    assert got == alone
+    assert calls[:7] == ["P", "S", "P", "S", "P", "S", "P"], calls[:10]
+
+
 def test_a_cache_that_does_not_batch_admits_each_prompt_alone(tiny_generator, monkeypatch):
     """A plain graph (its BatchCache prefills prompts one after another anyway): requests that arrive together are
     admitted one at a time, each first token as soon as its own prompt is in, not all or none at the end."""

@@ -68,7 +68,8 @@ class Admitting:
         return len(req.prompt_ids) > self.admission.long_prompt
 
     def _admit(self) -> bool:
-        """Start waiting requests while rows are free; True when any was taken."""
+        """Start waiting requests while rows are free; True when any was taken. Returns after one run of prompts
+        that arrived together when rows are decoding, so they step before the next run (see `_prefill_group`)."""
         took = False
         while self._free() > 0 and not self._stop.is_set():
             batch = self._take(self._free())
@@ -78,28 +79,37 @@ class Admitting:
             for req, row in batch:
                 if self._long(req):  # _take hands out at most one, and only while none is in progress
                     self._start_prefill(req, row)
-            self._prefill_group([(req, row) for req, row in batch if not self._long(req)])
+            later = self._prefill_group([(req, row) for req, row in batch if not self._long(req)])
+            if later:
+                with self._cv:  # back to the head of the queue, in their order: taken again after the step
+                    self.pending.extendleft(reversed([req for req, _ in later]))
+                return took
         return took
 
-    def _prefill_group(self, group: list[tuple[Request, _Row]]) -> None:
+    def _prefill_group(self, group: list[tuple[Request, _Row]]) -> list[tuple[Request, _Row]]:
         """Short prompts taken together: those the prompt cache has something for are prefilled one at a time from
         their cached start; the others in consecutive runs that share one batched first call each
         (`cache.admit_together`: users who arrive together wait for one call, not for each other's prefill in
         turn), a run as large as `Admission.prefill_batch_tokens` allows (rows x the longest first span: by default
-        one span's worth, so chat prompts go one after another and each user's first token comes as soon as its own
-        prompt is in; the second waits until the whole group is). A request gone meanwhile is closed, not
-        prefilled. A failed batched call is retried one prompt at a time, so a failure stays with the request that
-        causes it."""
+        one span's worth, so chat prompts go one after another). Only the first run is prefilled while rows are
+        decoding: the others are returned, to wait at the head of the queue for one decode step, so each admitted
+        answer goes on (its first token, then the next) while later prompts are prefilled, the way chunked
+        prefill mixes prefills and steps. A request gone meanwhile is closed, not prefilled. A failed batched
+        call is retried one prompt at a time, so a failure stays with the request that causes it."""
         fresh = [g for g in group if self.cache.cached_start(g[0].prompt_ids) == 0] if len(group) > 1 else []
         for req, row in group:
             if not any(req is r for r, _ in fresh):
                 self._prefill(req, row)
-        for run in self._call_groups(fresh):
+        runs = self._call_groups(fresh)
+        for i, run in enumerate(runs):
+            if i and self.rows:  # someone is decoding: it steps first
+                return [g for later in runs[i:] for g in later]
             run = [(req, row) for req, row in run if not self._closed_if_gone(req, row)]
             if len(run) == 1:
                 self._prefill(*run[0])
             elif run:
                 self._prefill_together(run)
+        return []
 
     def _closed_if_gone(self, req: Request, row: _Row) -> bool:
         why = req.gone()
