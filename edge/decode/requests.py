@@ -62,8 +62,8 @@ class Admission:
       a cache that batches them (the fused graph's on CPU; the others prefill each prompt alone). 64, one first
       span: ONNX Runtime's CPU kernels cost about the same per prompt token from a few dozen rows a call, so a
       larger call saves nothing and makes every user in it wait for all the others' prompts (8 chat prompts
-      together: TTFT p50 372 ms in one call, 233 ms one after another, same tokens/s, the second token ~50 ms
-      later; docs/speed.md).
+      together, with a decode step between runs: TTFT p50 353 ms in one call, 123 ms in runs, the second chunk
+      412 -> 150 ms, same tokens/s; docs/speed.md).
     - A request is refused (429, Retry-After) when `max_queue` are already waiting and every row is taken;
       Retry-After is `retry_steps` decode steps at the running mean step time (a typical answer's rest).
     """
