@@ -338,7 +338,8 @@ def _serve(args: argparse.Namespace) -> int:
                      auth=auth, ui=not args.no_ui, prompt_cache_mb=args.prompt_cache_mb, sock=sock,
                      request_timeout_s=args.request_timeout, lenient=args.lenient,
                      reasoning_budget=args.reasoning_budget, context_overflow=args.context_overflow,
-                     prefill_batch_tokens=args.prefill_batch_tokens, limits=ConnectionLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                     prefill_batch_tokens=args.prefill_batch_tokens,
+                     limits=ConnectionLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                                              max_connections=args.max_connections))
     finally:
         sock.close()

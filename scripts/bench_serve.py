@@ -234,9 +234,10 @@ def _raw_child(spec: dict) -> None:
         runs = [once(prompts(k)) for k in range(ask.get("requests", 1))]
         wall = sum(p + s for _, p, s in runs)
         steps = sum(s for _, _, s in runs)
-        print(RAW_REPLY + json.dumps({"users": n, "prefill_ms": 1000 * statistics.median(f for f, _, _ in runs),
-                          "total_tok_s": n * new * len(runs) / wall, "step_tok_s": n * (new - 1) * len(runs) / steps,
-                          "step_ms": 1000 * steps / ((new - 1) * len(runs))}), flush=True)
+        got = {"users": n, "prefill_ms": 1000 * statistics.median(f for f, _, _ in runs),
+               "total_tok_s": n * new * len(runs) / wall, "step_tok_s": n * (new - 1) * len(runs) / steps,
+               "step_ms": 1000 * steps / ((new - 1) * len(runs))}
+        print(RAW_REPLY + json.dumps(got), flush=True)
 
 
 def run_level(url: str, users: int, requests: int, max_tokens: int, sampling: dict | None = None) -> dict:
@@ -371,7 +372,8 @@ def main() -> int:
 def versus(args) -> int:
     """Per level and round, in turn: our server, the raw decoder (the same engine, prompts and threads, no
     server), and llama-server when --llama-server is given (all servers up at once, each idle while another is
-    measured; `--fresh-processes`: started anew for each round). Medians, spreads and per-round ratios: "server / raw decoder" is what the serving path costs."""
+    measured; `--fresh-processes`: started anew for each round). Medians, spreads and per-round ratios:
+    "server / raw decoder" is what the serving path costs."""
     levels = [int(x) for x in args.users.split(",")]
     rounds = args.rounds or 1
     if args.prompt_cache_mb and "," in args.prompt_cache_mb:
@@ -383,11 +385,10 @@ def versus(args) -> int:
         """(name, process, url) of every side in measuring order, servers up and warmed. Started in an order
         rotated by round `r` (--fresh-processes): a process started earlier ran slower here for its whole life
         (docs/speed.md), so each side takes each place in turn."""
-        makers = [("edgechat", lambda: start_server(args.bundle, args.engine, max(levels), args.threads, mb,
-                                                    extra=("--no-draft",) if args.no_draft else ()))]
-        makers += [(name, lambda extra=extra: start_server(args.bundle, args.engine, max(levels), args.threads, mb,
-                                                          extra=(("--no-draft",) if args.no_draft else ()) + extra))
-                   for name, extra in args.variants]
+        base = ("--no-draft",) if args.no_draft else ()
+        makers = [(name, lambda extra=extra: start_server(args.bundle, args.engine, max(levels), args.threads, mb,
+                                                          extra=base + extra))
+                  for name, extra in [("edgechat", ())] + args.variants]
         makers.append(("raw decoder", lambda: (RawDecoder(args.bundle, args.engine, args.threads), None)))
         if args.llama_server:
             makers.append(("llama-server", lambda: start_llama_server(args.llama_server, max(levels), args.threads,
@@ -476,7 +477,8 @@ def versus(args) -> int:
               + (f" {cell(vs, 'x'):>17}" if lurl else "") + f" {ttft:>12.0f}ms {prefill:>10.0f}ms"
               + (f" {summary[n]['llama_ttft_p50_ms']:>9.0f}ms" if lurl else "")
               + f"  cached {statistics.median(x['cached_prompt_tokens'] / x['requests'] for x in by['edgechat']):.0f}")
-        print(f"{'':>5} second chunk p50: " + ", ".join(f"{k} {v:.0f} ms" for k, v in summary[n]["second_chunk_p50_ms"].items()))
+        print(f"{'':>5} second chunk p50: "
+              + ", ".join(f"{k} {v:.0f} ms" for k, v in summary[n]["second_chunk_p50_ms"].items()))
         for name, _ in args.variants:
             v = summary[n][name]
             print(f"{'':>5} {name}: tok/s {cell(v['over_edgechat'], 'x')} of edgechat's, TTFT p50 {v['ttft_p50_ms']:.0f} ms "

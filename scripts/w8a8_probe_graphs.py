@@ -125,19 +125,29 @@ def write(src: Path, dst: Path, v: dict, amax: dict[str, np.ndarray]) -> None:
               all_tensors_to_one_file=True)
 
 
-def weight_of(n, inits, made) -> np.ndarray | None:
-    """A MatMul's constant [K, N] weight (the tied head's through its Transpose), or None."""
-    from onnx import numpy_helper
-
+def weight_source(n, inits, made) -> tuple[str, bool] | None:
+    """(initializer, transposed) a MatMul's constant weight comes from (the tied head: the embedding through its
+    Transpose), or None. (export.onnx_weights.weight_matmuls sees initializer weights only.)"""
     if n.op_type != "MatMul":
         return None
     b = n.input[1]
     if b in inits:
-        return numpy_helper.to_array(inits[b]).astype(np.float32)
+        return b, False
     t = made.get(b)
     if t is not None and t.op_type == "Transpose" and t.input[0] in inits:
-        return numpy_helper.to_array(inits[t.input[0]]).astype(np.float32).T
+        return t.input[0], True
     return None
+
+
+def weight_of(n, inits, made) -> np.ndarray | None:
+    """A MatMul's constant [K, N] weight in fp32, or None (see weight_source)."""
+    from onnx import numpy_helper
+
+    src = weight_source(n, inits, made)
+    if src is None:
+        return None
+    w = numpy_helper.to_array(inits[src[0]]).astype(np.float32)
+    return w.T if src[1] else w
 
 
 def fake_quant_rows(nodes: list, consts: list, x: str, p: str, v: dict, amax: np.ndarray, inv_sq: np.ndarray) -> str:
@@ -196,10 +206,9 @@ def main() -> None:
 
     m = onnx.load(str(src), load_external_data=False)
     g = m.graph
-    inits = {i.name for i in g.initializer}
+    inits = {i.name: i for i in g.initializer}
     made = {o: n for n in g.node for o in n.output}
-    inputs = sorted({n.input[0] for n in g.node if n.op_type == "MatMul" and (
-        n.input[1] in inits or made.get(n.input[1]) is not None and made[n.input[1]].op_type == "Transpose")})
+    inputs = sorted({n.input[0] for n in g.node if weight_source(n, inits, made) is not None})
     print(f"calibration ranges of {len(inputs)} MatMul inputs ...", flush=True)
     amax = calibration_ranges(src, work / "load", inputs, Bundle.open(a.bundle).manifest.model)
     for spec, v in variants.items():

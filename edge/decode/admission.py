@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("edgechat")
 
+
 @dataclass
 class _Row:
     req: Request
@@ -104,17 +105,18 @@ class Admitting:
         for i, run in enumerate(runs):
             if i and self.rows:  # someone is decoding: it steps first
                 return [g for later in runs[i:] for g in later]
-            run = [(req, row) for req, row in run if not self._closed_if_gone(req, row)]
+            run = [(req, row) for req, row in run if not self._closed_if_gone(req, row.text)]
             if len(run) == 1:
                 self._prefill(*run[0])
             elif run:
                 self._prefill_together(run)
         return []
 
-    def _closed_if_gone(self, req: Request, row: _Row) -> bool:
+    def _closed_if_gone(self, req: Request, text: TextStream) -> bool:
+        """A request cancelled or timed out while it waited gets its final event here, and is not prefilled."""
         why = req.gone()
         if why:
-            self._emit_final(req, row.text, why)
+            self._emit_final(req, text, why)
         return bool(why)
 
     def _call_groups(self, fresh: list[tuple[Request, _Row]]) -> list[list[tuple[Request, _Row]]]:
@@ -171,9 +173,7 @@ class Admitting:
                 req = head
                 del self.pending[pick]
             text = self._text(req)
-            why = req.gone()
-            if why:
-                self._emit_final(req, text, why)
+            if self._closed_if_gone(req, text):
                 continue
             try:
                 sampler = Sampler(req.cfg)
