@@ -67,9 +67,6 @@ class QuantizeOptions:
     # int8-qdq and fp8-qdq: each activation's range: "max" (max |x| over the calibration tokens, TensorRT's max
     # calibration) or "mse" (max |x| times the clip factor whose quantized output error is least)
     qdq_range: str = "mse"
-    # fp8-qdq with GPTQ rounding: fit the weights to the FP8 input's product with the float one (GPTAQ-style,
-    # export/gptq_qdq.py) instead of the float input's; one more pass over GPTQ's texts
-    qdq_input_aware: bool = False
     # nbits = MatMulNBits 8-bit, block 32 (per-block scales): measured on SmolLM2-135M, 2-core EPYC:
     # +0.5% perplexity, 97% top-1 agreement, 74 tok/s. matmulinteger (per-tensor dynamic uint8
     # activations) was +29% perplexity, 56% agreement, 73 tok/s: activation outliers ruin it.
@@ -492,7 +489,7 @@ def _run(fp32_dir: Path, hf_dir: Path, dst: Path, opts: QuantizeOptions, hessian
         metrics = {"mode": opts.mode} | trt_formats.run(
             fp32_dir, dst, opts, hessian,
             lambda: calibration_feeds(hf_dir, opts, dims.num_layers, dims.num_kv_heads, dims.head_dim),
-            lambda: sensitivity_feeds(hf_dir, opts, dims, skip=fitted), keep, lambda: gptq_feeds(hf_dir, opts, dims))
+            lambda: sensitivity_feeds(hf_dir, opts, dims, skip=fitted), keep)
         return metrics | {"size_bytes": graph_bytes(dst / "model.onnx"),
                           "fp32_size_bytes": graph_bytes(fp32_dir / "model.onnx"),
                           "size_ratio": graph_bytes(dst / "model.onnx") / graph_bytes(fp32_dir / "model.onnx")}

@@ -306,40 +306,14 @@ def fp8_weight(w: np.ndarray, h: np.ndarray | None, damp: float) -> tuple[np.nda
     return np.clip(w / s.astype(np.float32), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn), s
 
 
-def _input_aware_levels(plain: GraphWeights, work: Path, readers: dict[str, list], ranges: dict[str, float],
-                        feeds: list[dict], damp: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """FP8 levels of the MatMuls read by each input tensor (`readers`: the plain graph's nodes) whose range is > 0,
-    GPTQ-fitted to the FP8 input's product with the float one (export/gptq_qdq.py)."""
-    from export.gptq_qdq import QuantizedInputStatistics, input_aware_target
-    from export.int8_search import fake_fp8
-
-    live = {x: r for x, r in ranges.items() if r > 0}
-
-    def quantizer(r: float) -> Callable[[np.ndarray], np.ndarray]:
-        scale = float(_fp16_scale(np.array(r / FP8_MAX, np.float32)))  # the scale the graph is given
-        return lambda a: fake_fp8(a, scale)
-
-    widths = {x: plain.shape(readers[x][0].input[1])[0] for x in live}
-    levels: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    with QuantizedInputStatistics(plain.path, work, feeds, {x: quantizer(r) for x, r in live.items()}, widths) as stats:
-        for x in live:
-            h_q, cross = stats(x)
-            for node in readers[x]:
-                w = plain.array(node.input[1]).astype(np.float32)
-                levels[node.name] = fp8_weight(input_aware_target(w, h_q, cross, damp), h_q, damp)
-    return levels
-
-
 def fp8_qdq(fp32_dir: Path, dst: Path, opts, calibration_feeds: Callable[[], list[dict]],
             keep_float: set[str] = frozenset(), hessian=None,
-            sensitivity_feeds: Callable[[], list[dict]] | None = None,
-            gptq_feeds: Callable[[], list[dict]] | None = None) -> dict:
+            sensitivity_feeds: Callable[[], list[dict]] | None = None) -> dict:
     """quantize.run's fp8-qdq: FP8 E4M3 weights per output channel and FP8 activations per tensor on every weight
     MatMul but the LM head and those in `keep_float` (fp16), int8-qdq's measured choices with FP8's errors:
 
     - ranges: `opts.qdq_range` "max", or "mse" (max |x| times the clip whose quantized output error is least);
-    - weights GPTQ-rounded on the FP8 grid with `hessian`, damping `opts.int8_gptq_damp`; with
-      `opts.qdq_input_aware`, fitted to the FP8 input instead (on `gptq_feeds`, export/gptq_qdq.py);
+    - weights GPTQ-rounded on the FP8 grid with `hessian`, damping `opts.int8_gptq_damp`;
     - with `sensitivity_feeds`, the activations whose FP8 form moves KL most per byte stay fp16 within
       `opts.qdq_float_ratio` of the FP8 weights' bytes.
     No SmoothQuant: per-activation SmoothQuant measured worse for FP8 on SmolLM2 (docs/quality.md, "fp8-qdq with
@@ -362,16 +336,12 @@ def fp8_qdq(fp32_dir: Path, dst: Path, opts, calibration_feeds: Callable[[], lis
     del rows
     ranges: dict[str, float] = {}
     levels: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    aware = bool(hessian and opts.qdq_input_aware)
     for x, ns in readers.items():  # each weight read once: its range's error, then its levels
         weights = [plain.array(matmuls[n].input[1]).astype(np.float32) for n in ns]
         ranges[x] = search.range(x, weights, None) if x in amax else 0.0
         search.rows.pop(x, None)  # its sample rows are done with
-        if ranges[x] > 0 and not aware:  # else never reached by the calibration: no scale > 0, the MatMuls stay fp16
+        if ranges[x] > 0:  # else never reached by the calibration: no scale > 0, the MatMuls stay fp16
             levels |= {n: fp8_weight(w, hessian(n) if hessian else None, opts.int8_gptq_damp) for n, w in zip(ns, weights)}
-    if aware:  # GPTQ on the FP8 input's statistics (export/gptq_qdq.py): needs every range first
-        levels = _input_aware_levels(plain, dst, {x: [matmuls[n] for n in ns] for x, ns in readers.items()},
-                                     ranges, gptq_feeds(), opts.int8_gptq_damp)
     unused = [n for x, ns in readers.items() for n in ns if not ranges[x] > 0]
     budget: dict = {}
     if sensitivity_feeds is not None and opts.qdq_float_ratio > 0:
@@ -416,20 +386,18 @@ def fp8_qdq(fp32_dir: Path, dst: Path, opts, calibration_feeds: Callable[[], lis
     shutil.rmtree(work, ignore_errors=True)
     clips = [c["clip"] for c in search.chosen.values() if "clip" in c]
     return {"fp8_matmuls": fp8, "calibration_samples": len(feeds), "float_matmuls": floats, "never_calibrated": unused,
-            "fp8_range": opts.qdq_range,
-            "fp8_rounding": ("gptq, input-aware" if aware else "gptq") if hessian else "minmax",
+            "fp8_range": opts.qdq_range, "fp8_rounding": "gptq" if hessian else "minmax",
             "activation_clips": {str(c): clips.count(c) for c in sorted(set(clips))},
             "activation_ranges": {x: float(r) for x, r in sorted(ranges.items())}} | budget
 
 
 def run(fp32_dir: Path, dst: Path, opts, hessian, calibration_feeds: Callable[[], list[dict]],
-        sensitivity_feeds: Callable[[], list[dict]], keep_float: set[str] = frozenset(),
-        gptq_feeds: Callable[[], list[dict]] | None = None) -> dict:
+        sensitivity_feeds: Callable[[], list[dict]], keep_float: set[str] = frozenset()) -> dict:
     """quantize.run's entry for the TensorRT formats (opts: export.quantize.QuantizeOptions; the feeds: the
-    calibration chats' prefill, the sensitivity texts GPTQ did not fit on and GPTQ's texts, from export/quantize.py;
+    calibration chats' prefill, and the sensitivity texts GPTQ did not fit on, both from export/quantize.py;
     `keep_float`: fp8-qdq's MatMuls left fp16, as int8-qdq's qdq_float_nodes)."""
     if opts.mode == INT4_QDQ:
         return int4_qdq(fp32_dir, dst, opts, hessian, sensitivity_feeds)
     if opts.mode == FP8:
-        return fp8_qdq(fp32_dir, dst, opts, calibration_feeds, keep_float, hessian, sensitivity_feeds, gptq_feeds)
+        return fp8_qdq(fp32_dir, dst, opts, calibration_feeds, keep_float, hessian, sensitivity_feeds)
     raise ValueError(f"trt_formats: not a TensorRT Q/DQ format: {opts.mode}")
