@@ -320,6 +320,55 @@ def test_decoding_rows_step_between_prompt_runs(fused_generator, monkeypatch):
     assert calls[:7] == ["P", "S", "P", "S", "P", "S", "P"], calls[:10]
 
 
+def test_prompt_runs_and_a_long_prompt_in_the_side_slot_share_the_steps(fused_generator, monkeypatch):
+    """A long prompt going into the side slot, a row decoding, and four short prompts that arrive together (runs of
+    one, a step between runs): the side slot's spans, the runs and the steps interleave (no run waits for the long
+    prompt, the long prompt goes on while the runs are prefilled) and every answer is its single-user answer."""
+    import edge.decode.scheduler as batching
+
+    gen = fused_generator
+    monkeypatch.setattr(batching, "ADMISSION", batching.Admission(long_prompt=64))
+    long_ids = _ids(gen, " ".join(["Tell me about the ocean and the fish that live in it."] * 6))
+    assert len(long_ids) > 64 >= max(len(_ids(gen, p)) for p in PROMPTS)
+    first_cfg = gen.sampling(max_new_tokens=40, ignore_eos=True)
+    cfgs = [gen.sampling(max_new_tokens=10 + i, ignore_eos=True) for i in range(5)]
+    want_first = gen.complete(_ids(gen, PROMPTS[5]), first_cfg)[1].token_ids
+    want = [gen.complete(long_ids, cfgs[0])[1].token_ids] + [gen.complete(_ids(gen, p), c)[1].token_ids
+                                                            for p, c in zip(PROMPTS, cfgs[1:])]
+    calls: list[str] = []
+    real_fused = gen.decoder.run_fused
+
+    def fused(ids, *a, **kw):
+        calls.append(("P", "S")[ids.shape[1] == 1] + str(ids.shape[0]))
+        return real_fused(ids, *a, **kw)
+
+    s = Scheduler(gen, max_batch=6, max_queue=8)
+    s.admission.interleaved_span = 16
+    monkeypatch.setattr(gen.decoder, "run_fused", fused)
+    s.start()
+    try:
+        first = s.submit(_ids(gen, PROMPTS[5]), first_cfg)
+        while not calls or calls[-1][0] != "S":
+            time.sleep(0.001)
+        with s._cv:  # the long prompt and the four short ones are all waiting when the loop looks
+            reqs = [s.submit(long_ids, cfgs[0])] + [s.submit(_ids(gen, p), c) for p, c in zip(PROMPTS, cfgs[1:])]
+            real_span = s._prefill_next_chunk
+            monkeypatch.setattr(s, "_prefill_next_chunk", lambda: calls.append("L") or real_span())
+        got = [r.answer(timeout=60)[1].token_ids for r in reqs]
+        assert first.answer(timeout=60)[1].token_ids == want_first
+    finally:
+        s.stop()
+    assert got == want
+    assert s.prefilling is None and s.cache.side is None and not s.rows
+    calls = [c for i, c in enumerate(calls) if not (c == "P1" and i and calls[i - 1] == "L")]  # a span is one call
+    runs = [i for i, c in enumerate(calls) if c == "P1"][1:]  # the four short prompts' runs (the first is `first`'s)
+    spans = [i for i, c in enumerate(calls) if c == "L"]
+    assert len(runs) == 4 and len(spans) == -(-len(long_ids) // 16)
+    for a, b in zip(runs, runs[1:]):  # a decode step between two runs
+        assert any(c.startswith("S") for c in calls[a + 1:b]), calls
+    assert spans[0] < runs[-1] and spans[-1] > runs[0], calls  # the side slot's spans went on during the runs
+
+
 def test_a_cache_that_does_not_batch_admits_each_prompt_alone(tiny_generator, monkeypatch):
     """A plain graph (its BatchCache prefills prompts one after another anyway): requests that arrive together are
     admitted one at a time, each first token as soon as its own prompt is in, not all or none at the end."""
