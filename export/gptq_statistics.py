@@ -1,12 +1,12 @@
 """GPTQ's input statistics for a build: collected once, kept on disk in the build's work folder, shared by its engines.
 
 int8-dynamic and int4-weight both round by GPTQ from the same statistics (X^T X of every weight MatMul's input
-on the same calibration texts, export/gptq.py). Collected per engine they cost the same pass twice (the 0.5B
+on the same calibration texts, export/hessians.py). Collected per engine they cost the same pass twice (the 0.5B
 Qwen2.5-Coder: most of a 29-minute int8 stage, then again for int4). Here the first engine's quantize stage
 writes each matrix to `OUT.work/gptq-statistics-KEY/` as it is collected, and a later stage with the same KEY
 loads it instead. KEY covers what the matrices depend on: the plain graph's weights (path, size and mtime of
 the graph and its data: a new export is a new key), the calibration token ids (texts, counts, lengths, chat
-share, the user's file) and gptq.py's own code. A changed key recomputes, and the folders of other keys are
+share, the user's file) and hessians.py, the code that collects them. A changed key recomputes, and the folders of other keys are
 removed then (each is K x K float64 per distinct input: SmolLM2-135M 0.8 GB, Qwen2.5-0.5B 4.5 GB); where the
 disk has not twice that free, nothing is stored and each engine collects its own, as before.
 """
@@ -36,7 +36,7 @@ def statistics_key(plain: Path | list[Path], feeds: list[dict]) -> str:
     stage reuse keys its code)."""
     files = plain if isinstance(plain, list) else [plain, plain.with_name(plain.name + ".data")]
     weights = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
-    code = code_fingerprint("export.gptq")  # gptq.py and the project modules it imports
+    code = code_fingerprint("export.hessians")  # hessians.py and the project modules it imports
     tokens = hashlib.sha256()
     for f in feeds:
         tokens.update(np.ascontiguousarray(f["input_ids"], np.int64).tobytes() + b"|")
@@ -122,10 +122,10 @@ def _shared_folder(key: str, dst: Path, need: int) -> Path | None:
 def streamed_statistics(source, files: list[Path], dst: Path, feeds: list[dict], input_of: dict[str, str],
                         widths: dict[str, int], shared: bool = True):
     """GPTQ's statistics for the streaming build (export/stream_build.py): collected one decoder block at a time
-    with that block's weights read from `source` (export/gptq.py `StreamedLayerHessians`), asked for by the streamed
+    with that block's weights read from `source` (export/hessians.py `StreamedLayerHessians`), asked for by the streamed
     graph's MatMul names (`input_of`: name -> input; `widths`: input -> K). `shared`: kept on disk as
     `gptq_statistics` keeps them, keyed by the checkpoint's `files` instead of a graph."""
-    from export.gptq import StreamedLayerHessians
+    from export.hessians import StreamedLayerHessians
 
     if not sum(int(np.prod(f["input_ids"].shape)) for f in feeds):
         raise ValueError("GPTQ needs calibration text: no tokens were given")
@@ -145,7 +145,7 @@ def module_keys(config: dict, input_of: dict[str, str]) -> dict[str, str]:
     """Each MatMul input of a streamed graph -> the first Linear module (in the model's order) that reads it: one
     key for the fused graph's packed q/k/v input and the plain graph's q, k and v inputs (gate/up alike), so a
     streaming build's fused engines (int8-dynamic, int4-weight) and plain one (int4-qdq) share one pass."""
-    from export.gptq import linear_modules
+    from export.hessians import linear_modules
     from export.weight_source import empty_model
 
     model = empty_model(config)
@@ -163,8 +163,8 @@ def gptq_statistics(plain: Path, fused: bool, hf_dir: Path, dst: Path, feeds: li
     names (`fused`: the fused graph's, mapped by export/sensitivity.py). Returns (statistics, by_name).
     `shared`: kept on disk in `dst`'s parent (the build's work folder) under their key and loaded from there
     when an earlier engine of the build collected them (`StoredStatistics`)."""
-    from export import gptq
-    from export.gptq import Hessians, LayerHessians, statistics_bytes
+    from export import hessians
+    from export.hessians import Hessians, LayerHessians, statistics_bytes
     from export.onnx_weights import GraphWeights, untie_lm_head, weight_matmuls
     from export.sensitivity import target_name
 
@@ -172,7 +172,7 @@ def gptq_statistics(plain: Path, fused: bool, hf_dir: Path, dst: Path, feeds: li
 
     def collect():
         hess = None
-        if need > gptq.ONE_PASS_BYTES:  # more than one pass of the whole graph: block by block
+        if need > hessians.ONE_PASS_BYTES:  # more than one pass of the whole graph: block by block
             try:
                 hess = LayerHessians(hf_dir, plain, feeds)
             except (ValueError, TypeError, RuntimeError) as e:  # names that do not map, blocks that cannot run alone

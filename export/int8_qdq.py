@@ -4,7 +4,7 @@ inputs, its activation ranges collected with the model run one decoder block at 
 Why block by block: ONNX Runtime's `quantize_static` calibrates by running an augmented copy of the whole graph
 (every MatMul's input and output made a graph output) in a session of its own, beside the graph it loaded and
 the one it writes: several copies of the model's weights at once. Here the ranges come from the Hugging Face
-model one block at a time (`ActivationAbsMax`, the way GPTQ's statistics are collected, export/gptq.py
+model one block at a time (`ActivationAbsMax`, the way GPTQ's statistics are collected, export/hessians.py
 `LayerHessians`): max |x| per input channel of every weight MatMul over the calibration chats. SmoothQuant's
 scales s come from the same numbers, and the smoothed graph's range of an input is max_c(max|x_c| / s_c),
 the same range (within float rounding) ONNX Runtime's MinMax calibrator measures on the smoothed graph, handed
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export.gptq import LayerHessians
+from export.hessians import LayerHessians
 from export.onnx_weights import GraphWeights, weight_matmuls
 
 log = logging.getLogger("edgechat")

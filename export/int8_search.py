@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from export.gptq import LayerHessians
+from export.hessians import LayerHessians
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # candidates per activation, beside "not smoothed"
 CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)  # range candidates as a share of max |x| ("mse")

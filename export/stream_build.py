@@ -13,7 +13,7 @@ The result is the graph the quantize stage makes from the fp32 fused graph with 
 (export/plain_graph.py, standard ONNX ops, the traced graph's contract and names), made fp16 with its fp32
 islands (export/fp16.py) and each weight's INT4 blocks computed as it is saved (export/trt_formats.py): the
 quantize stage's engine, bit for bit (tests/test_plain_graph.py). GPTQ rounding reads statistics collected one decoder block at a time
-with that block's weights read from the checkpoint (export/gptq.py `StreamedLayerHessians`), shared by the
+with that block's weights read from the checkpoint (export/hessians.py `StreamedLayerHessians`), shared by the
 build's engines on disk where it has room (export/gptq_statistics.py). `edge-export build --streaming` runs it
 as the build's stages: `load` links the checkpoint's files (a safetensors folder or a GGUF file), then one
 `quantize-<precision>` stage per engine (each compared with the fp32 model run one decoder block at a time on a

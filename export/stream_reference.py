@@ -2,7 +2,7 @@
 
 The parity reference of a model too large to load: the model's module tree is built with no weights
 (export/weight_source.py `empty_model`), the first block's inputs are captured as `LayerHessians`
-(export/gptq.py) captures them, then each block in turn gets its weights from the checkpoint, runs on every
+(export/hessians.py) captures them, then each block in turn gets its weights from the checkpoint, runs on every
 prompt's hidden states and gives its memory back. Memory: one block's weights, the embedding or LM head, and the
 prompts' hidden states.
 """

@@ -29,7 +29,7 @@ def one(method: str, work: Path, samples: int, tokens: int, threads: int) -> dic
     """Collect every matrix with one method in this process; seconds, passes, peak RSS, a checksum."""
     import numpy as np
 
-    from export.gptq import Hessians, LayerHessians, statistics_bytes
+    from export.hessians import Hessians, LayerHessians, statistics_bytes
     from export.load import model_dims
     from export.quantize import QuantizeOptions, sensitivity_feeds
 

@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
 
-    from export import gptq, sensitivity
+    from export import gptq, hessians, sensitivity
     from export.evaluate import prose_windows
     from export.int4 import dequantize, fake_quant
     from export.load import chat_tokenizer, model_dims
@@ -93,7 +93,7 @@ def main() -> None:
         for cname, domains in calibs.items():
             cal = gptq_feeds(hf, QuantizeOptions(mode="int4-weight", gptq_samples=a.samples, gptq_tokens=a.tokens,
                                                  gptq_domains=domains, gptq_chat_share=1 / len(domains)), dims)
-            hess = gptq.Hessians(plain, work, cal)
+            hess = hessians.Hessians(plain, work, cal)
             try:
                 for vname, kw in variants.items():
                     if kw is None and rows and any(r["rounding"] == vname for r in rows):

@@ -1,5 +1,5 @@
-"""export/gptq.py on tiny arrays and a hand-made graph: GPTQ against a textbook implementation, its edge
-cases (padding, dead inputs, bad inputs) and the Hessians' passes."""
+"""export/gptq.py on tiny arrays and export/hessians.py on a hand-made graph: GPTQ against a textbook
+implementation, its edge cases (padding, dead inputs, bad inputs) and the Hessians' passes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import run_matmulnbits
-from export.gptq import Hessians, _range, gptq_block_quant
+from export.gptq import _range, gptq_block_quant
+from export.hessians import Hessians
 from export.int4 import block_quant, dequantize
 
 
@@ -242,7 +243,7 @@ def test_hessians_are_xtx_of_each_matmul_input_in_any_number_of_passes(tmp_path)
 
 
 def test_hessians_leave_nothing_behind_when_they_fail(tmp_path, monkeypatch):
-    import export.gptq
+    import export.hessians
 
     rng = np.random.default_rng(1)
     _graph(tmp_path / "plain.onnx", rng)
@@ -252,7 +253,7 @@ def test_hessians_leave_nothing_behind_when_they_fail(tmp_path, monkeypatch):
     def boom(*a, **k):  # after the graph copy is written
         raise OSError("disk full")
 
-    monkeypatch.setattr(export.gptq, "weight_matmuls", boom)
+    monkeypatch.setattr(export.hessians, "weight_matmuls", boom)
     with pytest.raises(OSError, match="disk full"):
         Hessians(tmp_path / "plain.onnx", work, _feeds(rng))
     assert not list(work.iterdir())

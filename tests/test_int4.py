@@ -198,7 +198,7 @@ def test_gptq_rounds_so_the_output_moves_less_than_round_to_nearest(k, n, block)
 def test_gptq_statistics_are_the_same_in_one_pass_or_many(mixed_bundle, tmp_path):
     """Hessians collected in memory-bounded passes equal the one-pass matrices, and each is X^T X of what the
     MatMul really reads: symmetric, positive on the diagonal, and for the first q/k/v the RMS-normed embedding."""
-    from export.gptq import Hessians
+    from export.hessians import Hessians
     from export.load import model_dims
     from export.quantize import QuantizeOptions, sensitivity_feeds
 
@@ -233,7 +233,7 @@ def test_gptq_statistics_block_by_block_equal_the_graphs(mixed_bundle, tmp_path)
     """LayerHessians (the Hugging Face model one decoder block at a time, one forward pass in all: what large
     models use) gives the matrices the plain graph's pass gives, for every weight MatMul the quantizer asks
     about in graph order; asked out of order it starts again (a second pass) and still agrees."""
-    from export.gptq import Hessians, LayerHessians, statistics_bytes
+    from export.hessians import Hessians, LayerHessians, statistics_bytes
     from export.load import model_dims
     from export.quantize import QuantizeOptions, sensitivity_feeds
 
@@ -261,7 +261,7 @@ def test_gptq_statistics_choose_block_by_block_past_one_pass(mixed_bundle, tmp_p
     """The quantize stage collects statistics block by block when the graph's pass would not hold them all at
     once, asked by the fused graph's names as by the plain one's, equal to the one-pass path's; a model whose
     blocks cannot run alone falls back to passes of the graph."""
-    import export.gptq
+    import export.hessians
     import transformers.models.llama.modeling_llama as llama
     from export.load import model_dims
     from export.onnx_weights import GraphWeights, untie_lm_head, weight_matmuls
@@ -276,7 +276,7 @@ def test_gptq_statistics_choose_block_by_block_past_one_pass(mixed_bundle, tmp_p
     opts = QuantizeOptions(mode="int4-weight", gptq_samples=4, gptq_tokens=32)
     graph, by_graph = _gptq_statistics(fused, work / "load", tmp_path, opts, model_dims(work / "load"), shared=False)
     assert type(graph).__name__ == "Hessians"
-    monkeypatch.setattr(export.gptq, "ONE_PASS_BYTES", 1)
+    monkeypatch.setattr(export.hessians, "ONE_PASS_BYTES", 1)
     blocks, by_block = _gptq_statistics(fused, work / "load", tmp_path, opts, model_dims(work / "load"), shared=False)
     try:
         assert type(blocks).__name__ == "LayerHessians"
