@@ -16,7 +16,8 @@ def _plan(args: argparse.Namespace) -> int:
     from export.build_memory import build_peak_bytes, machine_ram_bytes, streaming_peak_bytes
     from export.stream_build import STREAMED
     from export.console import table
-    from export.planner import GB, QUALITY_ORDER, PlanOptions, bundle_quality, default_quality, plan_all, recommend
+    from export.planner import (GB, QUALITY_ORDER, PlanOptions, bundle_quality, default_quality, expected, plan_all,
+                                recommend)
 
     profile = load_profile(args.target)
     if args.bundle:
@@ -61,8 +62,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps({
             "model": name, "parameters": dims.num_parameters, "target": profile.id,
             "options": asdict(opts) | {"max_kl": args.max_kl, "allow_fp32": args.allow_fp32},
-            "plans": [p.to_dict() | {"expected_kl": quality[p.precision].kl,
-                                     "expected_kl_source": quality[p.precision].source} for p in plans],
+            "plans": [p.to_dict() | {"expected_kl": expected(p, quality).kl,
+                                     "expected_kl_source": expected(p, quality).source} for p in plans],
             "recommendation": rec.to_dict(quality),
             "workstation_build": {"peak_ram_bytes": build_peak_bytes(dims),
                                   "peak_ram_bytes_with_int8_qdq": build_peak_bytes(dims, (INT8_QDQ,)),
@@ -83,7 +84,7 @@ def _plan(args: argparse.Namespace) -> int:
     for p in plans:
         build = "-" if p.build_ram_gb is None else f"{p.build_ram_gb:.2f} GB" + (
             " (!)" if not p.fits_build else f" (swap {p.build_swap_gb:.1f})" if p.build_swap_gb > 0 else "")
-        kl = quality[p.precision].kl
+        kl = expected(p, quality).kl
         rows.append([p.precision, f"{p.weights_gb:.3f} GB", f"{p.kv_cache_gb:.3f} GB", f"{p.activations_gb:.3f} GB",
                      f"{p.overhead_gb:.2f} GB", f"{p.total_gb:.2f} GB", f"{p.usable_gb:.1f} GB", build,
                      "yes" if p.fits else "NO", f"{p.decode_tok_s:,.0f}", _secs(p.prefill_s), _secs(p.answer_s),
@@ -115,7 +116,10 @@ def _plan(args: argparse.Namespace) -> int:
     stream = streaming_peak_bytes(dims, (streamed,))
     smallest = next((gb for gb in (8, 16, 32, 64, 128, 256) if stream <= 0.85 * gb * GB), None)  # room for the OS
     print(f"the streaming build (edge-export build --streaming: {', '.join(STREAMED)} written tensor by tensor from the "
-          f"checkpoint, evaluated against the model run one block at a time) of {streamed} peaks at ~{stream / GB:.1f} GB"
+          f"checkpoint, evaluated against the model run one block at a time) of {streamed}"
+          + (" (all 4 bits: it has no byte budget yet)" if best and best.precision == streamed and best.int4_layout
+             and best.int4_layout.extra_ratio else "")
+          + f" peaks at ~{stream / GB:.1f} GB"
           f" (~{streaming_peak_bytes(dims, evaluate=False, gptq=False) / GB:.1f} GB writing the engines alone: "
           "--skip-eval, round to nearest)"
           + (f": it builds on a {smallest} GB workstation" if smallest else "")
@@ -253,6 +257,10 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--int4-budget-mb", type=Bounded(float, 0, above=True), metavar="MB",
                    help="int4-weight: the engine's size at most; the MatMuls whose 4 bits cost the most KL (measured) "
                         "get 8 bits within it (recipe key int4_budget_mb; default: int4_extra_ratio of the all-4-bit size)")
+    b.add_argument("--int4-extra-ratio", type=Bounded(float, 0, 1), metavar="R",
+                   help="int4-weight / int4-qdq: spend up to R x the all-4-bit engine's bytes on 8-bit projections, "
+                        "the ones whose 4 bits cost the most KL (measured); what `edge-export plan` recommends where it "
+                        "fits (recipe key int4_extra_ratio; --int4-budget-mb sets the size in MB instead)")
     b.add_argument("--int4-block", type=int, choices=INT4_BLOCKS, metavar="N",
                    help="int4-weight: 4-bit block size, one of " + ", ".join(map(str, INT4_BLOCKS)) + " (default 32; larger "
                         "blocks store fewer scales: `edge-export plan` says which fits; recipe key int4_block_size)")

@@ -32,15 +32,22 @@ PREFILL_CHUNK = DecoderIO().prefill_chunk  # the runtime's prompt chunk (the eng
 
 @dataclass(frozen=True)
 class Int4Layout:
-    """How an int4-weight engine stores the model: 4-bit blocks of `block` weights (an fp32 scale and a 4-bit
-    zero point each) and the LM head at `head_bits` (8: blocks of 64, symmetric). The quantize stage's
-    int4_block_size and int4_lm_head_bits (`edge-export build --int4-block N --int4-head-bits B`)."""
+    """How an int4 engine stores the model: 4-bit blocks of `block` weights (int4-weight: an fp32 scale and a 4-bit
+    zero point each; int4-qdq: an fp16 scale), the LM head at `head_bits` (8: int4-weight's blocks of 64,
+    int4-qdq's INT8 per channel), and `extra_ratio` of the all-4-bit engine's bytes spent on 8-bit projections,
+    the ones whose 4 bits cost the most KL (measured at build time). The quantize stage's int4_block_size,
+    int4_lm_head_bits and int4_extra_ratio (`edge-export build --int4-block N --int4-head-bits B
+    --int4-extra-ratio R`)."""
 
     block: int = 32
     head_bits: int = 8
+    extra_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         check_int4_layout(self.block, self.head_bits)
+        if not 0 <= self.extra_ratio <= 1:
+            raise RecipeError(f"int4 extra ratio (--int4-extra-ratio, recipe key int4_extra_ratio) must be in [0, 1], "
+                              f"got {self.extra_ratio!r}")
 
     @property
     def body_bytes(self) -> float:
@@ -54,10 +61,13 @@ class Int4Layout:
     def flags(self) -> str:
         """The build flags that make this layout ('' for the default)."""
         return " ".join(f for f in (f"--int4-block {self.block}" if self.block != 32 else "",
-                                    f"--int4-head-bits {self.head_bits}" if self.head_bits != 8 else "") if f)
+                                    f"--int4-head-bits {self.head_bits}" if self.head_bits != 8 else "",
+                                    f"--int4-extra-ratio {self.extra_ratio:g}" if self.extra_ratio else "") if f)
 
     def describe(self) -> str:
-        return f"4-bit blocks of {self.block}, {self.head_bits}-bit LM head"
+        return (f"4-bit blocks of {self.block}, {self.head_bits}-bit LM head"
+                + (f", the projections 4 bits hurt most at 8 bits within +{self.extra_ratio:.0%} of the bytes"
+                   if self.extra_ratio else ""))
 
 
 def check_int4_layout(block: int, head_bits: int) -> None:
@@ -69,10 +79,15 @@ def check_int4_layout(block: int, head_bits: int) -> None:
 
 
 INT4_BLOCKS = (16, 32, 64, 128, 256)  # MatMulNBits block sizes (powers of two from 16)
-# Best expected quality first; the planner takes the first that fits. Measured on SmolLM2-135M (all-4-bit,
-# KL to fp32 on 402 tokens, docs/quality.md): blocks of 64 0.4511 against 0.4513 at 32. Blocks of 128 (the
-# group size AWQ/GPTQ checkpoints use) and a 4-bit head are not measured here: the plan says which it took.
-INT4_LAYOUTS = (Int4Layout(32, 8), Int4Layout(64, 8), Int4Layout(128, 8), Int4Layout(128, 4))
+# Each int4 engine's layouts, best expected quality first; the planner takes the first that fits. First the byte
+# budget whose KL was measured (MEASURED_INT4_KL), then all 4 bits: the default blocks of 32 (measured), then
+# smaller layouts (blocks of 64 measured no worse than 32 all-4-bit on SmolLM2-135M, 0.4511 against 0.4513 in an
+# older build; blocks of 128 and a 4-bit head are not measured: the plan says in which layout its KL was).
+INT4_BUDGETS = {INT4_WEIGHT: Int4Layout(64, 8, 0.1), INT4_QDQ: Int4Layout(64, 8, 0.2)}
+INT4_LAYOUTS = {
+    INT4_WEIGHT: (INT4_BUDGETS[INT4_WEIGHT], Int4Layout(32, 8), Int4Layout(64, 8), Int4Layout(128, 8), Int4Layout(128, 4)),
+    INT4_QDQ: (INT4_BUDGETS[INT4_QDQ], Int4Layout(32, 8), Int4Layout(64, 8), Int4Layout(128, 8)),
+}
 
 
 @dataclass(frozen=True)
@@ -81,7 +96,7 @@ class PlanOptions:
     batch: int = 1
     prompt_tokens: int = 256
     answer_tokens: int = 100
-    int4_layout: Int4Layout | None = None  # None: the best of INT4_LAYOUTS that fits
+    int4_layout: Int4Layout | None = None  # the int4 engines' layout; None: the best of INT4_LAYOUTS that fits
     # the fused engines' K/V cache (`edge-export build --kv-cache`): "int8" counts one byte per K/V element for
     # the precisions that run the fused graph (int8-dynamic, int4-weight); the others keep a float cache
     kv_cache: str = "float"
@@ -113,7 +128,7 @@ class Plan:
     decode_tok_s: float  # roofline upper bound
     prefill_s: float
     answer_s: float  # prompt + answer_tokens
-    int4_layout: Int4Layout | None = None  # int4-weight: the layout planned
+    int4_layout: Int4Layout | None = None  # int4-weight / int4-qdq: the layout planned
     build_swap_gb: float = 0.0  # swap the engine build needs on top of host_ram_gb (a Jetson's NVMe swap file)
 
     @property
@@ -147,6 +162,9 @@ def weight_bytes(dims: ModelDims, precision: str, layout: Int4Layout | None = No
     else:
         body_b, head_b = row.weight_bytes, row.head_bytes or row.weight_bytes
         eight_bit_head = row.head_bytes is None
+    if precision == INT4_QDQ:  # symmetric INT4 blocks with an fp16 scale each; the head INT8 per channel
+        layout = layout or Int4Layout()
+        body_b = 0.5 + 2 / layout.block
     if precision in (INT8_QDQ, FP8):  # their float budget: fp16 MatMuls adding at most this share of the 8-bit bytes
         body_b *= 1 + QDQ_FLOAT_RATIO
     shared = dims.tie_word_embeddings and (row.embed_bytes is None or eight_bit_head)
@@ -156,7 +174,9 @@ def weight_bytes(dims: ModelDims, precision: str, layout: Int4Layout | None = No
         body *= _block_padding(dims, layout.block)
         if layout.head_bits == 4:  # the head's input is the hidden width too
             head_b *= -(-dims.hidden_size // layout.block) * layout.block / dims.hidden_size
-    return body * body_b + table * head_b + embed * (row.embed_bytes or row.weight_bytes)
+    total = body * body_b + table * head_b + embed * (row.embed_bytes or row.weight_bytes)
+    # an int4 byte budget: the quantize stage fills the engine up to (1 + extra_ratio) x its all-4-bit size
+    return total * (1 + layout.extra_ratio) if layout is not None else total
 
 
 def _block_padding(dims: ModelDims, block: int) -> float:
@@ -172,13 +192,14 @@ def _block_padding(dims: ModelDims, block: int) -> float:
 
 
 def plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOptions = PlanOptions()) -> Plan:
-    """The memory and roofline plan of one precision; int4-weight in `opts.int4_layout`, else the best
-    layout of INT4_LAYOUTS that fits (the smallest when none does)."""
+    """The memory and roofline plan of one precision; an int4 engine in `opts.int4_layout`, else the best of its
+    INT4_LAYOUTS that fits (the smallest when none does)."""
     if precision not in WEIGHT_BYTES:
         raise RecipeError(f"unknown precision '{precision}': choose one of {', '.join(PRECISIONS)}")
-    if precision != INT4_WEIGHT:
+    if precision not in INT4_LAYOUTS:
         return _plan(dims, profile, precision, opts, None)
-    tried = [_plan(dims, profile, precision, opts, lay) for lay in ([opts.int4_layout] if opts.int4_layout else INT4_LAYOUTS)]
+    layouts = [opts.int4_layout] if opts.int4_layout and precision == INT4_WEIGHT else INT4_LAYOUTS[precision]
+    tried = [_plan(dims, profile, precision, opts, lay) for lay in layouts]
     return next((p for p in tried if p.fits), min(tried, key=lambda p: p.total_gb))
 
 
@@ -237,12 +258,13 @@ SMOLLM2 = ("measured on SmolLM2-135M-Instruct by the build's evaluate stage: rec
 SMOLLM2_EVAL = "docs/bench/quality-final-eval-2026-12-05.json"
 SMOLLM2_FINAL = (f"measured on SmolLM2-135M-Instruct, 32 held-out chats, KL to fp32 ({SMOLLM2_EVAL}; "
                  "docs/quality.md)")
-# int4-qdq at the int4 engine's size (`scripts/requantize_probe.py` on that export: --int4-block 64, the budget at the
-# int4-weight engine's 105.25 MB, the default 96 GPTQ texts and damping 0.03; 12 held-out chats as `edge-export eval
-# --chats 12`; docs/quality.md "One projection at a time"): checked against its JSON by tests/test_planner.py as above
-SMOLLM2_INT4_EVAL = "docs/bench/quality-int4-projections-2026-12-07.json"
-SMOLLM2_INT4 = (f"measured on SmolLM2-135M-Instruct at the int4 engine's 105 MB, 12 held-out chats, KL to fp32 on ONNX "
-                f"Runtime's CPU reference kernels, not on a GPU ({SMOLLM2_INT4_EVAL}; docs/quality.md)")
+# the int4 engines as `edge-export build --recipe recipes/smollm2-int8.toml --precision P [the layout's flags]` makes
+# them, each build's evaluate stage (64 held-out chats; docs/quality.md "What the plan's int4 flags build"): all 4 bits
+# in blocks of 32 (the default build) and within the byte budget of INT4_BUDGETS; int4-qdq scored as its CPU twin.
+# Checked against the JSON by tests/test_planner.py
+SMOLLM2_INT4_EVAL = "docs/bench/quality-int4-builds-2026-12-07.json"
+SMOLLM2_INT4 = (f"measured on SmolLM2-135M-Instruct by the build's evaluate stage, 64 held-out chats, KL to fp32 "
+                f"({SMOLLM2_INT4_EVAL}; docs/quality.md)")
 # int8-qdq and fp8-qdq at every default (`edge-export build --precision int8-qdq --precision fp8-qdq`, its evaluate
 # stage: 64 held-out chats; docs/quality.md "fp8-qdq with int8-qdq's measured choices"), checked likewise
 SMOLLM2_QDQ_EVAL = "docs/bench/quality-trt-formats-build-2026-12-07.json"
@@ -251,6 +273,9 @@ SMOLLM2_QDQ = (f"measured on SmolLM2-135M-Instruct by the default build's evalua
 NO_GPU = "not measured: EdgeChat has not run TensorRT on a GPU yet"
 NO_MODEL = ("not measured on SmolLM2-135M yet (its graph is scored on ONNX Runtime's CPU reference kernels by the "
             "evaluate stage: a bundle's own figure replaces this)")
+# SMOLLM2_INT4_EVAL's four builds (tests/test_planner.py checks these against it): all 4 bits, and the budgets
+INT4_WEIGHT_ALL4_KL, INT4_QDQ_ALL4_KL = 0.1106, 0.1471
+INT4_WEIGHT_BUDGET_KL, INT4_QDQ_BUDGET_KL = 0.0518, 0.0427
 DEFAULT_KL: dict[str, tuple[float | None, str]] = {
     FP32: (0.0, "the reference itself"),
     FP16: (None, NO_GPU),
@@ -259,30 +284,47 @@ DEFAULT_KL: dict[str, tuple[float | None, str]] = {
     INT8_DYNAMIC: (0.0043, SMOLLM2_FINAL),
     # both with their float budget (QDQ_FLOAT_RATIO, whose fp16 bytes `weight_bytes` counts)
     INT8_QDQ: (0.0087, SMOLLM2_QDQ),
-    # the budgeted layout (33 of 120 MatMuls at 8 bits, 105.2 MB); the default all-4-bit blocks of 32 measure more
-    INT4_WEIGHT: (0.0532, SMOLLM2_FINAL + ", at --int4-block 64 --int4-budget-mb 105.4"),
-    # 105.0 MB, 100 of 210 MatMuls INT8 per channel within the int4-weight engine's 105.25 MB
-    INT4_QDQ: (0.0410, SMOLLM2_INT4),
+    # the default build (--precision P alone): all 4 bits in blocks of 32 (DEFAULT_INT4_LAYOUT)
+    INT4_WEIGHT: (INT4_WEIGHT_ALL4_KL, SMOLLM2_INT4 + ", all 4 bits in blocks of 32"),
+    INT4_QDQ: (INT4_QDQ_ALL4_KL, SMOLLM2_INT4 + ", all 4 bits in blocks of 32, on ONNX Runtime's CPU reference kernels"),
 }
-DEFAULT_MAX_KL = 0.05  # on the defaults above: int8-dynamic, int8-qdq, fp8-qdq and int4-qdq (0.041) are within it; int4-weight (0.053) not
+DEFAULT_INT4_LAYOUT = Int4Layout()  # the layout DEFAULT_KL's int4 figures were measured in
+# the int4 layouts measured besides: the byte budgets the plan recommends where they fit (their flags build them)
+MEASURED_INT4_KL: dict[tuple[str, Int4Layout], tuple[float, str]] = {
+    (INT4_WEIGHT, INT4_BUDGETS[INT4_WEIGHT]): (INT4_WEIGHT_BUDGET_KL, SMOLLM2_INT4 + ", " + INT4_BUDGETS[INT4_WEIGHT].flags),
+    (INT4_QDQ, INT4_BUDGETS[INT4_QDQ]): (INT4_QDQ_BUDGET_KL, SMOLLM2_INT4 + ", " + INT4_BUDGETS[INT4_QDQ].flags
+                                         + ", on ONNX Runtime's CPU reference kernels"),
+}
+DEFAULT_MAX_KL = 0.05  # int8-dynamic, int8-qdq, fp8-qdq and the int4 budgets are within it; all-4-bit int4 is not
 GPU_FLOOR = (FP16, BF16)  # on a GPU the recommendation never goes below these for quality, nor to fp32 unasked
 TENSORRT_FROM_FP32 = tuple(p.name for p in precisions.TABLE if FP32 in p.trt_sources)  # built on the device from fp32
 
 
 @dataclass(frozen=True)
 class Expected:
-    """Expected KL to fp32 of one precision, and where the number comes from."""
+    """Expected KL to fp32 of one precision, and where the number comes from (`bundle`: the bundle's own engine)."""
 
     kl: float | None
     source: str
+    bundle: bool = False
 
     @property
     def short(self) -> str:
         """For a one-line reason: the number and a word on where it is from."""
         if self.kl is None:
             return "KL not measured"
-        where = "this bundle" if "bundle" in self.source else "SmolLM2-135M" if "SmolLM2" in self.source else "reference"
+        where = "this bundle" if self.bundle else "SmolLM2-135M" if "SmolLM2" in self.source else "reference"
         return f"KL {self.kl:.2g}, {where}"
+
+
+def expected(p: "Plan", quality: dict[str, Expected]) -> Expected:
+    """The expected KL of what a plan builds: the bundle's own engine of its precision, else the measured build of
+    its int4 layout (MEASURED_INT4_KL), else its precision's figure (`quality`)."""
+    q = quality.get(p.precision, Expected(None, "not measured"))
+    if q.bundle or p.int4_layout is None:
+        return q
+    got = MEASURED_INT4_KL.get((p.precision, p.int4_layout))
+    return Expected(*got) if got else q
 
 
 def default_quality() -> dict[str, Expected]:
@@ -304,19 +346,17 @@ def bundle_quality(manifest) -> tuple[dict[str, Expected], set[str]]:
     quality = default_quality()
     for prec, v in measured.items():
         quality[prec] = Expected(max(0.0, v - base), f"measured in bundle {manifest.bundle_id}"
-                                 + (" (minus its fp32 engine's KL to the teacher)" if base else ""))
+                                 + (" (minus its fp32 engine's KL to the teacher)" if base else ""), bundle=True)
     have = {e.fingerprint.precision for e in manifest.engines}
     return quality, have | (set(TENSORRT_FROM_FP32) if FP32 in have else set())
 
 
-KL_INT4_LAYOUT = Int4Layout(64, 8)  # the layout DEFAULT_KL's int4-weight figure was measured in (--int4-block 64)
-
-
-def _layout_note(p: Plan) -> str:
-    """The expected int4 KL figure is measured in one layout: say so when the plan takes another."""
-    if p.int4_layout is None or p.int4_layout == KL_INT4_LAYOUT:
+def _layout_note(p: Plan, quality: dict[str, Expected]) -> str:
+    """An int4 KL figure is measured in one layout: say so when the plan takes a layout nobody measured."""
+    if (p.int4_layout is None or p.int4_layout == DEFAULT_INT4_LAYOUT or quality.get(p.precision, Expected(None, "")).bundle
+            or (p.precision, p.int4_layout) in MEASURED_INT4_KL):
         return ""
-    return f" (its expected KL was measured in {KL_INT4_LAYOUT.describe()}, not in {p.int4_layout.describe()})"
+    return f" (its expected KL was measured in {DEFAULT_INT4_LAYOUT.describe()}, not in {p.int4_layout.describe()})"
 
 
 @dataclass(frozen=True)
@@ -329,8 +369,8 @@ class Recommendation:
 
     def to_dict(self, quality: dict[str, Expected]) -> dict:
         def kl(p: Plan | None) -> dict:
-            return {} if p is None else {"expected_kl": quality[p.precision].kl,
-                                         "expected_kl_source": quality[p.precision].source}
+            return {} if p is None else {"expected_kl": expected(p, quality).kl,
+                                         "expected_kl_source": expected(p, quality).source}
         lay = self.plan.int4_layout if self.plan else None
         return {"precision": self.plan.precision if self.plan else None, "context": self.context,
                 "reason": self.reason, **kl(self.plan),
@@ -360,44 +400,44 @@ def recommend(dims: ModelDims, profile: DeviceProfile, opts: PlanOptions, max_kl
         order = [p for p in order if p != FP32] or order
     floor = next((p for p in (GPU_FLOOR if profile.is_gpu else (FP32,)) if p in order), None)
 
-    def kl(p: str) -> float:
-        v = quality.get(p, Expected(None, "")).kl
+    def kl(pl: Plan) -> float:
+        v = expected(pl, quality).kl
         return float("inf") if v is None else v
 
-    def ok(p: str) -> bool:
-        return p == floor or kl(p) <= max_kl
+    def ok(pl: Plan) -> bool:
+        return pl.precision == floor or kl(pl) <= max_kl
 
-    def why_kl(p: str) -> str:
-        return quality.get(p, Expected(None, "not measured")).short
+    def why_kl(pl: Plan) -> str:
+        return expected(pl, quality).short
 
     ctx = opts.context
     while True:
         o = dataclasses.replace(opts, context=ctx, prompt_tokens=min(opts.prompt_tokens, ctx))
         fitting = [pl for pl in (plan(dims, profile, p, o) for p in order) if pl.fits]
-        within = sorted((pl for pl in fitting if ok(pl.precision)),
-                        key=lambda pl: (-pl.decode_tok_s, kl(pl.precision), order.index(pl.precision)))
+        within = sorted((pl for pl in fitting if ok(pl)),
+                        key=lambda pl: (-pl.decode_tok_s, kl(pl), order.index(pl.precision)))
         where = f"fits {ctx} tokens x batch {o.batch}" + (f" (not {opts.context})" if ctx != opts.context else "")
         if within:
             best = within[0]
-            note = _layout_note(best)
-            faster = [pl for pl in fitting if pl.decode_tok_s > best.decode_tok_s and not ok(pl.precision)]
+            note = _layout_note(best, quality)
+            faster = [pl for pl in fitting if pl.decode_tok_s > best.decode_tok_s and not ok(pl)]
             floor_note = " (the floor on GPUs)" if best.precision == floor and profile.is_gpu else ""
             reason = (f"the fastest that {where} with expected KL <= {max_kl:g}{floor_note}: "
-                      f"≤{best.decode_tok_s:,.0f} tok/s, {why_kl(best.precision)}"
-                      + (f"; {faster[0].precision} is faster but {why_kl(faster[0].precision)}" if faster else "") + note)
+                      f"≤{best.decode_tok_s:,.0f} tok/s, {why_kl(best)}"
+                      + (f"; {faster[0].precision} is faster but {why_kl(faster[0])}" if faster else "") + note)
             runner = within[1] if len(within) > 1 else (faster[0] if faster else None)
             return Recommendation(best, ctx, reason, runner, "" if runner is None else (
-                f"≤{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner.precision)}"
-                + ("" if ok(runner.precision) else f", above --max-kl {max_kl:g}")
+                f"≤{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner)}"
+                + ("" if ok(runner) else f", above --max-kl {max_kl:g}")
                 + (" (the floor on GPUs)" if runner.precision == floor and profile.is_gpu else "")))
         if fitting:
-            best = min(fitting, key=lambda pl: (kl(pl.precision), order.index(pl.precision)))
+            best = min(fitting, key=lambda pl: (kl(pl), order.index(pl.precision)))
             rest = [pl for pl in fitting if pl is not best]
             runner = max(rest, key=lambda pl: pl.decode_tok_s) if rest else None
             return Recommendation(best, ctx, (
                 f"nothing with expected KL <= {max_kl:g} {where}; this is the best quality that does "
-                f"({why_kl(best.precision)})" + _layout_note(best)), runner,
-                "" if runner is None else f"≤{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner.precision)}")
+                f"({why_kl(best)})" + _layout_note(best, quality)), runner,
+                "" if runner is None else f"≤{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner)}")
         if ctx <= 256:
             break
         ctx //= 2

@@ -214,7 +214,7 @@ class BuildOptions:
                     chat_template=getattr(a, "chat_template", None),
                     fused=False if getattr(a, "no_fused", False) else None, kv_cache=getattr(a, "kv_cache", None),
                     streaming=getattr(a, "streaming", False) or None,
-                    int4_budget_mb=getattr(a, "int4_budget_mb", None),
+                    int4_budget_mb=getattr(a, "int4_budget_mb", None), int4_extra_ratio=getattr(a, "int4_extra_ratio", None),
                     int4_block_size=getattr(a, "int4_block", None), int4_lm_head_bits=getattr(a, "int4_head_bits", None),
                     int4_rounding=getattr(a, "int4_rounding", None), int8_rounding=getattr(a, "int8_rounding", None),
                     int4_gptq_damp=getattr(a, "int4_gptq_damp", None), int4_activations=getattr(a, "int4_activations", None),
@@ -245,7 +245,8 @@ class BuildOptions:
         int4_flags = [(f, engines) for f, v, engines in (
             ("--int4-block", getattr(a, "int4_block", None), (INT4_WEIGHT, INT4_QDQ)),
             ("--int4-head-bits", getattr(a, "int4_head_bits", None), (INT4_WEIGHT,)),
-            ("--int4-budget-mb", getattr(a, "int4_budget_mb", None), (INT4_WEIGHT, INT4_QDQ))) if v is not None]
+            ("--int4-budget-mb", getattr(a, "int4_budget_mb", None), (INT4_WEIGHT, INT4_QDQ)),
+            ("--int4-extra-ratio", getattr(a, "int4_extra_ratio", None), (INT4_WEIGHT, INT4_QDQ))) if v is not None]
         for flag, engines in int4_flags:
             if not set(engines) & set(base.precisions):
                 raise RecipeError(f"{flag} shapes the {' and '.join(engines)} engine, which this build does not make "

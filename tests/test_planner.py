@@ -10,7 +10,8 @@ import pytest
 from conftest import ROOT
 from edge.device.profiles import load_profile
 from export.model_source import KNOWN_SIZES, describe
-from export.planner import PlanOptions, plan, recommend
+from edge.errors import RecipeError
+from export.planner import Int4Layout, PlanOptions, plan, recommend
 
 GB = 1e9
 
@@ -50,10 +51,33 @@ def test_matmulnbits_sizes_by_hand():
     d = KNOWN_SIZES["smollm2-135m"]
     orin = load_profile("orin-nano-8gb")
     head = 49152 * 576
+    all4 = PlanOptions(int4_layout=Int4Layout())  # the default build's layout: all 4 bits in blocks of 32
     assert plan(d, orin, "int8-dynamic").weights_gb * GB == pytest.approx(134_515_008 * 1.125)
-    assert plan(d, orin, "int4-weight").weights_gb * GB == pytest.approx((134_515_008 - head) * (0.5 + 4.5 / 32)
-                                                                         + head * (1 + 4 / 64))
-    assert 0.150 < plan(d, orin, "int8-dynamic").weights_gb < 0.154 and 0.097 < plan(d, orin, "int4-weight").weights_gb < 0.100
+    assert plan(d, orin, "int4-weight", all4).weights_gb * GB == pytest.approx((134_515_008 - head) * (0.5 + 4.5 / 32)
+                                                                               + head * (1 + 4 / 64))
+    assert 0.150 < plan(d, orin, "int8-dynamic").weights_gb < 0.154 and 0.097 < plan(d, orin, "int4-weight", all4).weights_gb < 0.100
+
+
+def test_an_int4_byte_budget_is_planned_as_the_build_fills_it():
+    """`--int4-extra-ratio R` fills the engine up to (1 + R) x its all-4-bit size (export/quantize.py, trt_formats.py):
+    the plan counts those bytes, its flags build it, and where it does not fit the plan falls back to all 4 bits."""
+    from export.planner import INT4_BUDGETS, weight_bytes
+
+    d = KNOWN_SIZES["smollm2-135m"]
+    for p, budget in INT4_BUDGETS.items():
+        base = dataclasses.replace(budget, extra_ratio=0.0)
+        assert weight_bytes(d, p, budget) == pytest.approx(weight_bytes(d, p, base) * (1 + budget.extra_ratio))
+        assert f"--int4-extra-ratio {budget.extra_ratio:g}" in budget.flags and "--int4-block 64" in budget.flags
+        assert plan(d, load_profile("orin-nano-8gb"), p).int4_layout == budget  # SmolLM2 fits anywhere
+    # int4-qdq: symmetric INT4 blocks with an fp16 scale each (the default build's blocks of 32, not 64)
+    body = d.num_parameters - 49152 * 576
+    assert weight_bytes(d, "int4-qdq", Int4Layout(32, 8)) - weight_bytes(d, "int4-qdq", Int4Layout(64, 8)) == \
+        pytest.approx(body * (2 / 32 - 2 / 64))
+    nano, llama = load_profile("orin-nano-8gb"), KNOWN_SIZES["llama-3-8b"]
+    tight = plan(llama, nano, "int4-qdq", PlanOptions(context=2048))  # Llama-3-8B: the budget does not fit at 2k
+    assert tight.fits and tight.int4_layout.extra_ratio == 0
+    with pytest.raises(RecipeError, match="int4 extra ratio"):
+        Int4Layout(64, 8, 1.5)
 
 
 def test_smollm2_on_orin_nano_fp16_by_hand():
@@ -93,8 +117,10 @@ def test_7b_int8_4k_fits_t4_not_orin_nano():
     assert not nano.fits_memory and nano.total_gb > 6.6
     # Llama-2-7B's KV cache (32 KV heads) is 1 GB per 2048 tokens in fp16: at 4096 nothing fits the Nano's
     # 6.6 GB, so the plan offers the longest context that does, at int4
-    rec = recommend(d, load_profile("orin-nano-8gb"), o)  # int4-qdq: the smallest, and within the KL bound
-    assert rec.plan.precision == "int4-qdq" and rec.context == 2048 and "(not 4096)" in rec.reason
+    # at 2048 only all 4 bits fit (no byte budget), above the KL bound: the best quality that fits, saying so
+    rec = recommend(d, load_profile("orin-nano-8gb"), o)
+    assert rec.plan.precision == "int4-weight" and rec.context == 2048 and "(not 4096)" in rec.reason
+    assert "nothing with expected KL <= 0.05" in rec.reason and not rec.plan.int4_layout.extra_ratio
     rec = recommend(d, load_profile("orin-nano-8gb"), o, precisions=["fp16", "int8-dynamic", "int4-weight"])
     assert rec.plan.precision == "int4-weight" and rec.context == 2048 and "(not 4096)" in rec.reason
     # with the desktop running (5.2 GB) not even that: the plan says so and what to do
@@ -123,14 +149,21 @@ def test_llama3_8b_fits_orin_nano_at_int4_with_2048_tokens():
     rec = recommend(d, nano, PlanOptions(context=2048), precisions=["fp16", "int8-dynamic", "int4-weight"])
     assert rec.plan.precision == "int4-weight" and rec.context == 2048
     assert not plan(d, load_profile("orin-nano-8gb@desktop"), "int4-weight", PlanOptions(context=2048)).fits
-    # with every format: TensorRT's int4-qdq (W4A16), its expected KL from a measured build (issue 39)
+    # with every format: neither int4 byte budget fits at 2k, so all 4 bits at their own measured KL (issue 39: the
+    # plan used to cite int4-qdq's budgeted 0.041 beside all-4-bit bytes); TensorRT's int4-qdq fits, the runner-up
     rec = recommend(d, nano, PlanOptions(context=2048))
-    assert rec.plan.precision == "int4-qdq" and rec.context == 2048 and "KL 0.041" in rec.reason
+    assert rec.plan.precision == "int4-weight" and rec.context == 2048 and "KL 0.11" in rec.reason
+    assert rec.runner_up.precision == "int4-qdq" and "KL 0.15" in rec.runner_up_reason
+    qdq = plan(d, nano, "int4-qdq", PlanOptions(context=2048))
+    assert qdq.fits and qdq.int4_layout == Int4Layout(32, 8) and qdq.build_swap_gb > 0
     out = subprocess.run([sys.executable, "-m", "export.cli", "plan", "--model", "llama-3-8b", "--target", "orin-nano-8gb"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "recommended: int4-qdq at context 2048" in out.stdout and "at least 6 GB of swap on the NVMe" in out.stdout
+    assert "recommended: int4-weight at context 2048" in out.stdout and "runner-up:   int4-qdq" in out.stdout
     assert "edge-export build --precision int4-weight --int4-block 64" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "export.cli", "plan", "--model", "llama-3-8b", "--target", "orin-nano-8gb",
+                          "--precision", "int4-qdq"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert "recommended: int4-qdq at context 2048" in out.stdout and "at least 6 GB of swap on the NVMe" in out.stdout
 
 
 def test_llama3_8b_int4_qdq_fits_orin_nano_and_its_build_needs_swap_not_a_bigger_board():
@@ -198,15 +231,20 @@ def test_default_kl_figures_are_the_measured_builds():
     import json
     from pathlib import Path
 
-    from export.planner import DEFAULT_KL, SMOLLM2_EVAL, SMOLLM2_INT4_EVAL, SMOLLM2_QDQ_EVAL
+    from export.planner import DEFAULT_KL, MEASURED_INT4_KL, SMOLLM2_EVAL, SMOLLM2_INT4_EVAL, SMOLLM2_QDQ_EVAL
 
-    for path, names in ((SMOLLM2_EVAL, ("int8-dynamic", "int4-weight")), (SMOLLM2_QDQ_EVAL, ("fp8-qdq", "int8-qdq")),
-                        (SMOLLM2_INT4_EVAL, ("int4-qdq",))):
+    for path, names in ((SMOLLM2_EVAL, ("int8-dynamic",)), (SMOLLM2_QDQ_EVAL, ("fp8-qdq", "int8-qdq")),
+                        (SMOLLM2_INT4_EVAL, ("int4-weight", "int4-qdq"))):
         measured = json.loads((Path(__file__).parents[1] / path).read_text())["engines"]
         for p in names:
             kl, source = DEFAULT_KL[p]
             assert kl == pytest.approx(measured[p]["chats"]["kl_to_fp32"], abs=5e-5), p
             assert path in source
+    # the int4 byte budgets the plan recommends: measured with the very flags the plan prints
+    measured = json.loads((Path(__file__).parents[1] / SMOLLM2_INT4_EVAL).read_text())["engines"]
+    for (p, layout), (kl, source) in MEASURED_INT4_KL.items():
+        assert kl == pytest.approx(measured[f"{p} {layout.flags}"]["chats"]["kl_to_fp32"], abs=5e-5), p
+        assert SMOLLM2_INT4_EVAL in source and layout.flags in source
 
 
 def test_bundle_quality_is_relative_to_the_bundles_own_fp32(tiny_bundle):
@@ -281,7 +319,12 @@ def test_plan_default_model_recommends_no_fp32_on_gpus(target):
     got = data["recommendation"]
     assert got["precision"] == precision and got["reason"] in rec and got["runner_up"]["precision"] != "fp32"
     assert got["expected_kl"] <= 0.05 and "SmolLM2" in got["expected_kl_source"]
-    assert {p["precision"]: p["expected_kl"] for p in data["plans"]}["int4-weight"] == pytest.approx(0.0532)
+    # SmolLM2 fits every int4 byte budget: the plans carry the KL those builds measured
+    from export.planner import INT4_BUDGETS, MEASURED_INT4_KL
+
+    kls = {p["precision"]: (p["expected_kl"], p["int4_layout"]) for p in data["plans"]}
+    for p in set(kls) & set(INT4_BUDGETS):
+        assert kls[p] == (pytest.approx(MEASURED_INT4_KL[p, INT4_BUDGETS[p]][0]), dataclasses.asdict(INT4_BUDGETS[p]))
 
 
 def test_plan_fp32_only_when_asked():
@@ -339,7 +382,7 @@ def test_unreadable_gguf(tmp_path):
 def test_int4_layout_edges_found_in_review():
     """A tied model with a 4-bit head keeps a separate INT8 embedding (the runtime gathers rows only from an 8-bit
     head), so that layout is not the smallest there; a pinned layout that does not fit says which one would."""
-    from export.planner import INT4_LAYOUTS, Int4Layout, weight_bytes
+    from export.planner import INT4_LAYOUTS, weight_bytes
 
     d = KNOWN_SIZES["smollm2-135m"]  # tied
     table = 49152 * 576
@@ -353,7 +396,7 @@ def test_int4_layout_edges_found_in_review():
     tiny_dev = dataclasses.replace(load_profile("orin-nano-8gb"), facts=load_profile("orin-nano-8gb").facts | {"usable_memory_gb": 0.5})
     none_fit = plan(d, tiny_dev, "int4-weight")
     assert not none_fit.fits and none_fit.total_gb == min(plan(d, tiny_dev, "int4-weight", PlanOptions(int4_layout=lay)).total_gb
-                                                          for lay in INT4_LAYOUTS)
+                                                          for lay in INT4_LAYOUTS["int4-weight"])
     rec = recommend(KNOWN_SIZES["llama-3-8b"], load_profile("orin-nano-8gb"), PlanOptions(int4_layout=Int4Layout(16, 8)),
                     precisions=["fp16", "int8-dynamic", "int4-weight"])  # int4-qdq fits (its build with swap)
     assert rec.plan is None and "without the pin int4-weight fits at context 2048" in rec.reason and "--int4-block 64" in rec.reason
@@ -365,10 +408,15 @@ def test_int4_flags_need_the_int4_engine_and_json_carries_the_layout():
                 "--precision", "int4-weight")
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout)["recommendation"]
-    assert rec["int4_layout"] == {"block": 64, "head_bits": 8} and rec["build_flags"] == "--int4-block 64"
+    assert rec["int4_layout"] == {"block": 64, "head_bits": 8, "extra_ratio": 0.0} and rec["build_flags"] == "--int4-block 64"
     r = env_run("plan", "--model", "llama-3-8b", "--target", "orin-nano-8gb", "--json", "--int4-block", "128")
-    assert r.returncode == 0 and json.loads(r.stdout)["options"]["int4_layout"] == {"block": 128, "head_bits": 8}, r.stderr
-    r = env_run("build", "-o", "never.bundle", "--int4-block", "64")  # builds int8-dynamic only: the flag would do nothing
-    assert r.returncode == 2 and "add --precision int4-weight" in r.stderr
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["options"]["int4_layout"] == {"block": 128, "head_bits": 8, "extra_ratio": 0.0}
+    for flag in (["--int4-block", "64"], ["--int4-extra-ratio", "0.2"]):  # builds int8-dynamic only: it would do nothing
+        r = env_run("build", "-o", "never.bundle", *flag)
+        assert r.returncode == 2 and "add --precision int4-weight" in r.stderr, (flag, r.stderr)
+    for bad in ("1.5", "-0.1", "nan", "x"):
+        r = env_run("build", "-o", "never.bundle", "--precision", "int4-qdq", "--int4-extra-ratio", bad)
+        assert r.returncode == 2 and "--int4-extra-ratio" in r.stderr and len(r.stderr.strip().splitlines()) <= 3, r.stderr
     r = env_run("plan", "--target", "orin-nano-8gb", "--precision", "fp16", "--int4-head-bits", "4")
     assert r.returncode == 2 and "int4-weight" in r.stderr
