@@ -59,7 +59,7 @@ def nbits_bytes(bits: int, block: int, symmetric: bool) -> float:
 
 
 INT4_HEAD_BLOCK = 64  # the int4-weight engine's 8-bit LM head block (export/quantize.py int4_lm_head_block)
-INT4_QDQ_BLOCK = 64  # the int4-qdq engine's default block (export/trt_formats.py)
+INT4_QDQ_BLOCK = 32  # the int4-qdq engine's default block (QuantizeOptions.int4_block_size; export/trt_formats.py)
 QDQ_CPU = (("session.disable_quant_qdq", "1"),)  # see cpu_session_config: a Q/DQ graph run as written
 
 # the SM facts: NVIDIA Model Optimizer's support matrix (nvidia.github.io/Model-Optimizer/guides/0_support_matrix.html:

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from edge.precisions import EXPORTED as BUILD_CHOICES, FP16, FP32, INT4_WEIGHT, INT8_QDQ
+from edge.precisions import EXPORTED as BUILD_CHOICES, FP16, FP32, INT4_QDQ, INT4_WEIGHT, INT8_QDQ
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -44,17 +44,19 @@ def _plan(args: argparse.Namespace) -> int:
     if args.bundle and context > dims.max_context:
         raise EdgeChatError(f"--context {context} is more than {args.bundle} holds ({dims.max_context} tokens): "
                             "plan within it, or rebuild the bundle with edge-export build --max-context N")
+    from export.planner import Int4Layout, bundle_layouts
+
     layout = None
     if args.int4_block or args.int4_head_bits:
-        from export.planner import Int4Layout
-
         layout = Int4Layout(args.int4_block or 32, args.int4_head_bits or 8)
     opts = PlanOptions(context=context, batch=args.batch, prompt_tokens=args.prompt_tokens or min(256, context),
-                       int4_layout=layout, kv_cache=kv_cache)
+                       int4_layout=layout, kv_cache=kv_cache, int4_built=bundle_layouts(manifest) if args.bundle else ())
     plans = plan_all(dims, profile, opts, precisions)
-    if layout and INT4_WEIGHT not in [p.precision for p in plans]:  # plan_all chose the precisions: ask it
-        raise EdgeChatError(f"--int4-block/--int4-head-bits shape int4-weight, which this plan leaves out "
-                            f"({profile.display_name} or --precision/--bundle): drop them or add --precision int4-weight")
+    planned = {p.precision for p in plans}  # plan_all chose the precisions: ask it
+    if args.int4_head_bits and INT4_WEIGHT not in planned or args.int4_block and not planned & {INT4_WEIGHT, INT4_QDQ}:
+        raise EdgeChatError(f"--int4-block shapes int4-weight and int4-qdq, --int4-head-bits int4-weight, which this "
+                            f"plan leaves out ({profile.display_name} or --precision/--bundle): drop them or add "
+                            "--precision int4-weight")
     rec = recommend(dims, profile, opts, max_kl=args.max_kl, quality=quality,
                     precisions=[p.precision for p in plans],
                     allow_fp32=args.allow_fp32 or FP32 in (args.precision or []))
@@ -91,14 +93,17 @@ def _plan(args: argparse.Namespace) -> int:
                      "?" if kl is None else f"{kl:.3g}"])
     print(table(rows, cols))
     best = rec.plan
+    built = dict(opts.int4_built)
     for p in plans:
-        if p.int4_layout:
+        if p.int4_layout and p.precision in built:
+            print(f"\n{p.precision}: {p.int4_layout.describe()} (as this bundle built it)")
+        elif p.int4_layout:
             print(f"\n{p.precision}: {p.int4_layout.describe()}"
                   + (" (the best layout that fits)" if p.fits and not layout else " (the smallest; none fits)" if not layout else "")
                   + (f"; build it with  edge-export build --precision {p.precision} {p.int4_layout.flags}"
                      if p.int4_layout.flags else ""))
     print(f"\nrecommended: {best.precision + ' at context ' + str(rec.context) if best else 'none'} — {rec.reason}")
-    if best and best.int4_layout and best.int4_layout.flags:
+    if best and best.int4_layout and best.int4_layout.flags and best.precision not in built:
         print(f"             build it with  edge-export build --precision {best.precision} {best.int4_layout.flags}")
     if best and best.build_swap_gb > 0:
         gb = max(1, int(best.build_swap_gb + 0.999))
@@ -201,7 +206,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     from edge.args import Bounded, Parser
-    from export.planner import DEFAULT_KL, DEFAULT_MAX_KL, INT4_BLOCKS
+    from export.planner import DEFAULT_KL, DEFAULT_MAX_KL, INT4_BLOCKS, MEASURED_INT4_KL
 
     ap = Parser(
         prog="edge-export",
@@ -226,11 +231,14 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-kl", type=Bounded(float, 0), default=DEFAULT_MAX_KL,
                    help="quality bound for the recommendation: the most expected KL to fp32 per token (default "
                         f"{DEFAULT_MAX_KL}; measured on SmolLM2-135M: "
-                        + ", ".join(f"{p} {kl}" for p, (kl, src) in DEFAULT_KL.items() if "SmolLM2" in src) + ")")
+                        + ", ".join(f"{p} {kl}" for p, (kl, src) in DEFAULT_KL.items() if "SmolLM2" in src)
+                        + "; with their byte budgets: " + ", ".join(f"{p} {layout.flags}: {kl}" for (p, layout), (kl, _)
+                                                                     in MEASURED_INT4_KL.items()) + ")")
     p.add_argument("--allow-fp32", action="store_true",
                    help="let the recommendation pick fp32 on a GPU (by default fp16 is the floor there)")
     p.add_argument("--int4-block", type=int, choices=INT4_BLOCKS, metavar="N",
-                   help="int4-weight: plan this block size only (default: the best of 32, 64, 128 that fits)")
+                   help="int4-weight and int4-qdq: plan this block size only, all 4 bits (default: the best layout "
+                        "that fits, its byte budget first)")
     p.add_argument("--int4-head-bits", type=int, choices=(4, 8), help="int4-weight: plan the LM head at these bits only")
     p.add_argument("--kv-cache", metavar="TYPE",
                    help="float or int8: the K/V cache the fused engines (int8-dynamic, int4-weight) keep, as "

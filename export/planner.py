@@ -97,6 +97,8 @@ class PlanOptions:
     prompt_tokens: int = 256
     answer_tokens: int = 100
     int4_layout: Int4Layout | None = None  # the int4 engines' layout; None: the best of INT4_LAYOUTS that fits
+    # per engine, before int4_layout: the layout a bundle's engine was built in (`bundle_layouts`)
+    int4_built: tuple[tuple[str, Int4Layout], ...] = ()
     # the fused engines' K/V cache (`edge-export build --kv-cache`): "int8" counts one byte per K/V element for
     # the precisions that run the fused graph (int8-dynamic, int4-weight); the others keep a float cache
     kv_cache: str = "float"
@@ -192,13 +194,17 @@ def _block_padding(dims: ModelDims, block: int) -> float:
 
 
 def plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOptions = PlanOptions()) -> Plan:
-    """The memory and roofline plan of one precision; an int4 engine in `opts.int4_layout`, else the best of its
-    INT4_LAYOUTS that fits (the smallest when none does)."""
+    """The memory and roofline plan of one precision; an int4 engine in the layout a bundle built it in
+    (`opts.int4_built`), else in `opts.int4_layout` (int4-qdq: its block; its head is always 8-bit), else in the
+    best of its INT4_LAYOUTS that fits (the smallest when none does)."""
     if precision not in WEIGHT_BYTES:
         raise RecipeError(f"unknown precision '{precision}': choose one of {', '.join(PRECISIONS)}")
     if precision not in INT4_LAYOUTS:
         return _plan(dims, profile, precision, opts, None)
-    layouts = [opts.int4_layout] if opts.int4_layout and precision == INT4_WEIGHT else INT4_LAYOUTS[precision]
+    pinned = dict(opts.int4_built).get(precision) or opts.int4_layout
+    if pinned and precision == INT4_QDQ:  # its head is INT8 per channel whatever int4-weight's head bits
+        pinned = dataclasses.replace(pinned, head_bits=8)
+    layouts = [pinned] if pinned else INT4_LAYOUTS[precision]
     tried = [_plan(dims, profile, precision, opts, lay) for lay in layouts]
     return next((p for p in tried if p.fits), min(tried, key=lambda p: p.total_gb))
 
@@ -349,6 +355,27 @@ def bundle_quality(manifest) -> tuple[dict[str, Expected], set[str]]:
                                  + (" (minus its fp32 engine's KL to the teacher)" if base else ""), bundle=True)
     have = {e.fingerprint.precision for e in manifest.engines}
     return quality, have | (set(TENSORRT_FROM_FP32) if FP32 in have else set())
+
+
+def bundle_layouts(manifest) -> tuple[tuple[str, Int4Layout], ...]:
+    """The layout each int4 engine of a bundle was built in, from its quantize stage's record (block, head bits, and
+    the byte budget as a share of its all-4-bit bytes), so a bundle's plan counts the bytes of the engine it has."""
+    out = []
+    for e in manifest.engines:
+        p = e.fingerprint.precision
+        if p not in INT4_LAYOUTS or p in dict(out):
+            continue
+        stage = next((s for s in manifest.stages if s.name == f"quantize-{p}"), None)
+        if stage is None:
+            continue
+        params, metrics = stage.params or {}, stage.metrics or {}
+        budget, base = metrics.get("int4_budget_bytes"), metrics.get("int4_all4_bytes")
+        ratio = budget / base - 1 if budget and base else float(params.get("int4_extra_ratio") or 0.0)
+        block = int(params.get("int4_block_size") or 32)
+        head = int(params.get("int4_lm_head_bits") or 8) if p == INT4_WEIGHT else 8
+        if block in INT4_BLOCKS and head in (4, 8):
+            out.append((p, Int4Layout(block, head, round(min(max(ratio, 0.0), 1.0), 4))))
+    return tuple(out)
 
 
 def _layout_note(p: Plan, quality: dict[str, Expected]) -> str:

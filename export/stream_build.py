@@ -241,8 +241,8 @@ def check_options(opts) -> None:
     if opts.prune is not None or opts.draft is not None:
         raise RecipeError("the streaming build has no prune, distill or draft stage yet: drop --streaming for those")
     if {INT4_WEIGHT, INT4_QDQ} & set(opts.precisions) and (opts.int4_budget_mb is not None or opts.int4_extra_ratio > 0):
-        raise RecipeError("the streaming build has no int4 byte budget yet: drop --int4-budget-mb (recipe keys int4_budget_mb, "
-                          "int4_extra_ratio)")
+        raise RecipeError("the streaming build has no int4 byte budget yet: drop --int4-budget-mb / --int4-extra-ratio "
+                          "(recipe keys int4_budget_mb, int4_extra_ratio) for all 4 bits, or drop --streaming")
     if getattr(opts, "kv_cache", "float") != "float":
         raise RecipeError("the streaming build writes a float K/V cache (the int8 cache's scales are calibrated on the "
                           "built engine's K/V, after the build): drop --kv-cache or --streaming")

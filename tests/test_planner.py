@@ -217,6 +217,20 @@ def test_recommend_a_shorter_context_when_the_asked_one_fits_nothing():
     assert not plan(KNOWN_SIZES["mistral-7b"], load_profile("t4"), "int4-weight", PlanOptions(context=32768, batch=4)).fits
 
 
+@pytest.mark.parametrize("precision", ["int4-weight", "int4-qdq"])
+def test_the_plans_int4_flags_build_the_layout_it_scored(precision, tmp_path):
+    """The quickstart passes the plan's build_flags to `edge-export build`: they must reach the quantize stage as the
+    layout the plan's KL was measured in (block and byte budget)."""
+    from export.cli import make_parser
+    from export.planner import INT4_BUDGETS
+    from export.recipe import BuildOptions, _quantize_options
+
+    budget = INT4_BUDGETS[precision]
+    args = make_parser().parse_args(["build", "-o", str(tmp_path / "b"), "--precision", precision, *budget.flags.split()])
+    q = _quantize_options(BuildOptions.from_cli(args), precision)
+    assert (q.int4_block_size, q.int4_extra_ratio, q.int4_budget_mb) == (budget.block, budget.extra_ratio, None)
+
+
 def test_default_kl_table_has_a_source_for_every_precision():
     from export.planner import DEFAULT_KL, PRECISIONS
 
@@ -350,6 +364,12 @@ def test_plan_for_a_bundle_uses_its_measured_kl(tiny_bundle):
     r = _cli("plan", "--bundle", str(tiny_bundle.root), "--target", "cpu", "--max-kl", "1e-9")
     assert r.returncode == 0 and "recommended: fp32" in r.stdout, r.stdout + r.stderr
     assert data["options"]["context"] == m.model.max_context  # the bundle's context, not 2048 it cannot hold
+    # its int4 engine planned in the layout it was built in (all 4 bits, blocks of 32), not the byte budget a new
+    # build would get: the bundle's KL beside that engine's bytes
+    params = next(s for s in m.stages if s.name == "quantize-int4-weight").params
+    lay = {p["precision"]: p["int4_layout"] for p in data["plans"]}["int4-weight"]
+    assert lay == {"block": params.get("int4_block_size", 32), "head_bits": params.get("int4_lm_head_bits", 8),
+                   "extra_ratio": 0.0}
     r = _cli("plan", "--bundle", str(tiny_bundle.root), "--target", "cpu", "--context", str(m.model.max_context * 2))
     assert r.returncode == 2 and "--max-context" in r.stderr
 
