@@ -73,6 +73,15 @@ def test_an_int4_byte_budget_is_planned_as_the_build_fills_it():
     body = d.num_parameters - 49152 * 576
     assert weight_bytes(d, "int4-qdq", Int4Layout(32, 8)) - weight_bytes(d, "int4-qdq", Int4Layout(64, 8)) == \
         pytest.approx(body * (2 / 32 - 2 / 64))
+    # and the planned bytes are the built engines' (SmolLM2's four builds; int4-qdq's tied table is stored once)
+    from pathlib import Path
+
+    from export.planner import SMOLLM2_INT4_EVAL
+
+    builds = json.loads((Path(__file__).parents[1] / SMOLLM2_INT4_EVAL).read_text())["engines"]
+    for p, budget in INT4_BUDGETS.items():
+        for name, layout in ((p, Int4Layout()), (f"{p} {budget.flags}", budget)):
+            assert weight_bytes(d, p, layout) / 1e6 == pytest.approx(builds[name]["size_mb"], rel=0.05), name
     nano, llama = load_profile("orin-nano-8gb"), KNOWN_SIZES["llama-3-8b"]
     tight = plan(llama, nano, "int4-qdq", PlanOptions(context=2048))  # Llama-3-8B: the budget does not fit at 2k
     assert tight.fits and tight.int4_layout.extra_ratio == 0
