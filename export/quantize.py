@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,16 @@ ABLATION = "no-smoothquant"  # sub-folder of the int8-qdq stage: same graph with
 def is_number(v) -> bool:
     """A recipe's number: an int or a float, not a string and not TOML's true (which Python counts as 1)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_int4_budget(budget_mb, extra_ratio) -> None:
+    """The int4 byte budget's two settings, refused in one line before anything is built (a recipe's nan or a string
+    would otherwise reach the quantize stage, after the load and export stages)."""
+    if budget_mb is not None and not (is_number(budget_mb) and math.isfinite(budget_mb) and budget_mb > 0):
+        raise RecipeError(f"int4_budget_mb (--int4-budget-mb) must be a positive number of MB, got {budget_mb!r}")
+    if not (is_number(extra_ratio) and math.isfinite(extra_ratio) and extra_ratio >= 0):
+        raise RecipeError(f"int4_extra_ratio (--int4-extra-ratio) must be a number >= 0 (the share of the all-4-bit "
+                          f"engine's bytes spent on 8-bit projections), got {extra_ratio!r}")
 
 
 @dataclass(frozen=True)
@@ -177,9 +188,7 @@ class QuantizeOptions:
                 raise RecipeError(f"{name} must be in (0, 1] (a share of X^T X's mean diagonal), got {getattr(self, name)}")
         if self.gptq_samples < 1 or self.gptq_tokens < 8:
             raise RecipeError(f"gptq_samples must be >= 1 and gptq_tokens >= 8, got {self.gptq_samples} and {self.gptq_tokens}")
-        if self.int4_budget_mb is not None and self.int4_budget_mb <= 0 or self.int4_extra_ratio < 0:
-            raise RecipeError(f"int4_budget_mb must be positive and int4_extra_ratio >= 0, got "
-                              f"{self.int4_budget_mb} and {self.int4_extra_ratio}")
+        check_int4_budget(self.int4_budget_mb, self.int4_extra_ratio)
         check_int4_layout(self.int4_block_size, self.int4_lm_head_bits)
         if self.mode not in MODES:
             raise RecipeError(f"unknown quantization mode {self.mode!r}: choose from {', '.join(MODES)}")

@@ -117,7 +117,9 @@ class BuildOptions:
         from export.planner import check_int4_layout
 
         check_int4_layout(self.int4_block_size, self.int4_lm_head_bits)
-        from export.quantize import INT8_ROUNDINGS, ROUNDINGS, is_number
+        from export.quantize import INT8_ROUNDINGS, ROUNDINGS, check_int4_budget, is_number
+
+        check_int4_budget(self.int4_budget_mb, self.int4_extra_ratio)
 
         if self.int4_activations not in INT4_ACTIVATIONS:
             raise RecipeError(f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}, got {self.int4_activations!r}")

@@ -240,6 +240,26 @@ def test_the_plans_int4_flags_build_the_layout_it_scored(precision, tmp_path):
     assert (q.int4_block_size, q.int4_extra_ratio, q.int4_budget_mb) == (budget.block, budget.extra_ratio, None)
 
 
+def test_a_recipes_int4_budget_is_refused_before_anything_is_built(tmp_path):
+    """The recipe keys behind --int4-extra-ratio / --int4-budget-mb: a nan, a string, TOML's true or a negative value
+    is one RecipeError when the options are made (it used to reach the quantize stage, after load and export)."""
+    from export.quantize import QuantizeOptions
+    from export.recipe import BuildOptions
+
+    for bad in (float("nan"), float("inf"), -0.1, "lots", True):
+        with pytest.raises(RecipeError, match="int4_extra_ratio .* must be a number >= 0"):
+            BuildOptions(output=tmp_path / "x", precisions=("int4-qdq",), int4_extra_ratio=bad)
+        with pytest.raises(RecipeError, match="int4_extra_ratio .* must be a number >= 0"):
+            QuantizeOptions(mode="int4-qdq", int4_extra_ratio=bad)
+        if bad is not True and bad != -0.1:
+            with pytest.raises(RecipeError, match="int4_budget_mb .* must be a positive number"):
+                BuildOptions(output=tmp_path / "x", precisions=("int4-qdq",), int4_budget_mb=bad)
+    for bad in (0, -5, True):
+        with pytest.raises(RecipeError, match="int4_budget_mb .* must be a positive number"):
+            BuildOptions(output=tmp_path / "x", precisions=("int4-qdq",), int4_budget_mb=bad)
+    BuildOptions(output=tmp_path / "x", precisions=("int4-qdq",), int4_extra_ratio=2, int4_budget_mb=105.25)
+
+
 def test_default_kl_table_has_a_source_for_every_precision():
     from export.planner import DEFAULT_KL, PRECISIONS
 
