@@ -71,6 +71,8 @@ def _plan(args: argparse.Namespace) -> int:
                                   "peak_ram_bytes_with_int8_qdq": build_peak_bytes(dims, (INT8_QDQ,)),
                                   "peak_ram_bytes_streaming": streaming_peak_bytes(dims, (_streamed_precision(rec.plan),)),
                                   "streaming_precision": _streamed_precision(rec.plan),
+                                  # the streaming build has no int4 byte budget: it would build the layout all 4 bits
+                                  "streaming_builds_all_4_bits": _streaming_drops_budget(rec.plan),
                                   "machine_ram_bytes": machine_ram_bytes()},
         }, indent=2))
         return 0
@@ -122,8 +124,7 @@ def _plan(args: argparse.Namespace) -> int:
     smallest = next((gb for gb in (8, 16, 32, 64, 128, 256) if stream <= 0.85 * gb * GB), None)  # room for the OS
     print(f"the streaming build (edge-export build --streaming: {', '.join(STREAMED)} written tensor by tensor from the "
           f"checkpoint, evaluated against the model run one block at a time) of {streamed}"
-          + (" (all 4 bits: it has no byte budget yet)" if best and best.precision == streamed and best.int4_layout
-             and best.int4_layout.extra_ratio else "")
+          + (" (all 4 bits: it has no byte budget yet)" if _streaming_drops_budget(best) else "")
           + f" peaks at ~{stream / GB:.1f} GB"
           f" (~{streaming_peak_bytes(dims, evaluate=False, gptq=False) / GB:.1f} GB writing the engines alone: "
           "--skip-eval, round to nearest)"
@@ -144,6 +145,12 @@ def _streamed_precision(plan) -> str:
     from export.stream_build import STREAMED
 
     return plan.precision if plan is not None and plan.precision in STREAMED else INT8_DYNAMIC
+
+
+def _streaming_drops_budget(plan) -> bool:
+    """The recommended int4 layout has a byte budget, which `--streaming` cannot build (it refuses the flag)."""
+    return bool(plan is not None and plan.precision == _streamed_precision(plan) and plan.int4_layout
+                and plan.int4_layout.extra_ratio)
 
 
 def _secs(s: float) -> str:
@@ -232,8 +239,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="quality bound for the recommendation: the most expected KL to fp32 per token (default "
                         f"{DEFAULT_MAX_KL}; measured on SmolLM2-135M: "
                         + ", ".join(f"{p} {kl}" for p, (kl, src) in DEFAULT_KL.items() if "SmolLM2" in src)
-                        + "; with their byte budgets: " + ", ".join(f"{p} {layout.flags}: {kl}" for (p, layout), (kl, _)
-                                                                     in MEASURED_INT4_KL.items()) + ")")
+                        + "; other int4 layouts: " + ", ".join(f"{p} {layout.flags}: {kl}" for (p, layout), (kl, _)
+                                                               in MEASURED_INT4_KL.items() if layout.flags) + ")")
     p.add_argument("--allow-fp32", action="store_true",
                    help="let the recommendation pick fp32 on a GPU (by default fp16 is the floor there)")
     p.add_argument("--int4-block", type=int, choices=INT4_BLOCKS, metavar="N",

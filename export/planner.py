@@ -79,15 +79,27 @@ def check_int4_layout(block: int, head_bits: int) -> None:
 
 
 INT4_BLOCKS = (16, 32, 64, 128, 256)  # MatMulNBits block sizes (powers of two from 16)
-# Each int4 engine's layouts, best expected quality first; the planner takes the first that fits. First the byte
-# budget whose KL was measured (MEASURED_INT4_KL), then all 4 bits: the default blocks of 32 (measured), then
-# smaller layouts (blocks of 64 measured no worse than 32 all-4-bit on SmolLM2-135M, 0.4511 against 0.4513 in an
-# older build; blocks of 128 and a 4-bit head are not measured: the plan says in which layout its KL was).
-INT4_BUDGETS = {INT4_WEIGHT: Int4Layout(64, 8, 0.1), INT4_QDQ: Int4Layout(64, 8, 0.2)}
-INT4_LAYOUTS = {
-    INT4_WEIGHT: (INT4_BUDGETS[INT4_WEIGHT], Int4Layout(32, 8), Int4Layout(64, 8), Int4Layout(128, 8), Int4Layout(128, 4)),
-    INT4_QDQ: (INT4_BUDGETS[INT4_QDQ], Int4Layout(32, 8), Int4Layout(64, 8), Int4Layout(128, 8)),
+# The int4 layouts a build was measured in (SMOLLM2_INT4_EVAL below: `edge-export build --recipe
+# recipes/smollm2-int8.toml --precision P` plus the layout's flags, KL to fp32 on its evaluate stage's 64 held-out
+# chats; tests/test_planner.py checks each figure against the JSON): all 4 bits in blocks of 32 (the default build)
+# and 64, and byte budgets of several sizes, so that a device with little room left gets the largest measured
+# budget that still fits rather than all 4 bits.
+INT4_MEASURED: dict[str, dict[Int4Layout, float]] = {
+    INT4_WEIGHT: {Int4Layout(64, 8, 0.1): 0.0518, Int4Layout(64, 8, 0.05): 0.0628, Int4Layout(64, 8, 0.02): 0.0772,
+                  Int4Layout(32, 8): 0.1106, Int4Layout(64, 8): 0.1315},
+    INT4_QDQ: {Int4Layout(64, 8, 0.2): 0.0427, Int4Layout(64, 8, 0.1): 0.0610, Int4Layout(64, 8, 0.05): 0.0762,
+               Int4Layout(64, 8, 0.02): 0.1033, Int4Layout(32, 8): 0.1471, Int4Layout(64, 8): 0.1892},
 }
+# Each int4 engine's layouts, best expected quality first; the planner takes the first that fits. The measured
+# ones by their KL, then smaller layouts nobody measured (blocks of 128, a 4-bit head: the plan says in which
+# layout the KL it shows was measured).
+INT4_LAYOUTS = {
+    INT4_WEIGHT: (*sorted(INT4_MEASURED[INT4_WEIGHT], key=INT4_MEASURED[INT4_WEIGHT].__getitem__),
+                  Int4Layout(128, 8), Int4Layout(128, 4)),
+    INT4_QDQ: (*sorted(INT4_MEASURED[INT4_QDQ], key=INT4_MEASURED[INT4_QDQ].__getitem__), Int4Layout(128, 8)),
+}
+# the measured byte budgets, largest first (what `--int4-extra-ratio` builds were scored)
+INT4_BUDGETS = {p: tuple(lay for lay in layouts if lay.extra_ratio) for p, layouts in INT4_LAYOUTS.items()}
 
 
 @dataclass(frozen=True)
@@ -265,9 +277,8 @@ SMOLLM2_EVAL = "docs/bench/quality-final-eval-2026-12-05.json"
 SMOLLM2_FINAL = (f"measured on SmolLM2-135M-Instruct, 32 held-out chats, KL to fp32 ({SMOLLM2_EVAL}; "
                  "docs/quality.md)")
 # the int4 engines as `edge-export build --recipe recipes/smollm2-int8.toml --precision P [the layout's flags]` makes
-# them, each build's evaluate stage (64 held-out chats; docs/quality.md "What the plan's int4 flags build"): all 4 bits
-# in blocks of 32 (the default build) and within the byte budget of INT4_BUDGETS; int4-qdq scored as its CPU twin.
-# Checked against the JSON by tests/test_planner.py
+# them, each build's evaluate stage (64 held-out chats; docs/quality.md "What the plan's int4 flags build"): the
+# layouts of INT4_MEASURED; int4-qdq scored as its CPU twin. Checked against the JSON by tests/test_planner.py
 SMOLLM2_INT4_EVAL = "docs/bench/quality-int4-builds-2026-12-07.json"
 SMOLLM2_INT4 = (f"measured on SmolLM2-135M-Instruct by the build's evaluate stage, 64 held-out chats, KL to fp32 "
                 f"({SMOLLM2_INT4_EVAL}; docs/quality.md)")
@@ -279,9 +290,6 @@ SMOLLM2_QDQ = (f"measured on SmolLM2-135M-Instruct by the default build's evalua
 NO_GPU = "not measured: EdgeChat has not run TensorRT on a GPU yet"
 NO_MODEL = ("not measured on SmolLM2-135M yet (its graph is scored on ONNX Runtime's CPU reference kernels by the "
             "evaluate stage: a bundle's own figure replaces this)")
-# SMOLLM2_INT4_EVAL's four builds (tests/test_planner.py checks these against it): all 4 bits, and the budgets
-INT4_WEIGHT_ALL4_KL, INT4_QDQ_ALL4_KL = 0.1106, 0.1471
-INT4_WEIGHT_BUDGET_KL, INT4_QDQ_BUDGET_KL = 0.0518, 0.0427
 DEFAULT_KL: dict[str, tuple[float | None, str]] = {
     FP32: (0.0, "the reference itself"),
     FP16: (None, NO_GPU),
@@ -291,15 +299,16 @@ DEFAULT_KL: dict[str, tuple[float | None, str]] = {
     # both with their float budget (QDQ_FLOAT_RATIO, whose fp16 bytes `weight_bytes` counts)
     INT8_QDQ: (0.0087, SMOLLM2_QDQ),
     # the default build (--precision P alone): all 4 bits in blocks of 32 (DEFAULT_INT4_LAYOUT)
-    INT4_WEIGHT: (INT4_WEIGHT_ALL4_KL, SMOLLM2_INT4 + ", all 4 bits in blocks of 32"),
-    INT4_QDQ: (INT4_QDQ_ALL4_KL, SMOLLM2_INT4 + ", all 4 bits in blocks of 32, on ONNX Runtime's CPU reference kernels"),
+    INT4_WEIGHT: (INT4_MEASURED[INT4_WEIGHT][Int4Layout()], SMOLLM2_INT4 + ", all 4 bits in blocks of 32"),
+    INT4_QDQ: (INT4_MEASURED[INT4_QDQ][Int4Layout()],
+               SMOLLM2_INT4 + ", all 4 bits in blocks of 32, on ONNX Runtime's CPU reference kernels"),
 }
 DEFAULT_INT4_LAYOUT = Int4Layout()  # the layout DEFAULT_KL's int4 figures were measured in
-# the int4 layouts measured besides: the byte budgets the plan recommends where they fit (their flags build them)
+# every measured int4 layout's figure with its source (the default layout's is DEFAULT_KL's)
 MEASURED_INT4_KL: dict[tuple[str, Int4Layout], tuple[float, str]] = {
-    (INT4_WEIGHT, INT4_BUDGETS[INT4_WEIGHT]): (INT4_WEIGHT_BUDGET_KL, SMOLLM2_INT4 + ", " + INT4_BUDGETS[INT4_WEIGHT].flags),
-    (INT4_QDQ, INT4_BUDGETS[INT4_QDQ]): (INT4_QDQ_BUDGET_KL, SMOLLM2_INT4 + ", " + INT4_BUDGETS[INT4_QDQ].flags
-                                         + ", on ONNX Runtime's CPU reference kernels"),
+    (p, lay): (kl, SMOLLM2_INT4 + ", " + (lay.flags or "all 4 bits in blocks of 32")
+               + (", on ONNX Runtime's CPU reference kernels" if p == INT4_QDQ else ""))
+    for p, measured in INT4_MEASURED.items() for lay, kl in measured.items()
 }
 DEFAULT_MAX_KL = 0.05  # int8-dynamic, int8-qdq, fp8-qdq and the int4 budgets are within it; all-4-bit int4 is not
 GPU_FLOOR = (FP16, BF16)  # on a GPU the recommendation never goes below these for quality, nor to fp32 unasked
