@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import asdict
@@ -60,6 +61,9 @@ def _plan(args: argparse.Namespace) -> int:
     rec = recommend(dims, profile, opts, max_kl=args.max_kl, quality=quality,
                     precisions=[p.precision for p in plans],
                     allow_fp32=args.allow_fp32 or FP32 in (args.precision or []))
+    # where the recommendation is an int4 byte budget, --streaming cannot build it: the best all-4-bit layout that fits
+    stream_alt = _streaming_int4(dims, profile, dataclasses.replace(opts, context=rec.context), rec.plan) \
+        if _streaming_drops_budget(rec.plan) else None
     if args.json:
         print(json.dumps({
             "model": name, "parameters": dims.num_parameters, "target": profile.id,
@@ -71,8 +75,9 @@ def _plan(args: argparse.Namespace) -> int:
                                   "peak_ram_bytes_with_int8_qdq": build_peak_bytes(dims, (INT8_QDQ,)),
                                   "peak_ram_bytes_streaming": streaming_peak_bytes(dims, (_streamed_precision(rec.plan),)),
                                   "streaming_precision": _streamed_precision(rec.plan),
-                                  # the streaming build has no int4 byte budget: it would build the layout all 4 bits
+                                  # the streaming build has no int4 byte budget: what it builds instead
                                   "streaming_builds_all_4_bits": _streaming_drops_budget(rec.plan),
+                                  "streaming_int4": _streaming_int4_dict(stream_alt, quality),
                                   "machine_ram_bytes": machine_ram_bytes()},
         }, indent=2))
         return 0
@@ -124,7 +129,9 @@ def _plan(args: argparse.Namespace) -> int:
     smallest = next((gb for gb in (8, 16, 32, 64, 128, 256) if stream <= 0.85 * gb * GB), None)  # room for the OS
     print(f"the streaming build (edge-export build --streaming: {', '.join(STREAMED)} written tensor by tensor from the "
           f"checkpoint, evaluated against the model run one block at a time) of {streamed}"
-          + (" (all 4 bits: it has no byte budget yet)" if _streaming_drops_budget(best) else "")
+          + (" (all 4 bits: it has no byte budget yet; " + (
+              f"{_flags_or_default(stream_alt)} fits at {expected(stream_alt, quality).short})" if stream_alt else
+              "no all-4-bit layout fits)") if _streaming_drops_budget(best) else "")
           + f" peaks at ~{stream / GB:.1f} GB"
           f" (~{streaming_peak_bytes(dims, evaluate=False, gptq=False) / GB:.1f} GB writing the engines alone: "
           "--skip-eval, round to nearest)"
@@ -145,6 +152,30 @@ def _streamed_precision(plan) -> str:
     from export.stream_build import STREAMED
 
     return plan.precision if plan is not None and plan.precision in STREAMED else INT8_DYNAMIC
+
+
+def _streaming_int4(dims, profile, opts, best):
+    """The plan --streaming builds in place of a recommended int4 byte budget: the best all-4-bit layout that fits."""
+    from export.planner import INT4_LAYOUTS, plan
+
+    for lay in INT4_LAYOUTS[best.precision]:
+        if not lay.extra_ratio:
+            got = plan(dims, profile, best.precision, dataclasses.replace(opts, int4_layout=lay, int4_built=()))
+            if got.fits:
+                return got
+    return None
+
+
+def _flags_or_default(p) -> str:
+    return p.int4_layout.flags or "the default layout (all 4 bits in blocks of 32)"
+
+
+def _streaming_int4_dict(p, quality) -> dict | None:
+    from export.planner import expected
+
+    return None if p is None else {"precision": p.precision, "int4_layout": dataclasses.asdict(p.int4_layout),
+                                   "build_flags": p.int4_layout.flags, "expected_kl": expected(p, quality).kl,
+                                   "expected_kl_source": expected(p, quality).source}
 
 
 def _streaming_drops_budget(plan) -> bool:
@@ -245,7 +276,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="let the recommendation pick fp32 on a GPU (by default fp16 is the floor there)")
     p.add_argument("--int4-block", type=int, choices=INT4_BLOCKS, metavar="N",
                    help="int4-weight and int4-qdq: plan this block size only, all 4 bits (default: the best layout "
-                        "that fits, its byte budget first)")
+                        "that fits, the largest measured byte budget first)")
     p.add_argument("--int4-head-bits", type=int, choices=(4, 8), help="int4-weight: plan the LM head at these bits only")
     p.add_argument("--kv-cache", metavar="TYPE",
                    help="float or int8: the K/V cache the fused engines (int8-dynamic, int4-weight) keep, as "

@@ -298,19 +298,18 @@ DEFAULT_KL: dict[str, tuple[float | None, str]] = {
     INT8_DYNAMIC: (0.0043, SMOLLM2_FINAL),
     # both with their float budget (QDQ_FLOAT_RATIO, whose fp16 bytes `weight_bytes` counts)
     INT8_QDQ: (0.0087, SMOLLM2_QDQ),
-    # the default build (--precision P alone): all 4 bits in blocks of 32 (DEFAULT_INT4_LAYOUT)
+    # the default build (--precision P alone): all 4 bits in blocks of 32
     INT4_WEIGHT: (INT4_MEASURED[INT4_WEIGHT][Int4Layout()], SMOLLM2_INT4 + ", all 4 bits in blocks of 32"),
     INT4_QDQ: (INT4_MEASURED[INT4_QDQ][Int4Layout()],
                SMOLLM2_INT4 + ", all 4 bits in blocks of 32, on ONNX Runtime's CPU reference kernels"),
 }
-DEFAULT_INT4_LAYOUT = Int4Layout()  # the layout DEFAULT_KL's int4 figures were measured in
 # every measured int4 layout's figure with its source (the default layout's is DEFAULT_KL's)
 MEASURED_INT4_KL: dict[tuple[str, Int4Layout], tuple[float, str]] = {
     (p, lay): (kl, SMOLLM2_INT4 + ", " + (lay.flags or "all 4 bits in blocks of 32")
                + (", on ONNX Runtime's CPU reference kernels" if p == INT4_QDQ else ""))
     for p, measured in INT4_MEASURED.items() for lay, kl in measured.items()
 }
-DEFAULT_MAX_KL = 0.05  # int8-dynamic, int8-qdq, fp8-qdq and the int4 budgets are within it; all-4-bit int4 is not
+DEFAULT_MAX_KL = 0.05  # int8-dynamic, int8-qdq, fp8-qdq and int4-qdq's +20% budget are within it; the other int4 layouts are not
 GPU_FLOOR = (FP16, BF16)  # on a GPU the recommendation never goes below these for quality, nor to fp32 unasked
 TENSORRT_FROM_FP32 = tuple(p.name for p in precisions.TABLE if FP32 in p.trt_sources)  # built on the device from fp32
 
@@ -334,12 +333,24 @@ class Expected:
 
 def expected(p: "Plan", quality: dict[str, Expected]) -> Expected:
     """The expected KL of what a plan builds: the bundle's own engine of its precision, else the measured build of
-    its int4 layout (MEASURED_INT4_KL), else its precision's figure (`quality`)."""
+    its int4 layout (MEASURED_INT4_KL), else its precision's figure (`quality`). An int4 layout nobody built has
+    none: another layout's figure would flatter it (blocks of 64 measured worse than 32, and 128 hold still
+    fewer scales), so it is "not measured" and ranks after every measured one."""
     q = quality.get(p.precision, Expected(None, "not measured"))
     if q.bundle or p.int4_layout is None:
         return q
     got = MEASURED_INT4_KL.get((p.precision, p.int4_layout))
-    return Expected(*got) if got else q
+    return Expected(*got) if got else Expected(None, f"not measured in {p.int4_layout.describe()}"
+                                               + _nearest_measured(p.precision, p.int4_layout))
+
+
+def _nearest_measured(precision: str, layout: Int4Layout) -> str:
+    """The measured all-4-bit layout with the largest block up to `layout`'s, as a hint of where its KL starts."""
+    near = [lay for lay in INT4_MEASURED.get(precision, {}) if not lay.extra_ratio and lay.block <= layout.block]
+    if not near:
+        return ""
+    lay = max(near, key=lambda la: la.block)
+    return f"; all 4 bits in blocks of {lay.block} measured {INT4_MEASURED[precision][lay]:.2g}, larger blocks lose more"
 
 
 def default_quality() -> dict[str, Expected]:
@@ -389,10 +400,8 @@ def bundle_layouts(manifest) -> tuple[tuple[str, Int4Layout], ...]:
 
 def _layout_note(p: Plan, quality: dict[str, Expected]) -> str:
     """An int4 KL figure is measured in one layout: say so when the plan takes a layout nobody measured."""
-    if (p.int4_layout is None or p.int4_layout == DEFAULT_INT4_LAYOUT or quality.get(p.precision, Expected(None, "")).bundle
-            or (p.precision, p.int4_layout) in MEASURED_INT4_KL):
-        return ""
-    return f" (its expected KL was measured in {DEFAULT_INT4_LAYOUT.describe()}, not in {p.int4_layout.describe()})"
+    e = expected(p, quality)
+    return f" ({e.source})" if e.kl is None and p.int4_layout is not None and not e.bundle else ""
 
 
 @dataclass(frozen=True)
@@ -446,34 +455,51 @@ def recommend(dims: ModelDims, profile: DeviceProfile, opts: PlanOptions, max_kl
     def why_kl(pl: Plan) -> str:
         return expected(pl, quality).short
 
+    def candidates(o: PlanOptions) -> tuple[list[Plan], list[Plan]]:
+        """Each precision's plan (the table's), and for an int4 engine in no fixed layout its other measured layouts
+        that fit too: a smaller budget within the bound is faster than the best-quality one the table shows."""
+        first = [plan(dims, profile, p, o) for p in order]
+        more = [alt for f in first if f.fits and f.precision in INT4_LAYOUTS
+                and not (dict(o.int4_built).get(f.precision) or o.int4_layout)
+                for lay in INT4_LAYOUTS[f.precision] if lay != f.int4_layout and (f.precision, lay) in MEASURED_INT4_KL
+                for alt in (_plan(dims, profile, f.precision, o, lay),) if alt.fits]
+        return first, more
+
+    def flags(pl: Plan) -> str:
+        return f" ({pl.int4_layout.flags})" if pl.int4_layout and pl.int4_layout.flags else ""
+
     ctx = opts.context
     while True:
         o = dataclasses.replace(opts, context=ctx, prompt_tokens=min(opts.prompt_tokens, ctx))
-        fitting = [pl for pl in (plan(dims, profile, p, o) for p in order) if pl.fits]
-        within = sorted((pl for pl in fitting if ok(pl)),
+        first, more = candidates(o)
+        fitting = [pl for pl in first if pl.fits]
+        within = sorted((pl for pl in fitting + more if ok(pl)),
                         key=lambda pl: (-pl.decode_tok_s, kl(pl), order.index(pl.precision)))
         where = f"fits {ctx} tokens x batch {o.batch}" + (f" (not {opts.context})" if ctx != opts.context else "")
         if within:
             best = within[0]
             note = _layout_note(best, quality)
-            faster = [pl for pl in fitting if pl.decode_tok_s > best.decode_tok_s and not ok(pl)]
+            faster = [pl for pl in fitting if pl.decode_tok_s > best.decode_tok_s and not ok(pl)
+                      and pl.precision != best.precision]
             floor_note = " (the floor on GPUs)" if best.precision == floor and profile.is_gpu else ""
             reason = (f"the fastest that {where} with expected KL <= {max_kl:g}{floor_note}: "
                       f"≤{best.decode_tok_s:,.0f} tok/s, {why_kl(best)}"
                       + (f"; {faster[0].precision} is faster but {why_kl(faster[0])}" if faster else "") + note)
-            runner = within[1] if len(within) > 1 else (faster[0] if faster else None)
+            others = [pl for pl in within[1:] if pl.precision != best.precision]  # the runner-up: another engine
+            runner = others[0] if others else (faster[0] if faster else None)
             return Recommendation(best, ctx, reason, runner, "" if runner is None else (
-                f"≤{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner)}"
+                f"≤{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner)}{flags(runner)}"
                 + ("" if ok(runner) else f", above --max-kl {max_kl:g}")
-                + (" (the floor on GPUs)" if runner.precision == floor and profile.is_gpu else "")))
+                + (" (the floor on GPUs)" if runner.precision == floor and profile.is_gpu else "")
+                + _layout_note(runner, quality)))
         if fitting:
             best = min(fitting, key=lambda pl: (kl(pl), order.index(pl.precision)))
-            rest = [pl for pl in fitting if pl is not best]
+            rest = [pl for pl in fitting if pl.precision != best.precision]
             runner = max(rest, key=lambda pl: pl.decode_tok_s) if rest else None
             return Recommendation(best, ctx, (
                 f"nothing with expected KL <= {max_kl:g} {where}; this is the best quality that does "
                 f"({why_kl(best)})" + _layout_note(best, quality)), runner,
-                "" if runner is None else f"≤{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner)}")
+                "" if runner is None else f"≤{runner.decode_tok_s:,.0f} tok/s, {why_kl(runner)}" + _layout_note(runner, quality))
         if ctx <= 256:
             break
         ctx //= 2

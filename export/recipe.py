@@ -38,9 +38,10 @@ INT4_DEFAULT_NOTE = ("all 4-bit, no size budget. At llama.cpp's Q4_K_M's size, -
                      "GGUF's MB> is below its KL on chats and news prose and 1.1x on text unlike the "
                      "calibration's; below it on all three takes float activations (--int4-activations fp32: 15x slower "
                      "on ONNX Runtime's CPU kernels) or TensorRT's int4-qdq (docs/quality.md). SmolLM2 with --int4-block 64 "
-                     "--int4-extra-ratio 0.02: KL 0.077 at 95.6 MB, this default 0.111 at 101 MB; `edge-export plan` prints the "
-                     "largest measured budget that fits your device. Not the default: the budget is per model and its "
-                     "sensitivity pass costs minutes")
+                     "--int4-extra-ratio 0.02: KL 0.077 at 95.6 MB, all 4 bits in blocks of 32 (the default) 0.111 at 101 "
+                     "MB; `edge-export plan` prints the largest measured budget that fits your device. Not the default: "
+                     "the budget is per model and its sensitivity pass runs the fp32 model once per 4-bit MatMul (minutes "
+                     "at 135M, hours on a CPU at billions of parameters)")
 FROM_FUSED = tuple(p for p in precisions.QUANTIZED if precisions.get(p).variant == "fused")  # quantized from the fused graph when there is one
 
 
