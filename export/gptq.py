@@ -17,19 +17,11 @@ import contextlib
 
 import numpy as np
 
-# 4-bit blocks: the range search weighs each input row's squared error by what the calibration inputs put through
-# it (X^T X's diagonal) and clips down to 0.6x; 8-bit keeps the plain search down to 0.8x. SmolLM2-135M, all 4 bits
-# in blocks of 32, 12 held-out chats: int4-weight KL 0.109 -> 0.084, int4-qdq 0.143 -> 0.110 (docs/quality.md
-# "int4 scales chosen by what the inputs do with them")
-FOUR_BIT_CLIP = 0.6
-
-
-def _range(w, bits: int, search: int = 0, symmetric: bool = False, row_weight=None, clip: float = 0.8):
+def _range(w, bits: int, search: int = 0, symmetric: bool = False):
     """Asymmetric levels of w [rows, N] per column, zero inside the range (as ONNX Runtime's min-max); with
-    `search` > 0 the range is also shrunk in `search` steps down to `clip` x and the one with the least squared
-    error kept (a clipped extreme weight costs less than coarse steps for all the others), each row's error times
-    `row_weight` [rows] when given (its inputs' energy: a weight nobody's input reaches may be clipped freely).
-    `symmetric`: the zero point is MatMulNBits' implicit one (2^(bits-1)) and the range +-max|w|."""
+    `search` > 0 the range is also shrunk in `search` steps down to 0.8x and the one with the least squared
+    error kept (a clipped extreme weight costs less than coarse steps for all the others). `symmetric`: the
+    zero point is MatMulNBits' implicit one (2^(bits-1)) and the range +-max|w|."""
     import torch
 
     maxq = 2**bits - 1
@@ -43,7 +35,7 @@ def _range(w, bits: int, search: int = 0, symmetric: bool = False, row_weight=No
         hi0 = torch.where(hi0 == lo0, lo0 + 1e-8, hi0)
     best = scale = zp = None
     for i in range(search + 1):
-        p = 1 - (1 - clip) * i / max(search, 1)
+        p = 1 - 0.2 * i / max(search, 1)
         lo, hi = lo0 * p, hi0 * p
         # a range of subnormals (largest |w| ~1e-44) underflows to a scale of 0, and 0/0 = NaN would spread
         # through every later row of the column: such weights round to 0 instead
@@ -51,8 +43,7 @@ def _range(w, bits: int, search: int = 0, symmetric: bool = False, row_weight=No
         z = torch.full_like(s, 2 ** (bits - 1)) if symmetric else torch.clamp(torch.round(-lo / s), 0, maxq)
         if not search:
             return s, z
-        err = ((torch.clamp(torch.round(w / s) + z, 0, maxq) - z) * s - w).pow(2)
-        err = (err if row_weight is None else err * row_weight[:, None]).sum(dim=0)
+        err = ((torch.clamp(torch.round(w / s) + z, 0, maxq) - z) * s - w).pow(2).sum(dim=0)
         if best is None:
             best, scale, zp = err, s, z
         else:
@@ -202,16 +193,9 @@ def _gptq_block_quant(w: np.ndarray, h: np.ndarray, bits: int, block: int, damp:
     maxq = 2**bits - 1
     kb = -(-k // block)
     lazy = block * max(1, lazy // block)  # a block never straddles two lazy batches
-    # 4 bits: each row's share of the range search by its inputs' energy (FOUR_BIT_CLIP)
-    energy = torch.from_numpy(np.ascontiguousarray(np.diagonal(h), np.float32)) if bits == 4 else None
-    clip = FOUR_BIT_CLIP if bits == 4 else 0.8
-
-    def block_range(rows, idx):
-        return _range(rows, bits, search, symmetric, None if energy is None else energy[idx], clip)
-
     if act_order:  # blocks' ranges fixed up front from the original weights (their rows are not contiguous in GPTQ's order)
         w32 = torch.from_numpy(np.ascontiguousarray(w, np.float32))
-        fixed = [block_range(w32[b:b + block], slice(b, b + block)) for b in range(0, k, block)]
+        fixed = [_range(w32[b:b + block], bits, search, symmetric) for b in range(0, k, block)]
     W, Hinv, perm = _ordered(w, h, damp, act_order)
     Q = torch.zeros(k, n, dtype=torch.uint8)
     scales = torch.zeros(kb, n)
@@ -223,7 +207,7 @@ def _gptq_block_quant(w: np.ndarray, h: np.ndarray, bits: int, block: int, damp:
         if act_order:
             state["s"] = fixed[int(perm[r]) // block]
         elif r % block == 0:  # this block's range, from the rows as the earlier errors left them
-            state["s"] = block_range(rest[:block], perm[r:r + block])
+            state["s"] = _range(rest[:block], bits, search, symmetric)
         scale, zp = state["s"]
         if act_order or r % block == 0:
             scales[int(perm[r]) // block], zps[int(perm[r]) // block] = scale, zp
