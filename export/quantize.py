@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -379,18 +380,10 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
     gptq = opts.int4_rounding == "gptq"
     fitted = max(gptq_chats(opts), opts.gptq_samples - gptq_chats(opts)) if gptq else 0  # GPTQ's texts of each kind
     feeds = sensitivity_feeds(hf_dir, opts, dims, skip=fitted)
-    # measured once per exported graph, rounding and text: a new budget re-uses it (the .work folder's root)
-    # GPTQ's own code is part of the key: the cache lives in OUT.work/'s root and outlives the stage
-    code = hashlib.sha256(Path(__file__).with_name("gptq.py").read_bytes()).hexdigest()[:16] if gptq else None
-    rounding = [opts.int4_rounding] + ([opts.gptq_samples, opts.gptq_tokens, opts.gptq_chat_share, opts.calibration, code]
-                                       + ([list(opts.gptq_domains)] if tuple(opts.gptq_domains) != ("chat", "news") else [])
-                                       + [opts.int4_gptq_damp]
-                                       if gptq else [])
-    key = hashlib.sha256(json.dumps([str(plain.resolve()), plain.stat().st_mtime_ns, graph_bytes(plain), rounding, opts.int4_block_size,
-                                     sorted(cost), [f["input_ids"].tolist() for f in feeds]]).encode()).hexdigest()[:16]
-    cache = dst.parent / f"int4-sensitivity-{key}.json"
-    if cache.is_file():
-        sens, tokens = json.loads(cache.read_text())
+    cache = sensitivity_cache(dst, plain, opts, list(cost), feeds)
+    kept = read_sensitivity(cache)
+    if kept:
+        sens, tokens = kept
     else:
         probe = sensitivity.Probe(plain, dst, feeds)
         try:
@@ -409,7 +402,7 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
             del probe
             for f in ("probe.onnx", "probe.onnx.data", "probe-inputs.onnx"):
                 (dst / f).unlink(missing_ok=True)
-        cache.write_text(json.dumps([sens, tokens]))
+        write_sensitivity(cache, sens, tokens)
     missing = [t for t in cost if t not in sens]
     if missing:
         raise RecipeError(f"sensitivity: no plain-graph MatMul maps to {missing[0]} (export/sensitivity.py FUSED)")
@@ -419,6 +412,40 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
             "int4_packed_parts": {u: list(where) for u, where in parts.items()},
             "int4_sensitivity": dict(sorted(sens.items(), key=lambda kv: -kv[1])),
             "sensitivity_tokens": tokens}
+
+
+def sensitivity_cache(dst: Path, graph: Path, opts: QuantizeOptions, units: list[str], feeds: list[dict]) -> Path:
+    """Where an int4 engine's per-MatMul sensitivity is kept: measured once per exported graph, engine, rounding, block
+    and text, so a new byte budget re-uses it (the plan recommends budgets by what fits, and the measurement is most
+    of a budgeted build). In OUT.work's root, which outlives the stage; the rounding code is part of the key."""
+    gptq = opts.int4_rounding == "gptq"
+    sources = ("gptq.py",) + (("trt_formats.py",) if opts.mode == INT4_QDQ else ())
+    code = hashlib.sha256(b"".join(Path(__file__).with_name(f).read_bytes() for f in sources)).hexdigest()[:16] if gptq else None
+    rounding = [opts.int4_rounding] + ([opts.gptq_samples, opts.gptq_tokens, opts.gptq_chat_share, opts.calibration, code]
+                                       + ([list(opts.gptq_domains)] if tuple(opts.gptq_domains) != ("chat", "news") else [])
+                                       + [opts.int4_gptq_damp]
+                                       if gptq else [])
+    key = hashlib.sha256(json.dumps([opts.mode, str(graph.resolve()), graph.stat().st_mtime_ns, graph_bytes(graph), rounding,
+                                     opts.int4_block_size, sorted(units), [f["input_ids"].tolist() for f in feeds]]
+                                    ).encode()).hexdigest()[:16]
+    return dst.parent / f"int4-sensitivity-{key}.json"
+
+
+def read_sensitivity(cache: Path) -> tuple[dict, int] | None:
+    """A kept measurement, or None (absent, or not one: measured again rather than trusted or crashed on)."""
+    try:
+        sens, tokens = json.loads(cache.read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    ok = isinstance(sens, dict) and all(isinstance(v, (int, float)) for v in sens.values()) and isinstance(tokens, int)
+    return (sens, tokens) if ok else None
+
+
+def write_sensitivity(cache: Path, sens: dict, tokens: int) -> None:
+    """Written whole or not at all: a build stopped mid-write must not leave a cache the next one trusts."""
+    tmp = cache.with_name(cache.name + ".partial")
+    tmp.write_text(json.dumps([sens, tokens]))
+    os.replace(tmp, cache)
 
 
 def _write_int4(gw: GraphWeights, special: dict[str, tuple[int, int]], metrics: dict, opts: QuantizeOptions,

@@ -22,6 +22,7 @@ with 8-bit activations, which is not what TensorRT computes.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -232,18 +233,27 @@ def int4_qdq(fp32_dir: Path, dst: Path, opts, hessian, sensitivity_feeds: Callab
     del gw
     cost = {t: k * n + 2 * n - (k * n // 2 + 2 * n * k // max(block_for(k, opts.int4_block_size), 1))
             for t, (k, n) in shapes.items() if block_for(k, opts.int4_block_size) and n % 2 == 0}
-    probe = sensitivity.Probe(fp32_dir / "model.onnx", dst, sensitivity_feeds())
-    try:
-        def quant(node: str, w: np.ndarray) -> np.ndarray:
-            b = block_for(w.shape[0], opts.int4_block_size)
-            q, s = _int4_blocks(w, hessian(node) if hessian is not None else None, b, opts.int4_gptq_damp)
-            return q.astype(np.float32) * np.repeat(s, b, axis=0)
+    from export.quantize import read_sensitivity, sensitivity_cache, write_sensitivity
 
-        sens = sensitivity.measure(probe, quant, False, skip=lambda t: t not in cost)
-    finally:
-        del probe
-        for f in ("probe.onnx", "probe.onnx.data", "probe-inputs.onnx"):
-            (dst / f).unlink(missing_ok=True)
+    feeds = sensitivity_feeds()
+    cache = sensitivity_cache(dst, fp32_dir / "model.onnx", opts, list(cost), feeds)  # another budget's, if measured
+    kept = read_sensitivity(cache)
+    if kept:
+        sens = kept[0]
+    else:
+        probe = sensitivity.Probe(fp32_dir / "model.onnx", dst, feeds)
+        try:
+            def quant(node: str, w: np.ndarray) -> np.ndarray:
+                b = block_for(w.shape[0], opts.int4_block_size)
+                q, s = _int4_blocks(w, hessian(node) if hessian is not None else None, b, opts.int4_gptq_damp)
+                return q.astype(np.float32) * np.repeat(s, b, axis=0)
+
+            sens = sensitivity.measure(probe, quant, False, skip=lambda t: t not in cost)
+            write_sensitivity(cache, sens, probe.tokens)
+        finally:
+            del probe
+            for f in ("probe.onnx", "probe.onnx.data", "probe-inputs.onnx"):
+                (dst / f).unlink(missing_ok=True)
     chosen = sensitivity.allocate(sens, cost, budget - base)
     while True:
         metrics |= write_int4_qdq(fp32_dir, dst, opts.int4_block_size, hessian, set(chosen), levels, opts.int4_gptq_damp)

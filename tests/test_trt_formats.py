@@ -399,6 +399,35 @@ def test_int4_qdq_budget_promotes_matmuls_to_int8_within_it(formats, tmp_path, m
     assert len(promoted) < 14 and len(calls) < 2 * 15 + len(m["int4_sensitivity"]), (len(calls), len(promoted))
 
 
+def test_int4_qdq_budgets_share_one_sensitivity_measurement(formats, tmp_path, monkeypatch):
+    """The plan recommends the largest budget that fits, so users build several: int4-qdq's per-MatMul sensitivity
+    (most of a budgeted build: 4 of SmolLM2's 6 minutes) is kept in OUT.work's root, as int4-weight's, and a
+    second budget re-uses it; a new block size measures again. It was measured anew on every build."""
+    from export import quantize, sensitivity
+
+    measured: list[int] = []
+    real = sensitivity.measure
+    monkeypatch.setattr(sensitivity, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
+    runs = {}
+    for name, ratio, block in (("a", 0.15, 32), ("b", 0.05, 32), ("c", 0.15, 16)):
+        dst = tmp_path / name
+        dst.mkdir()
+        runs[name] = quantize.run(formats["fp32"], formats["hf"], dst, quantize.QuantizeOptions(
+            mode="int4-qdq", samples=8, gptq_samples=8, int4_extra_ratio=ratio, int4_block_size=block))
+    assert len(measured) == 2  # a, then c's new block; b re-used a's
+    assert runs["a"]["int4_sensitivity"] == runs["b"]["int4_sensitivity"]
+    assert len(runs["b"]["int4_8bit_matmuls"]) < len(runs["a"]["int4_8bit_matmuls"])  # the smaller budget: fewer
+    assert len(list(tmp_path.glob("int4-sensitivity-*.json"))) == 2 and not list(tmp_path.glob("*.partial"))
+    # a kept file that is not a measurement (cut short, edited by hand) is measured again, not trusted or crashed on
+    for bad in ("", "[{\"x\": 1}", "[1, 2]", "[{\"/m\": \"high\"}, 5]"):
+        for f in tmp_path.glob("int4-sensitivity-*.json"):
+            f.write_text(bad)
+        measured.clear()
+        again = quantize.run(formats["fp32"], formats["hf"], tmp_path / "b", quantize.QuantizeOptions(
+            mode="int4-qdq", samples=8, gptq_samples=8, int4_extra_ratio=0.05))
+        assert measured == [1] and again["int4_sensitivity"] == runs["b"]["int4_sensitivity"], bad
+
+
 @pytest.mark.parametrize("mode", ["int4-weight", "int4-qdq"])
 def test_both_int4_engines_round_4_bit_weights_with_the_chosen_gptq_damping(formats, tmp_path, monkeypatch, mode):
     """int4_gptq_damp reaches every 4-bit GPTQ call of both int4 engines (the budget's sensitivity too); the
