@@ -26,11 +26,8 @@ quantized Gather and an INT8 LM-head MatMul) rather than read as fp32.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -380,8 +377,8 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
     gptq = opts.int4_rounding == "gptq"
     fitted = max(gptq_chats(opts), opts.gptq_samples - gptq_chats(opts)) if gptq else 0  # GPTQ's texts of each kind
     feeds = sensitivity_feeds(hf_dir, opts, dims, skip=fitted)
-    cache = sensitivity_cache(dst, plain, opts, list(cost), feeds)
-    kept = read_sensitivity(cache)
+    cache = sensitivity.cache_path(dst, plain, opts, list(cost), feeds)
+    kept = sensitivity.read_kept(cache)
     if kept:
         sens, tokens = kept
     else:
@@ -402,7 +399,7 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
             del probe
             for f in ("probe.onnx", "probe.onnx.data", "probe-inputs.onnx"):
                 (dst / f).unlink(missing_ok=True)
-        write_sensitivity(cache, sens, tokens)
+        sensitivity.write_kept(cache, sens, tokens)
     missing = [t for t in cost if t not in sens]
     if missing:
         raise RecipeError(f"sensitivity: no plain-graph MatMul maps to {missing[0]} (export/sensitivity.py FUSED)")
@@ -412,40 +409,6 @@ def _int4_mixed(gw: GraphWeights, fp32_dir: Path, hf_dir: Path, dst: Path, opts:
             "int4_packed_parts": {u: list(where) for u, where in parts.items()},
             "int4_sensitivity": dict(sorted(sens.items(), key=lambda kv: -kv[1])),
             "sensitivity_tokens": tokens}
-
-
-def sensitivity_cache(dst: Path, graph: Path, opts: QuantizeOptions, units: list[str], feeds: list[dict]) -> Path:
-    """Where an int4 engine's per-MatMul sensitivity is kept: measured once per exported graph, engine, rounding, block
-    and text, so a new byte budget re-uses it (the plan recommends budgets by what fits, and the measurement is most
-    of a budgeted build). In OUT.work's root, which outlives the stage; the rounding code is part of the key."""
-    gptq = opts.int4_rounding == "gptq"
-    sources = ("gptq.py",) + (("trt_formats.py",) if opts.mode == INT4_QDQ else ())
-    code = hashlib.sha256(b"".join(Path(__file__).with_name(f).read_bytes() for f in sources)).hexdigest()[:16] if gptq else None
-    rounding = [opts.int4_rounding] + ([opts.gptq_samples, opts.gptq_tokens, opts.gptq_chat_share, opts.calibration, code]
-                                       + ([list(opts.gptq_domains)] if tuple(opts.gptq_domains) != ("chat", "news") else [])
-                                       + [opts.int4_gptq_damp]
-                                       if gptq else [])
-    key = hashlib.sha256(json.dumps([opts.mode, str(graph.resolve()), graph.stat().st_mtime_ns, graph_bytes(graph), rounding,
-                                     opts.int4_block_size, sorted(units), [f["input_ids"].tolist() for f in feeds]]
-                                    ).encode()).hexdigest()[:16]
-    return dst.parent / f"int4-sensitivity-{key}.json"
-
-
-def read_sensitivity(cache: Path) -> tuple[dict, int] | None:
-    """A kept measurement, or None (absent, or not one: measured again rather than trusted or crashed on)."""
-    try:
-        sens, tokens = json.loads(cache.read_text())
-    except (OSError, ValueError, TypeError):
-        return None
-    ok = isinstance(sens, dict) and all(isinstance(v, (int, float)) for v in sens.values()) and isinstance(tokens, int)
-    return (sens, tokens) if ok else None
-
-
-def write_sensitivity(cache: Path, sens: dict, tokens: int) -> None:
-    """Written whole or not at all: a build stopped mid-write must not leave a cache the next one trusts."""
-    tmp = cache.with_name(cache.name + ".partial")
-    tmp.write_text(json.dumps([sens, tokens]))
-    os.replace(tmp, cache)
 
 
 def _write_int4(gw: GraphWeights, special: dict[str, tuple[int, int]], metrics: dict, opts: QuantizeOptions,

@@ -9,13 +9,17 @@ they are, so nothing is rebuilt per tensor and any architecture the exporter wri
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import re
 from pathlib import Path
 from typing import Callable, Container
 
 import numpy as np
 
-from export.onnx_weights import GraphWeights, untie_lm_head, weight_matmuls
+from edge.precisions import INT4_QDQ
+from export.onnx_weights import GraphWeights, graph_bytes, untie_lm_head, weight_matmuls
 
 # plain-graph MatMul name -> the fused graph's name for the MatMul it is packed into (export/fused_graph.py)
 FUSED = [(re.compile(r"/self_attn/(qkv|[qkv])_proj/"), "/attn/qkv_proj/"),  # Phi-3's plain graph: qkv_proj already
@@ -130,3 +134,38 @@ def allocate(sensitivity: dict[str, float], extra_bytes: dict[str, int], budget:
             chosen.append(t)
             spent += extra_bytes[t]
     return chosen
+
+
+def cache_path(dst: Path, graph: Path, opts, units: list[str], feeds: list[dict]) -> Path:
+    """Where an int4 engine's per-MatMul sensitivity is kept: measured once per exported graph, engine, rounding, block
+    and text, so a new byte budget re-uses it (the plan recommends budgets by what fits, and the measurement is most
+    of a budgeted build). In OUT.work's root, which outlives the stage; the rounding code is part of the key.
+    `opts`: export.quantize.QuantizeOptions."""
+    gptq = opts.int4_rounding == "gptq"
+    sources = ("gptq.py",) + (("trt_formats.py",) if opts.mode == INT4_QDQ else ())
+    code = hashlib.sha256(b"".join(Path(__file__).with_name(f).read_bytes() for f in sources)).hexdigest()[:16] if gptq else None
+    rounding = [opts.int4_rounding] + ([opts.gptq_samples, opts.gptq_tokens, opts.gptq_chat_share, opts.calibration, code]
+                                       + ([list(opts.gptq_domains)] if tuple(opts.gptq_domains) != ("chat", "news") else [])
+                                       + [opts.int4_gptq_damp]
+                                       if gptq else [])
+    key = hashlib.sha256(json.dumps([opts.mode, str(graph.resolve()), graph.stat().st_mtime_ns, graph_bytes(graph), rounding,
+                                     opts.int4_block_size, sorted(units), [f["input_ids"].tolist() for f in feeds]]
+                                    ).encode()).hexdigest()[:16]
+    return dst.parent / f"int4-sensitivity-{key}.json"
+
+
+def read_kept(cache: Path) -> tuple[dict, int] | None:
+    """A kept measurement, or None (absent, or not one: measured again rather than trusted or crashed on)."""
+    try:
+        sens, tokens = json.loads(cache.read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    ok = isinstance(sens, dict) and all(isinstance(v, (int, float)) for v in sens.values()) and isinstance(tokens, int)
+    return (sens, tokens) if ok else None
+
+
+def write_kept(cache: Path, sens: dict, tokens: int) -> None:
+    """Written whole or not at all: a build stopped mid-write must not leave a cache the next one trusts."""
+    tmp = cache.with_name(cache.name + ".partial")
+    tmp.write_text(json.dumps([sens, tokens]))
+    os.replace(tmp, cache)

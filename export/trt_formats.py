@@ -22,7 +22,6 @@ with 8-bit activations, which is not what TensorRT computes.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -233,11 +232,9 @@ def int4_qdq(fp32_dir: Path, dst: Path, opts, hessian, sensitivity_feeds: Callab
     del gw
     cost = {t: k * n + 2 * n - (k * n // 2 + 2 * n * k // max(block_for(k, opts.int4_block_size), 1))
             for t, (k, n) in shapes.items() if block_for(k, opts.int4_block_size) and n % 2 == 0}
-    from export.quantize import read_sensitivity, sensitivity_cache, write_sensitivity
-
     feeds = sensitivity_feeds()
-    cache = sensitivity_cache(dst, fp32_dir / "model.onnx", opts, list(cost), feeds)  # another budget's, if measured
-    kept = read_sensitivity(cache)
+    cache = sensitivity.cache_path(dst, fp32_dir / "model.onnx", opts, list(cost), feeds)  # another budget's, if measured
+    kept = sensitivity.read_kept(cache)
     if kept:
         sens = kept[0]
     else:
@@ -249,7 +246,7 @@ def int4_qdq(fp32_dir: Path, dst: Path, opts, hessian, sensitivity_feeds: Callab
                 return q.astype(np.float32) * np.repeat(s, b, axis=0)
 
             sens = sensitivity.measure(probe, quant, False, skip=lambda t: t not in cost)
-            write_sensitivity(cache, sens, probe.tokens)
+            sensitivity.write_kept(cache, sens, probe.tokens)
         finally:
             del probe
             for f in ("probe.onnx", "probe.onnx.data", "probe-inputs.onnx"):
