@@ -223,11 +223,11 @@ def int8_qdq(gw: GraphWeights, dst: Path, hf_dir: Path, opts, feeds: list[dict],
         input_of = {n.name: n.input[0] for n in weight_matmuls(gw.model)}
         groups = {x: [n for n in nodes if input_of[n] == x] for x in inputs}
         chosen, sens = float_groups(pre, work, groups, ranges, dequantized_weights(dst, nodes), sensitivity_feeds(),
-                                    opts.qdq_float_ratio)
+                                    opts.qdq_float_ratio, opts.qdq_float_kl)
         kept = [n for x in chosen for n in groups[x]]
         unquantize(dst, gw, kept)
         nodes = [n for n in nodes if n not in set(kept)]
-        budget = budget_record(opts.qdq_float_ratio, chosen, sens)
+        budget = budget_record(opts.qdq_float_ratio, opts.qdq_float_kl, chosen, sens)
     float_nodes = [n.name for n in weight_matmuls(gw.model) if n.name not in set(nodes)]
     metrics = {"smoothquant_groups": len(scales), "calibration_samples": len(feeds), "quantized_matmuls": len(nodes),
                "lm_head_float": opts.keep_lm_head_float, "float_matmuls": float_nodes,

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import shutil
 import sys
 from dataclasses import dataclass
@@ -77,8 +78,10 @@ class BuildOptions:
     gptq_domains: tuple[str, ...] = ("chat", "news")
     int8_rounding: str = "gptq"  # int8-dynamic, int8-qdq and fp8-qdq: "gptq" or "minmax" (export/quantize.py)
     # int8-qdq and fp8-qdq: the share of their 8-bit weights' bytes that may stay fp16 where 8-bit activations hurt
-    # most (measured per activation: minutes on a small model; 0 skips that pass; export/int8_search.py)
-    qdq_float_ratio: float = 0.2
+    # most (measured per activation: minutes on a small model; 0 skips that pass; export/int8_search.py).
+    # None: each format's measured default (export/planner.py QDQ_FLOAT_RATIO: int8-qdq 0.2, fp8-qdq 0.7)
+    qdq_float_ratio: float | None = None
+    qdq_float_kl: float = 0.004  # ...and it stops once the rest's measured KLs sum to this (0: spend the whole budget)
     int4_block_size: int = 32  # int4-weight and int4-qdq: 4-bit block size (edge-export plan says which fits)
     # int4-weight and int4-qdq: GPTQ's damping of the 4-bit weights (QuantizeOptions' default: docs/quality.md)
     int4_gptq_damp: float = 0.03
@@ -138,9 +141,13 @@ class BuildOptions:
         from export.calibration_texts import check_domains
 
         check_domains(tuple(self.gptq_domains))
-        if not is_number(self.qdq_float_ratio) or not 0 <= self.qdq_float_ratio < 1:
+        if self.qdq_float_ratio is not None and (not is_number(self.qdq_float_ratio)
+                                                 or not 0 <= self.qdq_float_ratio < 1):
             raise RecipeError(f"qdq_float_ratio must be a number in [0, 1) (the share of int8-qdq's and fp8-qdq's "
                               f"8-bit weight bytes that may stay fp16; 0 turns that pass off), got {self.qdq_float_ratio!r}")
+        if not (is_number(self.qdq_float_kl) and math.isfinite(self.qdq_float_kl) and self.qdq_float_kl >= 0):
+            raise RecipeError(f"qdq_float_kl must be a number >= 0 (the KL to fp32 at which int8-qdq's and fp8-qdq's "
+                              f"float budget stops spending; 0 spends all of qdq_float_ratio), got {self.qdq_float_kl!r}")
         if not isinstance(self.gptq_samples, int) or self.gptq_samples < 1:
             raise RecipeError(f"gptq_samples must be a whole number >= 1 (calibration texts for GPTQ), got {self.gptq_samples!r}")
         for name, kind in (("prune", PruneOptions), ("distill", DistillOptions), ("draft", DraftOptions)):
@@ -506,7 +513,9 @@ def _quantize_options(opts: BuildOptions, precision: str, nearest: bool = False)
     elif precision in (INT8_DYNAMIC, INT8_QDQ, FP8):  # int8-qdq: on the smoothed inputs; fp8-qdq: on the E4M3 grid
         extra = {"int8_rounding": "minmax" if nearest else opts.int8_rounding}
         if precision in (INT8_QDQ, FP8):
-            extra["qdq_float_ratio"] = opts.qdq_float_ratio
+            extra["qdq_float_kl"] = opts.qdq_float_kl
+            if opts.qdq_float_ratio is not None:
+                extra["qdq_float_ratio"] = opts.qdq_float_ratio
     if not nearest:
         extra["gptq_samples"] = opts.gptq_samples
         if tuple(opts.gptq_domains) != ("chat", "news"):  # the default stays out of the stage key (no rebuilds)

@@ -125,14 +125,19 @@ def measure(probe: Probe, quant: Callable[[str, np.ndarray], np.ndarray], fused:
     return out
 
 
-def allocate(sensitivity: dict[str, float], extra_bytes: dict[str, int], budget: int) -> list[str]:
-    """The MatMuls to keep at 8 bits: most KL removed per extra byte first, while the extra bytes fit `budget`."""
+def allocate(sensitivity: dict[str, float], extra_bytes: dict[str, int], budget: int, enough: float = 0.0) -> list[str]:
+    """The MatMuls to keep at 8 bits (int8-qdq, fp8-qdq: the activations to keep float): most KL removed per extra
+    byte first, while the extra bytes fit `budget`, and only until what is left unkept sums to at most `enough`
+    (the one-at-a-time KLs add up to about the engine's KL: docs/quality.md "fp8-qdq's float budget")."""
     order = sorted(sensitivity, key=lambda t: sensitivity[t] / max(extra_bytes[t], 1), reverse=True)
-    chosen, spent = [], 0
+    chosen, spent, left = [], 0, sum(sensitivity.values())
     for t in order:
+        if left <= enough:
+            break
         if spent + extra_bytes[t] <= budget:
             chosen.append(t)
             spent += extra_bytes[t]
+            left -= sensitivity[t]
     return chosen
 
 

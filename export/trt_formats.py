@@ -357,11 +357,11 @@ def fp8_qdq(fp32_dir: Path, dst: Path, opts, calibration_feeds: Callable[[], lis
         groups = {x: ns for x, ns in readers.items() if ranges[x] > 0}
         chosen, sens = float_groups(fp32_dir / "model.onnx", dst, groups, ranges,
                                     {n: q.astype(np.float32) * s.astype(np.float32) for n, (q, s) in levels.items()},
-                                    sensitivity_feeds(), opts.qdq_float_ratio, fp8=True)
+                                    sensitivity_feeds(), opts.qdq_float_ratio, opts.qdq_float_kl, fp8=True)
         for x in chosen:
             for n in groups[x]:
                 del levels[n]
-        budget = budget_record(opts.qdq_float_ratio, chosen, sens)
+        budget = budget_record(opts.qdq_float_ratio, opts.qdq_float_kl, chosen, sens)
     del plain
     work = dst / "fp16-graph"
     gw = fp16_graph(fp32_dir, work)

@@ -150,9 +150,18 @@ def test_qdq_float_ratio_recipe_key_reaches_the_int8_qdq_stage(tmp_path):
     r = BuildOptions.from_toml(recipe, output=tmp_path / "y.bundle")
     assert _quantize_options(r, "int8-qdq").qdq_float_ratio == 0
     assert _quantize_options(BuildOptions(output=tmp_path / "x.bundle"), "int8-qdq").qdq_float_ratio == 0.2
+    assert _quantize_options(BuildOptions(output=tmp_path / "x.bundle"), "fp8-qdq").qdq_float_ratio == 0.7  # its own
     # fp8-qdq has the same budget and 8-bit rounding (export/trt_formats.py): the recipe's and flags' values reach it
     assert _quantize_options(r, "fp8-qdq").qdq_float_ratio == 0
     assert _quantize_options(BuildOptions(output=tmp_path / "x.bundle", int8_rounding="minmax"), "fp8-qdq").int8_rounding == "minmax"
     for bad in (1, -0.1, "some", False):  # TOML's false is not 0
         with pytest.raises(RecipeError, match="qdq_float_ratio must be a number in"):
             BuildOptions(output=tmp_path / "x.bundle", qdq_float_ratio=bad)
+    # where the budget stops: the recipe's qdq_float_kl reaches both formats, refused when it is no KL
+    recipe.write_text('precisions = ["int8-qdq"]\n[quantize]\nqdq_float_kl = 0.01\n')
+    r = BuildOptions.from_toml(recipe, output=tmp_path / "y.bundle")
+    assert _quantize_options(r, "int8-qdq").qdq_float_kl == _quantize_options(r, "fp8-qdq").qdq_float_kl == 0.01
+    assert _quantize_options(BuildOptions(output=tmp_path / "x.bundle"), "fp8-qdq").qdq_float_kl == 0.004
+    for bad in (-0.1, float("nan"), float("inf"), "some", True):
+        with pytest.raises(RecipeError, match="qdq_float_kl must be a number >= 0"):
+            BuildOptions(output=tmp_path / "x.bundle", qdq_float_kl=bad)

@@ -97,6 +97,17 @@ def test_allocate_takes_most_kl_per_byte_within_the_budget():
     assert sorted(allocate(sens, cost, 120)) == ["a", "b", "c"] and allocate(sens, cost, 0) == []
 
 
+def test_allocate_stops_once_the_rest_is_close_enough():
+    """int8-qdq's and fp8-qdq's float budget (`enough`: qdq_float_kl): no bytes spent past the KL the rest's
+    measurements sum to; a model already that close keeps nothing float."""
+    sens, cost = {"a": 0.5, "b": 0.3, "c": 0.01}, {"a": 10, "b": 10, "c": 10}
+    assert allocate(sens, cost, 100) == ["a", "b", "c"]
+    assert allocate(sens, cost, 100, enough=0.05) == ["a", "b"]  # 0.01 left
+    assert allocate(sens, cost, 100, enough=0.4) == ["a"]  # 0.31 left
+    assert allocate(sens, cost, 100, enough=0.81) == []
+    assert allocate(sens, cost, 10, enough=0.05) == ["a"]  # the byte budget still bounds it
+
+
 @pytest.mark.parametrize("k,n,block", [(64, 8, 32), (96, 5, 64), (40, 3, 32)])
 def test_kquant_levels_pack_the_way_matmulnbits_reads_them(k, n, block):
     rng = np.random.default_rng(k)
@@ -504,7 +515,7 @@ def test_gptq_rounds_a_split_projection_with_its_packed_matmuls_statistics(tmp_p
     opts = dict(mode="int4-weight", samples=4, gptq_samples=4, gptq_tokens=64)
     (tmp_path / "whole").mkdir()
     run(work / "export" / "fused", work / "load", tmp_path / "whole", QuantizeOptions(**opts))
-    monkeypatch.setattr(sensitivity, "allocate", lambda sens, cost, budget: [SENSITIVE_V])
+    monkeypatch.setattr(sensitivity, "allocate", lambda sens, cost, budget, enough=0.0: [SENSITIVE_V])
     (tmp_path / "split").mkdir()
     m = run(work / "export" / "fused", work / "load", tmp_path / "split", QuantizeOptions(**opts, int4_extra_ratio=0.5))
     assert m["int4_8bit_matmuls"] == [SENSITIVE_V] and m["gptq_tokens"] > 0

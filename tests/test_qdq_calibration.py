@@ -80,7 +80,9 @@ def qdq_graphs(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("qdqcal")
     out = loaded_plain(d)
     for name, extra in (("nearest", {"qdq_alpha_search": False, "qdq_range": "max", "int8_rounding": "minmax", "qdq_float_ratio": 0}),
-                        ("measured", {"qdq_float_ratio": 0.3})):  # 0.05 keeps nothing of a 2-layer model
+                        # 0.05 keeps nothing of a 2-layer model; qdq_float_kl 0: the whole budget, as its KLs are tiny
+                        ("measured", {"qdq_float_ratio": 0.3, "qdq_float_kl": 0}),
+                        ("close-enough", {"qdq_float_ratio": 0.3})):  # the default qdq_float_kl, 0.004
         (d / name).mkdir()
         out[name + "_metrics"] = quantize.run(d / "plain", d / "hf", d / name, quantize.QuantizeOptions(
             mode="int8-qdq", samples=8, gptq_samples=8, smoothquant_ablation=False, **extra))
@@ -152,3 +154,14 @@ def test_the_activations_that_hurt_most_stay_float_within_the_budget(qdq_graphs)
         size[n.input[0]] += int(np.prod(inits[n.input[1]].dims))
     int8 = sum(int(np.prod(inits[producers[n.input[1]].input[0]].dims)) for n in quantized)
     assert sum(size.values()) <= m["qdq_float_ratio"] * (int8 + sum(size.values()))
+
+
+def test_a_model_already_close_enough_keeps_nothing_float(qdq_graphs):
+    """The float budget stops once the quantized activations' measured KLs sum to qdq_float_kl (default 0.004): this
+    tiny model's sum is far below it, so the same budget that keeps some float at qdq_float_kl 0 keeps none, and
+    the record says what the rest sums to."""
+    m, spent = qdq_graphs["close-enough_metrics"], qdq_graphs["measured_metrics"]
+    assert spent["qdq_float_activations"] and spent["qdq_float_kl"] == 0
+    assert m["qdq_float_activations"] == [] and m["qdq_float_kl"] == 0.004
+    assert m["qdq_estimated_kl"] == pytest.approx(sum(m["qdq_sensitivity"].values())) and m["qdq_estimated_kl"] <= 0.004
+    assert len(m["float_matmuls"]) < len(spent["float_matmuls"])
