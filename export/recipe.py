@@ -89,6 +89,12 @@ class BuildOptions:
     # accuracy level 4, the fast kernel) or "fp32" (level 1: less KL, slower decode; docs/quality.md)
     int4_activations: str = "int8"
     int4_lm_head_bits: int = 8
+    # texts (half calibration chats, half training prose) the per-layer sensitivity of int8-qdq's and fp8-qdq's float
+    # budgets and the int4 byte budgets is measured on: each runs the model once per quantized MatMul group per text
+    # (SmolLM2's int8-qdq: ~1 s per group at 4 texts; hours at billions of parameters): fewer is faster and noisier
+    sensitivity_samples: int = 4
+    # int8-qdq: also build and score it without SmoothQuant, for the report's "SmoothQuant on vs off" (report only)
+    smoothquant_ablation: bool = False
     eval_samples: int = 64
     skip_eval: bool = False
     fresh: bool = False
@@ -148,6 +154,12 @@ class BuildOptions:
         if not (is_number(self.qdq_float_kl) and math.isfinite(self.qdq_float_kl) and self.qdq_float_kl >= 0):
             raise RecipeError(f"qdq_float_kl must be a number >= 0 (the KL to fp32 at which int8-qdq's and fp8-qdq's "
                               f"float budget stops spending; 0 spends all of qdq_float_ratio), got {self.qdq_float_kl!r}")
+        if not isinstance(self.smoothquant_ablation, bool):
+            raise RecipeError(f"smoothquant_ablation must be true or false, got {self.smoothquant_ablation!r}")
+        if isinstance(self.sensitivity_samples, bool) or not isinstance(self.sensitivity_samples, int) \
+                or self.sensitivity_samples < 1:
+            raise RecipeError(f"sensitivity_samples must be a whole number >= 1 (texts each quantized MatMul's "
+                              f"sensitivity is measured on), got {self.sensitivity_samples!r}")
         if not isinstance(self.gptq_samples, int) or self.gptq_samples < 1:
             raise RecipeError(f"gptq_samples must be a whole number >= 1 (calibration texts for GPTQ), got {self.gptq_samples!r}")
         for name, kind in (("prune", PruneOptions), ("distill", DistillOptions), ("draft", DraftOptions)):
@@ -512,12 +524,16 @@ def _quantize_options(opts: BuildOptions, precision: str, nearest: bool = False)
                       "int4_gptq_damp": opts.int4_gptq_damp}
     elif precision in (INT8_DYNAMIC, INT8_QDQ, FP8):  # int8-qdq: on the smoothed inputs; fp8-qdq: on the E4M3 grid
         extra = {"int8_rounding": "minmax" if nearest else opts.int8_rounding}
+        if precision == INT8_QDQ and opts.smoothquant_ablation:
+            extra["smoothquant_ablation"] = True
         if precision in (INT8_QDQ, FP8):
             extra["qdq_float_kl"] = opts.qdq_float_kl
             if opts.qdq_float_ratio is not None:
                 extra["qdq_float_ratio"] = opts.qdq_float_ratio
     if not nearest:
         extra["gptq_samples"] = opts.gptq_samples
+        if opts.sensitivity_samples != quantize.QuantizeOptions.sensitivity_samples:  # the default: not in the stage key
+            extra["sensitivity_samples"] = opts.sensitivity_samples
         if tuple(opts.gptq_domains) != ("chat", "news"):  # the default stays out of the stage key (no rebuilds)
             extra |= {"gptq_domains": tuple(opts.gptq_domains), "gptq_chat_share": 1 / len(opts.gptq_domains)}
     return quantize.QuantizeOptions(mode=precision, calibration=opts.calibration, samples=opts.calibration_samples,

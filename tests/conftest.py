@@ -151,7 +151,8 @@ def tiny_bundle(tmp_path_factory, tiny_model_dir):
 
     out = tmp_path_factory.mktemp("bundles") / "tiny.bundle"
     return build(BuildOptions(output=out, model=str(tiny_model_dir), precisions=("fp32", "int8-dynamic", "int8-qdq", "int4-weight"),
-                              max_context=256, eval_samples=4, calibration_samples=8), log=lambda s: None)
+                              max_context=256, eval_samples=4, calibration_samples=8, smoothquant_ablation=True),
+                 log=lambda s: None)
 
 
 @pytest.fixture(scope="session")

@@ -165,3 +165,19 @@ def test_qdq_float_ratio_recipe_key_reaches_the_int8_qdq_stage(tmp_path):
     for bad in (-0.1, float("nan"), float("inf"), "some", True):
         with pytest.raises(RecipeError, match="qdq_float_kl must be a number >= 0"):
             BuildOptions(output=tmp_path / "x.bundle", qdq_float_kl=bad)
+
+
+def test_sensitivity_samples_recipe_key_reaches_every_budgeted_stage(tmp_path):
+    """Fewer sensitivity texts make the budgets' measurement faster (hours at billions of parameters): the recipe
+    key reaches int8-qdq, fp8-qdq and both int4 engines; the default stays out of their stage keys (no rebuilds)."""
+    from export.recipe import BuildOptions, _quantize_options
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('precisions = ["int8-qdq"]\n[quantize]\nsensitivity_samples = 2\n')
+    r = BuildOptions.from_toml(recipe, output=tmp_path / "y.bundle")
+    for p in ("int8-qdq", "fp8-qdq", "int4-weight", "int4-qdq"):
+        assert _quantize_options(r, p).sensitivity_samples == 2, p
+        assert _quantize_options(BuildOptions(output=tmp_path / "x.bundle"), p).sensitivity_samples == 4, p
+    for bad in (0, True, 1.5, "2"):
+        with pytest.raises(RecipeError, match="sensitivity_samples must be a whole number >= 1"):
+            BuildOptions(output=tmp_path / "x.bundle", sensitivity_samples=bad)

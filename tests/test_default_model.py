@@ -28,9 +28,11 @@ def smol_bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("smol") / "smollm2.bundle"
     recipe = (Path(__file__).resolve().parent.parent / "recipes" / "smollm2-int8.toml").read_text()
     # the recipe with fewer calibration and evaluation chats (int8-qdq keeps its float budget: without it the
-    # engine is +10.6% perplexity here, not <= 3%: measured by this test, 2026-12-07)
+    # engine is +10.6% perplexity here, not <= 3%: measured by this test, 2026-12-07) and its budget measured on 2
+    # texts, not 4 (CI time: that measurement was 2 of this build's 8 minutes)
     fast = out.parent / "recipe.toml"
-    fast.write_text(recipe.replace("calibration_samples = 64", "calibration_samples = 48\ngptq_samples = 24")
+    fast.write_text(recipe.replace("calibration_samples = 64",
+                                   "calibration_samples = 48\ngptq_samples = 24\nsensitivity_samples = 2")
                     .replace("eval_samples = 64", "eval_samples = 32"))
     r = run_cli("export.cli", "build", "--recipe", str(fast), "-o", str(out), timeout=3000)  # as a user runs it
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -105,10 +107,12 @@ def test_int8_dynamic_perplexity_target(smol_bundle):
 
 
 def test_int8_qdq_quality(smol_bundle):
+    """Without SmoothQuant this engine is +4.4% perplexity on chats and +17% on prose (docs/quality.md's default
+    build, with the recipe's smoothquant_ablation): <= 3% on both is what SmoothQuant and the float budget hold."""
     q = smol_bundle.manifest.engine("int8-qdq").quality
-    assert q["perplexity_delta_pct"] <= 3.0
-    off = smol_bundle.manifest.stages[-1].metrics["engines"]["int8-qdq-no-smoothquant"]
-    assert q["kl_to_fp32"] < off["kl_to_fp32"]  # SmoothQuant must help
+    assert q["perplexity_delta_pct"] <= 3.0 and q["prose"]["perplexity_delta_pct"] <= 3.0
+    # the no-SmoothQuant graph is opt-in (recipe key smoothquant_ablation): a build makes what it is asked for
+    assert "int8-qdq-no-smoothquant" not in smol_bundle.manifest.stages[-1].metrics["engines"]
 
 
 def test_fp16_graph_quality_with_its_fp32_islands(smol_bundle):

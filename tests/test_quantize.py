@@ -321,7 +321,7 @@ def test_int8_qdq_ranges_come_block_by_block_and_equal_the_whole_graph_calibrati
     work = tiny_bundle.root.with_name(tiny_bundle.root.name + ".work")
     # one alpha and the max range (what the whole-graph calibrator measures), round-to-nearest weights (faster)
     opts = quantize.QuantizeOptions(mode="int8-qdq", samples=8, qdq_alpha_search=False, qdq_range="max",
-                                    int8_rounding="minmax", qdq_float_ratio=0)
+                                    int8_rounding="minmax", qdq_float_ratio=0, smoothquant_ablation=True)
     (tmp_path / "whole").mkdir()
     (tmp_path / "blocks").mkdir()
     with monkeypatch.context() as m:

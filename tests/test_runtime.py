@@ -209,10 +209,10 @@ def test_sampler_draws_from_the_filtered_softmax(kw):
         keep = order[: int(np.searchsorted(cum, cfg.top_p)) + 1]
         q = np.where(np.isin(np.arange(q.size), keep), q, 0)
         q /= q.sum()
-    s, n = Sampler(cfg), 20000
+    s, n = Sampler(cfg), 10000  # ~5 s a case on CI's 2 cores
     counts = np.bincount([s(logits) for _ in range(n)], minlength=q.size) / n
     assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(q))  # nothing outside the filtered set
-    assert np.abs(counts - q).max() < 0.015  # and the frequencies follow it (binomial sd here <= 0.0035)
+    assert np.abs(counts - q).max() < 0.015  # and the frequencies follow it (binomial sd here <= 0.005; seeded)
     assert np.abs(counts[q > 0].sum() - 1) < 1e-9
 
 
