@@ -106,12 +106,11 @@ class QuantizeOptions:
     # most this share of the 8-bit weights' bytes to the TensorRT engine (as the int4 budget, export/sensitivity.py).
     # SmolLM2-135M int8-qdq (32 calibration chats, held-out prose, docs/quality.md): 0.1 kept 12 down_proj float,
     # +6.4% perplexity, KL 0.071; 0.2 kept 24 (every pick a down_proj input), +1.4%, KL 0.022, 315 MB against 257 MB;
-    # fp8-qdq at 0.2 kept 31 (mostly q/k/v inputs), KL 0.0330 -> 0.0128 on prose with GPTQ (docs/quality.md).
-    # None: each format's default (export/planner.py QDQ_FLOAT_RATIO: int8-qdq 0.2, fp8-qdq 0.7)
-    qdq_float_ratio: float | None = None
+    # fp8-qdq at 0.2 kept 31 (mostly q/k/v inputs), KL 0.0330 -> 0.0128 on prose with GPTQ (docs/quality.md)
+    qdq_float_ratio: float = 0.2
     # ...and no more float than it takes to bring the quantized activations' measured KLs (summed) to this: a model
-    # whose 8-bit form is already that close stays 8-bit (SmolLM2-135M needs its whole budget: its sums are 0.0115
-    # for int8-qdq at 0.2 and 0.0041 for fp8-qdq at 0.7, against held-out chats' 0.0102 and 0.0047)
+    # whose 8-bit form is already that close stays 8-bit. SmolLM2-135M needs its whole budget (the sums at 0.2: 0.0115
+    # int8-qdq, 0.0151 fp8-qdq, against held-out chats' 0.0102 and 0.0150; docs/quality.md "fp8-qdq's float budget")
     qdq_float_kl: float = 0.004
     int4_symmetric: bool = False  # int4-weight: False = per-block zero points (asymmetric), see the module docstring
     int4_lm_head_bits: int = 8  # int4-weight: the LM head (and the tied embedding that shares it) at 8 bits
@@ -163,16 +162,14 @@ class QuantizeOptions:
     sensitivity_tokens: int = 128  # tokens per text
 
     def __post_init__(self) -> None:
-        from export.planner import INT4_BLOCKS, QDQ_FLOAT_RATIO, check_int4_layout
+        from export.planner import INT4_BLOCKS, check_int4_layout
 
-        if self.qdq_float_ratio is None:
-            object.__setattr__(self, "qdq_float_ratio", QDQ_FLOAT_RATIO.get(self.mode, 0.0))
         if self.int4_rounding not in ROUNDINGS:
             raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
         if self.int8_rounding not in INT8_ROUNDINGS:
             raise RecipeError(f"int8_rounding must be 'gptq' or 'minmax', got {self.int8_rounding!r}")
-        if not 0 <= self.qdq_float_ratio < 1:
-            raise RecipeError(f"qdq_float_ratio must be in [0, 1), got {self.qdq_float_ratio}")
+        if not (is_number(self.qdq_float_ratio) and 0 <= self.qdq_float_ratio < 1):
+            raise RecipeError(f"qdq_float_ratio must be a number in [0, 1), got {self.qdq_float_ratio!r}")
         if not (is_number(self.qdq_float_kl) and math.isfinite(self.qdq_float_kl) and self.qdq_float_kl >= 0):
             raise RecipeError(f"qdq_float_kl must be a number >= 0 (the KL to fp32 at which int8-qdq's and fp8-qdq's "
                               f"float budget stops), got {self.qdq_float_kl!r}")

@@ -78,9 +78,9 @@ class BuildOptions:
     gptq_domains: tuple[str, ...] = ("chat", "news")
     int8_rounding: str = "gptq"  # int8-dynamic, int8-qdq and fp8-qdq: "gptq" or "minmax" (export/quantize.py)
     # int8-qdq and fp8-qdq: the share of their 8-bit weights' bytes that may stay fp16 where 8-bit activations hurt
-    # most (measured per activation: minutes on a small model; 0 skips that pass; export/int8_search.py).
-    # None: each format's measured default (export/planner.py QDQ_FLOAT_RATIO: int8-qdq 0.2, fp8-qdq 0.7)
-    qdq_float_ratio: float | None = None
+    # most (measured per activation: minutes on a small model; 0 skips that pass; export/int8_search.py). fp8-qdq
+    # at 0.7: KL 0.0047 on SmolLM2's chats against 0.0187, for 1.7x the FP8 bytes (docs/quality.md)
+    qdq_float_ratio: float = 0.2
     qdq_float_kl: float = 0.004  # ...and it stops once the rest's measured KLs sum to this (0: spend the whole budget)
     int4_block_size: int = 32  # int4-weight and int4-qdq: 4-bit block size (edge-export plan says which fits)
     # int4-weight and int4-qdq: GPTQ's damping of the 4-bit weights (QuantizeOptions' default: docs/quality.md)
@@ -147,8 +147,7 @@ class BuildOptions:
         from export.calibration_texts import check_domains
 
         check_domains(tuple(self.gptq_domains))
-        if self.qdq_float_ratio is not None and (not is_number(self.qdq_float_ratio)
-                                                 or not 0 <= self.qdq_float_ratio < 1):
+        if not is_number(self.qdq_float_ratio) or not 0 <= self.qdq_float_ratio < 1:
             raise RecipeError(f"qdq_float_ratio must be a number in [0, 1) (the share of int8-qdq's and fp8-qdq's "
                               f"8-bit weight bytes that may stay fp16; 0 turns that pass off), got {self.qdq_float_ratio!r}")
         if not (is_number(self.qdq_float_kl) and math.isfinite(self.qdq_float_kl) and self.qdq_float_kl >= 0):
@@ -527,9 +526,7 @@ def _quantize_options(opts: BuildOptions, precision: str, nearest: bool = False)
         if precision == INT8_QDQ and opts.smoothquant_ablation:
             extra["smoothquant_ablation"] = True
         if precision in (INT8_QDQ, FP8):
-            extra["qdq_float_kl"] = opts.qdq_float_kl
-            if opts.qdq_float_ratio is not None:
-                extra["qdq_float_ratio"] = opts.qdq_float_ratio
+            extra |= {"qdq_float_ratio": opts.qdq_float_ratio, "qdq_float_kl": opts.qdq_float_kl}
     if not nearest:
         extra["gptq_samples"] = opts.gptq_samples
         if opts.sensitivity_samples != quantize.QuantizeOptions.sensitivity_samples:  # the default: not in the stage key

@@ -132,7 +132,7 @@ def allocate(sensitivity: dict[str, float], extra_bytes: dict[str, int], budget:
     order = sorted(sensitivity, key=lambda t: sensitivity[t] / max(extra_bytes[t], 1), reverse=True)
     chosen, spent, left = [], 0, sum(sensitivity.values())
     for t in order:
-        if left <= enough:
+        if enough > 0 and left <= enough:
             break
         if spent + extra_bytes[t] <= budget:
             chosen.append(t)

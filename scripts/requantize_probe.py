@@ -197,14 +197,14 @@ def _reuse_between_probes() -> None:
             memo[key] = channel(w, h)
         return memo[key]
 
-    def float_groups(smoothed, work, grp, ranges, dequantized, feeds, ratio, fp8=False):
+    def float_groups(smoothed, work, grp, ranges, dequantized, feeds, ratio, enough=0.0, fp8=False):
         key = ("sens", fp8, repr(sorted(grp.items())), repr(sorted(ranges.items())),
                digest(*[dequantized[n] for ns in grp.values() for n in ns]))
         if key not in memo:
             memo[key] = groups(smoothed, work, grp, ranges, dequantized, feeds, ratio, fp8)[1]
         sens = memo[key]
         cost = {x: sum(int(dequantized[n].size) for n in ns) for x, ns in grp.items()}
-        return sensitivity.allocate(sens, cost, int(ratio * sum(cost.values()))), sens
+        return sensitivity.allocate(sens, cost, int(ratio * sum(cost.values())), enough), sens
 
     int8_qdq.activation_stats, trt_formats.int8_channel, int8_search.float_groups = activation_stats, int8_channel, float_groups
 

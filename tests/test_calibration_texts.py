@@ -150,7 +150,6 @@ def test_qdq_float_ratio_recipe_key_reaches_the_int8_qdq_stage(tmp_path):
     r = BuildOptions.from_toml(recipe, output=tmp_path / "y.bundle")
     assert _quantize_options(r, "int8-qdq").qdq_float_ratio == 0
     assert _quantize_options(BuildOptions(output=tmp_path / "x.bundle"), "int8-qdq").qdq_float_ratio == 0.2
-    assert _quantize_options(BuildOptions(output=tmp_path / "x.bundle"), "fp8-qdq").qdq_float_ratio == 0.7  # its own
     # fp8-qdq has the same budget and 8-bit rounding (export/trt_formats.py): the recipe's and flags' values reach it
     assert _quantize_options(r, "fp8-qdq").qdq_float_ratio == 0
     assert _quantize_options(BuildOptions(output=tmp_path / "x.bundle", int8_rounding="minmax"), "fp8-qdq").int8_rounding == "minmax"
@@ -165,6 +164,11 @@ def test_qdq_float_ratio_recipe_key_reaches_the_int8_qdq_stage(tmp_path):
     for bad in (-0.1, float("nan"), float("inf"), "some", True):
         with pytest.raises(RecipeError, match="qdq_float_kl must be a number >= 0"):
             BuildOptions(output=tmp_path / "x.bundle", qdq_float_kl=bad)
+        with pytest.raises(RecipeError, match="qdq_float_kl must be a number >= 0"):
+            QuantizeOptions(mode="fp8-qdq", qdq_float_kl=bad)
+    for bad in (False, "0.2", float("nan"), 1):  # the stage's own options refuse them too, in one line
+        with pytest.raises(RecipeError, match="qdq_float_ratio must be a number in"):
+            QuantizeOptions(mode="int8-qdq", qdq_float_ratio=bad)
 
 
 def test_sensitivity_samples_recipe_key_reaches_every_budgeted_stage(tmp_path):

@@ -106,6 +106,7 @@ def test_allocate_stops_once_the_rest_is_close_enough():
     assert allocate(sens, cost, 100, enough=0.4) == ["a"]  # 0.31 left
     assert allocate(sens, cost, 100, enough=0.81) == []
     assert allocate(sens, cost, 10, enough=0.05) == ["a"]  # the byte budget still bounds it
+    assert allocate({"a": 0.1, "b": 0.0}, {"a": 1, "b": 1}, 10) == ["a", "b"]  # enough 0: the int4 budgets' rule as it was
 
 
 @pytest.mark.parametrize("k,n,block", [(64, 8, 32), (96, 5, 64), (40, 3, 32)])

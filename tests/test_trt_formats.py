@@ -23,10 +23,9 @@ def formats(tmp_path_factory) -> dict[str, Path]:
     (d / "plain-listing.json").write_text(json.dumps(sorted(p.name for p in (d / "plain").iterdir())))
     for mode in ("int4-qdq", "fp8-qdq"):
         (d / mode).mkdir()
-        # fp8-qdq spends its whole float budget (qdq_float_kl 0: a tiny random model's KLs sum far below the
-        # default), int8-qdq's share (0.2, not fp8-qdq's 0.7) so that most of 2 layers' graph stays FP8
+        # fp8-qdq spends its whole float budget (qdq_float_kl 0: a tiny random model's KLs sum far below the default)
         metrics = quantize.run(d / "plain", d / "hf", d / mode, quantize.QuantizeOptions(
-            mode=mode, samples=8, gptq_samples=8, qdq_float_ratio=0.2, qdq_float_kl=0))
+            mode=mode, samples=8, gptq_samples=8, qdq_float_kl=0))
         (d / mode / "metrics.json").write_text(json.dumps(metrics, default=str))
         out[mode] = d / mode
     return out
@@ -134,8 +133,8 @@ def test_the_sensitivity_probe_measures_fp8_as_fp8(formats):
 
 
 def test_fp8_qdq_keeps_float_the_activations_that_hurt_most_per_byte(formats):
-    """fp8-qdq's float budget (int8-qdq's mechanism; here at int8-qdq's share, 0.2): what it measured, and that it
-    kept the activations with the most KL per fp16 byte within the budget."""
+    """fp8-qdq's float budget (as int8-qdq's, qdq_float_ratio 0.2): what it measured, and that it kept the
+    activations with the most KL per fp16 byte within the budget."""
     from export.sensitivity import allocate
 
     m = json.loads((formats["fp8-qdq"] / "metrics.json").read_text())
