@@ -45,13 +45,14 @@ def _plan(args: argparse.Namespace) -> int:
     if args.bundle and context > dims.max_context:
         raise EdgeChatError(f"--context {context} is more than {args.bundle} holds ({dims.max_context} tokens): "
                             "plan within it, or rebuild the bundle with edge-export build --max-context N")
-    from export.planner import Int4Layout, bundle_layouts
+    from export.planner import Int4Layout, bundle_layouts, bundle_qdq_shares
 
     layout = None
     if args.int4_block or args.int4_head_bits:
         layout = Int4Layout(args.int4_block or 32, args.int4_head_bits or 8)
     opts = PlanOptions(context=context, batch=args.batch, prompt_tokens=args.prompt_tokens or min(256, context),
-                       int4_layout=layout, kv_cache=kv_cache, int4_built=bundle_layouts(manifest) if args.bundle else ())
+                       int4_layout=layout, kv_cache=kv_cache, int4_built=bundle_layouts(manifest) if args.bundle else (),
+                       qdq_built=bundle_qdq_shares(manifest) if args.bundle else ())
     plans = plan_all(dims, profile, opts, precisions)
     planned = {p.precision for p in plans}  # plan_all chose the precisions: ask it
     if args.int4_head_bits and INT4_WEIGHT not in planned or args.int4_block and not planned & {INT4_WEIGHT, INT4_QDQ}:

@@ -111,6 +111,9 @@ class PlanOptions:
     int4_layout: Int4Layout | None = None  # the int4 engines' layout; None: the best of INT4_LAYOUTS that fits
     # per engine, before int4_layout: the layout a bundle's engine was built in (`bundle_layouts`)
     int4_built: tuple[tuple[str, Int4Layout], ...] = ()
+    # per Q/DQ engine (int8-qdq, fp8-qdq): the float share a bundle's engine was built with (`bundle_qdq_shares`);
+    # else QDQ_FLOAT_RATIO, the default's
+    qdq_built: tuple[tuple[str, float], ...] = ()
     # the fused engines' K/V cache (`edge-export build --kv-cache`): "int8" counts one byte per K/V element for
     # the precisions that run the fused graph (int8-dynamic, int4-weight); the others keep a float cache
     kv_cache: str = "float"
@@ -165,7 +168,8 @@ def kv_bytes_per_token(dims: ModelDims, kv_dtype_bytes: int) -> int:
     return 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * kv_dtype_bytes
 
 
-def weight_bytes(dims: ModelDims, precision: str, layout: Int4Layout | None = None) -> float:
+def weight_bytes(dims: ModelDims, precision: str, layout: Int4Layout | None = None,
+                 qdq_share: float | None = None) -> float:
     """Bytes of weights at `precision`: the LM head and an input embedding at their own rates; int4-weight in
     `layout` (default: blocks of 32). A tied table is stored once where the runtime can gather the embedding
     from the head (unquantized, or an 8-bit MatMulNBits head); a quantized engine whose head is anything
@@ -182,7 +186,7 @@ def weight_bytes(dims: ModelDims, precision: str, layout: Int4Layout | None = No
         layout = layout or Int4Layout()  # embedding gathered from its one table (89.7 MB on disk for SmolLM2, 88 planned)
         body_b, eight_bit_head = 0.5 + 2 / layout.block, True
     if precision in (INT8_QDQ, FP8):  # their float budget: fp16 MatMuls adding at most this share of the 8-bit bytes
-        body_b *= 1 + QDQ_FLOAT_RATIO
+        body_b *= 1 + (QDQ_FLOAT_RATIO if qdq_share is None else qdq_share)
     shared = dims.tie_word_embeddings and (row.embed_bytes is None or eight_bit_head)
     body = dims.num_parameters - table - (0 if dims.tie_word_embeddings else table)
     embed = 0 if shared else table
@@ -230,7 +234,7 @@ def _plan(dims: ModelDims, profile: DeviceProfile, precision: str, opts: PlanOpt
     if opts.kv_cache == KV_INT8 and precisions.get(precision).variant == "fused":
         kv_dtype = KV_BYTES[KV_INT8]  # the static per-channel scales are a few KB per layer: not counted
     params = dims.num_parameters
-    weights = weight_bytes(dims, precision, layout)
+    weights = weight_bytes(dims, precision, layout, dict(opts.qdq_built).get(precision))
     kv = kv_bytes_per_token(dims, kv_dtype) * opts.context * opts.batch
     chunk = min(opts.context, PREFILL_CHUNK)
     hidden_acts = opts.batch * chunk * (4 * dims.hidden_size + 2 * dims.intermediate_size + dims.vocab_size)
@@ -397,6 +401,19 @@ def bundle_layouts(manifest) -> tuple[tuple[str, Int4Layout], ...]:
         head = int(params.get("int4_lm_head_bits") or 8) if p == INT4_WEIGHT else 8
         if block in INT4_BLOCKS and head in (4, 8):
             out.append((p, Int4Layout(block, head, round(min(max(ratio, 0.0), 1.0), 4))))
+    return tuple(out)
+
+
+def bundle_qdq_shares(manifest) -> tuple[tuple[str, float], ...]:
+    """The float share each Q/DQ engine of a bundle was built with (its quantize stage's `qdq_float_ratio`: at most
+    that many fp16 bytes, the stop may have spent fewer), so a bundle built with another share plans its bytes."""
+    out = []
+    for e in manifest.engines:
+        p = e.fingerprint.precision
+        stage = next((s for s in manifest.stages if s.name == f"quantize-{p}"), None)
+        share = (stage.params or {}).get("qdq_float_ratio") if stage is not None and p in (INT8_QDQ, FP8) else None
+        if isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share < 1 and p not in dict(out):
+            out.append((p, float(share)))
     return tuple(out)
 
 

@@ -559,3 +559,23 @@ def test_max_kl_picks_the_fastest_measured_int4_layout_within_it():
     # the default bound: only int4-qdq's +20% of the int4 layouts is within it, as before
     rec = json.loads(_cli("plan", "--target", "orin-nano-8gb", "--json").stdout)["recommendation"]
     assert rec["build_flags"] == "--int4-block 64 --int4-extra-ratio 0.2" and rec["runner_up"]["precision"] == "int8-dynamic"
+
+
+def test_plan_for_a_bundle_counts_the_float_share_its_qdq_engine_was_built_with(tiny_bundle):
+    """A Q/DQ engine built with another float share (recipe key qdq_float_ratio, e.g. fp8-qdq's 0.7 in
+    docs/quality.md) plans its own bytes, not the default's: `bundle_qdq_shares` reads its quantize stage's record."""
+    import dataclasses
+
+    from export.planner import PlanOptions, bundle_qdq_shares
+
+    m = tiny_bundle.manifest
+    assert bundle_qdq_shares(m) == (("int8-qdq", 0.2),)  # the tiny bundle's int8-qdq, built at the default
+    stages = [dataclasses.replace(s, params={**s.params, "qdq_float_ratio": 0.7}) if s.name == "quantize-int8-qdq" else s
+              for s in m.stages]
+    shares = bundle_qdq_shares(dataclasses.replace(m, stages=stages))
+    assert shares == (("int8-qdq", 0.7),)
+    d, t4 = KNOWN_SIZES["7b"], load_profile("t4")
+    table = 32000 * 4096
+    built = plan(d, t4, "int8-qdq", PlanOptions(qdq_built=shares)).weights_gb * GB
+    assert built == pytest.approx(1.7 * (7e9 - 2 * table) + 4 * table + table)
+    assert plan(d, t4, "int8-qdq").weights_gb * GB == pytest.approx(1.2 * (7e9 - 2 * table) + 4 * table + table)
