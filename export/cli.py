@@ -308,6 +308,11 @@ def make_parser() -> argparse.ArgumentParser:
                    help="int4-weight / int4-qdq: spend up to R x the all-4-bit engine's bytes on 8-bit projections, "
                         "the ones whose 4 bits cost the most KL (measured); what `edge-export plan` recommends where it "
                         "fits (recipe key int4_extra_ratio; --int4-budget-mb sets the size in MB instead)")
+    b.add_argument("--qdq-float-ratio", type=Bounded(float, 0, 1), metavar="R",
+                   help="int8-qdq / fp8-qdq: keep fp16 the activations whose 8-bit form costs the most KL (measured) "
+                        "within R x the 8-bit weights' bytes, stopping once the rest is within qdq_float_kl (default "
+                        "0.2; fp8-qdq at 0.7 is 4x closer on SmolLM2 for 1.7x its FP8 bytes: docs/quality.md; recipe "
+                        "key qdq_float_ratio; 0 skips that measurement)")
     b.add_argument("--int4-block", type=int, choices=INT4_BLOCKS, metavar="N",
                    help="int4-weight: 4-bit block size, one of " + ", ".join(map(str, INT4_BLOCKS)) + " (default 32; larger "
                         "blocks store fewer scales: `edge-export plan` says which fits; recipe key int4_block_size)")

@@ -238,6 +238,7 @@ class BuildOptions:
                     fused=False if getattr(a, "no_fused", False) else None, kv_cache=getattr(a, "kv_cache", None),
                     streaming=getattr(a, "streaming", False) or None,
                     int4_budget_mb=getattr(a, "int4_budget_mb", None), int4_extra_ratio=getattr(a, "int4_extra_ratio", None),
+                    qdq_float_ratio=getattr(a, "qdq_float_ratio", None),
                     int4_block_size=getattr(a, "int4_block", None), int4_lm_head_bits=getattr(a, "int4_head_bits", None),
                     int4_rounding=getattr(a, "int4_rounding", None), int8_rounding=getattr(a, "int8_rounding", None),
                     int4_gptq_damp=getattr(a, "int4_gptq_damp", None), int4_activations=getattr(a, "int4_activations", None),
@@ -265,12 +266,13 @@ class BuildOptions:
         if getattr(a, "draft", False) or getattr(a, "draft_layers", None) is not None:
             layers = getattr(a, "draft_layers", None)
             draft = dataclasses.replace(draft or DraftOptions(), **({"layers": layers} if layers is not None else {}))
-        int4_flags = [(f, engines) for f, v, engines in (
+        engine_flags = [(f, engines) for f, v, engines in (
+            ("--qdq-float-ratio", getattr(a, "qdq_float_ratio", None), (INT8_QDQ, FP8)),
             ("--int4-block", getattr(a, "int4_block", None), (INT4_WEIGHT, INT4_QDQ)),
             ("--int4-head-bits", getattr(a, "int4_head_bits", None), (INT4_WEIGHT,)),
             ("--int4-budget-mb", getattr(a, "int4_budget_mb", None), (INT4_WEIGHT, INT4_QDQ)),
             ("--int4-extra-ratio", getattr(a, "int4_extra_ratio", None), (INT4_WEIGHT, INT4_QDQ))) if v is not None]
-        for flag, engines in int4_flags:
+        for flag, engines in engine_flags:
             if not set(engines) & set(base.precisions):
                 raise RecipeError(f"{flag} shapes the {' and '.join(engines)} engine, which this build does not make "
                                   f"(it builds {', '.join(base.precisions)}): add --precision {engines[0]}")

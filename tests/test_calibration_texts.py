@@ -171,6 +171,24 @@ def test_qdq_float_ratio_recipe_key_reaches_the_int8_qdq_stage(tmp_path):
             QuantizeOptions(mode="int8-qdq", qdq_float_ratio=bad)
 
 
+def test_qdq_float_ratio_flag_reaches_both_qdq_engines_and_is_refused_without_them(tmp_path):
+    """--qdq-float-ratio (recipe key qdq_float_ratio: fp8-qdq at 0.7 is the closer engine of docs/quality.md) sets
+    both Q/DQ engines' float share; a build that makes neither refuses it in one line, as the int4 flags do."""
+    from export.cli import make_parser
+    from export.recipe import BuildOptions, _quantize_options
+
+    def parse(*flags: str) -> BuildOptions:
+        return BuildOptions.from_cli(make_parser().parse_args(["build", "-o", str(tmp_path / "x.bundle"), *flags]))
+
+    opts = parse("--precision", "fp8-qdq", "--precision", "int8-qdq", "--qdq-float-ratio", "0.7")
+    assert _quantize_options(opts, "fp8-qdq").qdq_float_ratio == _quantize_options(opts, "int8-qdq").qdq_float_ratio == 0.7
+    assert _quantize_options(parse("--precision", "fp8-qdq"), "fp8-qdq").qdq_float_ratio == 0.2
+    with pytest.raises(RecipeError, match="--qdq-float-ratio shapes the int8-qdq and fp8-qdq"):
+        parse("--precision", "int4-weight", "--qdq-float-ratio", "0.5")
+    with pytest.raises(RecipeError, match="qdq_float_ratio must be a number in"):
+        parse("--precision", "fp8-qdq", "--qdq-float-ratio", "1")
+
+
 def test_sensitivity_samples_recipe_key_reaches_every_budgeted_stage(tmp_path):
     """Fewer sensitivity texts make the budgets' measurement faster (hours at billions of parameters): the recipe
     key reaches int8-qdq, fp8-qdq and both int4 engines; the default stays out of their stage keys (no rebuilds)."""
