@@ -261,6 +261,7 @@ def float_groups(smoothed: Path, work: Path, groups: dict[str, list[str]], range
 def budget_record(ratio: float, enough: float, chosen: list[str], sens: dict[str, float]) -> dict:
     """The quantize stage's record of `float_groups`' choice (int8-qdq's and fp8-qdq's metrics); `qdq_estimated_kl`:
     the quantized activations' measured KLs summed (SmolLM2: within ~15% of the engine's KL on held-out chats)."""
+    kept = set(chosen)
     return {"qdq_float_ratio": ratio, "qdq_float_kl": enough,
-            "qdq_estimated_kl": sum(v for x, v in sens.items() if x not in set(chosen)), "qdq_float_activations": chosen,
+            "qdq_estimated_kl": sum(v for x, v in sens.items() if x not in kept), "qdq_float_activations": chosen,
             "qdq_sensitivity": dict(sorted(sens.items(), key=lambda kv: -kv[1]))}

@@ -383,6 +383,11 @@ def bundle_quality(manifest) -> tuple[dict[str, Expected], set[str]]:
     return quality, have | (set(TENSORRT_FROM_FP32) if FP32 in have else set())
 
 
+def _quantize_stage(manifest, precision: str):
+    """The quantize stage record a bundle's engine of `precision` came from, or None."""
+    return next((s for s in manifest.stages if s.name == f"quantize-{precision}"), None)
+
+
 def bundle_layouts(manifest) -> tuple[tuple[str, Int4Layout], ...]:
     """The layout each int4 engine of a bundle was built in, from its quantize stage's record (block, head bits, and
     the byte budget as a share of its all-4-bit bytes), so a bundle's plan counts the bytes of the engine it has."""
@@ -391,7 +396,7 @@ def bundle_layouts(manifest) -> tuple[tuple[str, Int4Layout], ...]:
         p = e.fingerprint.precision
         if p not in INT4_LAYOUTS or p in dict(out):
             continue
-        stage = next((s for s in manifest.stages if s.name == f"quantize-{p}"), None)
+        stage = _quantize_stage(manifest, p)
         if stage is None:
             continue
         params, metrics = stage.params or {}, stage.metrics or {}
@@ -410,8 +415,8 @@ def bundle_qdq_shares(manifest) -> tuple[tuple[str, float], ...]:
     out = []
     for e in manifest.engines:
         p = e.fingerprint.precision
-        stage = next((s for s in manifest.stages if s.name == f"quantize-{p}"), None)
-        share = (stage.params or {}).get("qdq_float_ratio") if stage is not None and p in (INT8_QDQ, FP8) else None
+        stage = _quantize_stage(manifest, p) if p in (INT8_QDQ, FP8) else None
+        share = (stage.params or {}).get("qdq_float_ratio") if stage is not None else None
         if isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share < 1 and p not in dict(out):
             out.append((p, float(share)))
     return tuple(out)

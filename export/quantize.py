@@ -54,6 +54,17 @@ def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def check_qdq_budget(ratio, enough) -> None:
+    """int8-qdq's and fp8-qdq's float budget (qdq_float_ratio, qdq_float_kl), refused in one line by the recipe and by
+    the stage's own options alike."""
+    if not (is_number(ratio) and 0 <= ratio < 1):
+        raise RecipeError(f"qdq_float_ratio must be a number in [0, 1) (the share of int8-qdq's and fp8-qdq's 8-bit "
+                          f"weight bytes that may stay fp16; 0 turns that pass off), got {ratio!r}")
+    if not (is_number(enough) and math.isfinite(enough) and enough >= 0):
+        raise RecipeError(f"qdq_float_kl must be a number >= 0 (the KL to fp32 at which int8-qdq's and fp8-qdq's float "
+                          f"budget stops spending; 0 spends all of qdq_float_ratio), got {enough!r}")
+
+
 def check_int4_budget(budget_mb, extra_ratio) -> None:
     """The int4 byte budget's two settings, refused in one line before anything is built (a recipe's nan or a string
     would otherwise reach the quantize stage, after the load and export stages)."""
@@ -168,11 +179,7 @@ class QuantizeOptions:
             raise RecipeError(f"int4_rounding must be one of {', '.join(ROUNDINGS)}, got {self.int4_rounding!r}")
         if self.int8_rounding not in INT8_ROUNDINGS:
             raise RecipeError(f"int8_rounding must be 'gptq' or 'minmax', got {self.int8_rounding!r}")
-        if not (is_number(self.qdq_float_ratio) and 0 <= self.qdq_float_ratio < 1):
-            raise RecipeError(f"qdq_float_ratio must be a number in [0, 1), got {self.qdq_float_ratio!r}")
-        if not (is_number(self.qdq_float_kl) and math.isfinite(self.qdq_float_kl) and self.qdq_float_kl >= 0):
-            raise RecipeError(f"qdq_float_kl must be a number >= 0 (the KL to fp32 at which int8-qdq's and fp8-qdq's "
-                              f"float budget stops), got {self.qdq_float_kl!r}")
+        check_qdq_budget(self.qdq_float_ratio, self.qdq_float_kl)
         if self.qdq_range not in ("max", "mse"):
             raise RecipeError(f"qdq_range must be 'max' or 'mse', got {self.qdq_range!r}")
         if self.mode == INT4_WEIGHT and self.int4_rounding == "gptq" and self.int4_symmetric:

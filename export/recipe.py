@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
 import shutil
 import sys
 from dataclasses import dataclass
@@ -129,7 +128,7 @@ class BuildOptions:
         from export.planner import check_int4_layout
 
         check_int4_layout(self.int4_block_size, self.int4_lm_head_bits)
-        from export.quantize import INT8_ROUNDINGS, ROUNDINGS, check_int4_budget, is_number
+        from export.quantize import INT8_ROUNDINGS, ROUNDINGS, check_int4_budget, check_qdq_budget, is_number
 
         check_int4_budget(self.int4_budget_mb, self.int4_extra_ratio)
 
@@ -147,12 +146,7 @@ class BuildOptions:
         from export.calibration_texts import check_domains
 
         check_domains(tuple(self.gptq_domains))
-        if not is_number(self.qdq_float_ratio) or not 0 <= self.qdq_float_ratio < 1:
-            raise RecipeError(f"qdq_float_ratio must be a number in [0, 1) (the share of int8-qdq's and fp8-qdq's "
-                              f"8-bit weight bytes that may stay fp16; 0 turns that pass off), got {self.qdq_float_ratio!r}")
-        if not (is_number(self.qdq_float_kl) and math.isfinite(self.qdq_float_kl) and self.qdq_float_kl >= 0):
-            raise RecipeError(f"qdq_float_kl must be a number >= 0 (the KL to fp32 at which int8-qdq's and fp8-qdq's "
-                              f"float budget stops spending; 0 spends all of qdq_float_ratio), got {self.qdq_float_kl!r}")
+        check_qdq_budget(self.qdq_float_ratio, self.qdq_float_kl)
         if not isinstance(self.smoothquant_ablation, bool):
             raise RecipeError(f"smoothquant_ablation must be true or false, got {self.smoothquant_ablation!r}")
         if isinstance(self.sensitivity_samples, bool) or not isinstance(self.sensitivity_samples, int) \
